@@ -1,0 +1,3 @@
+from ethpipe.cli import main
+
+main()

@@ -1,0 +1,114 @@
+"""Built-in GPU catalog, generated at import from the shipped copy of ``reference/gpus.yaml``.
+
+The YAML is kept verbatim (with its sources) as package data; this module only reads the
+fields the cost model needs. Default achievable-FLOPs efficiencies live here because they
+are a property of the GPU generation, not of a cluster; a cluster spec may override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+# Fraction of dense 16-bit peak a well-tuned transformer layer reaches. Hopper/Ampere/Ada:
+# ~0.5 (Megatron-class MFU 40-56%, reference/formulas.md section 6). Older generations land
+# lower: Sailor's measured A100:V100 ratio is 3.0-5.5x against a 2.5x peak ratio
+# (formulas.md section 7.2), i.e. V100 at ~0.35 of peak when A100 is at 0.5.
+_EFFICIENCY_BY_ARCH = {
+    "hopper": 0.5,
+    "ampere": 0.5,
+    "ada": 0.45,
+    "cdna": 0.4,
+    "volta": 0.35,
+    "turing": 0.35,
+    "pascal": 0.3,
+}
+_DEFAULT_EFFICIENCY = 0.4
+# Intra-node link when the catalog has none (PCIe Gen3 x16, bidirectional GB/s).
+_DEFAULT_INTRA_NODE_BIDIR_GBPS = 32.0
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What the cost model needs to know about one accelerator type."""
+
+    id: str
+    name: str
+    memory_bytes: int
+    peak_tflops: float  # dense 16-bit matrix peak (fp32 peak where no 16-bit path exists)
+    memory_bandwidth_gbps: float
+    intra_node_gbps: float  # per-direction GB/s of the intra-node link (half the bidirectional figure)
+    efficiency: float  # achievable fraction of peak_tflops
+    bf16_supported: bool = True
+
+    @property
+    def achievable_flops(self) -> float:
+        return self.peak_tflops * 1e12 * self.efficiency
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 2**30
+
+
+def _efficiency_for(arch: str) -> float:
+    arch = arch.lower()
+    for key, eff in _EFFICIENCY_BY_ARCH.items():
+        if key in arch:
+            return eff
+    return _DEFAULT_EFFICIENCY
+
+
+def _scalar(value: Any, variant: str | None) -> Any:
+    """Some catalog fields list per-variant values ({a100_pcie_40gb: 40, ...})."""
+    if isinstance(value, dict):
+        return value.get(variant) if variant in value else min(value.values())
+    return value
+
+
+def _expand_variants(entry: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(id, variant) pairs: the entry's own id (smallest variant, conservative) plus one per variant."""
+    variant_keys = {k for v in entry.values() if isinstance(v, dict) for k in v}
+    variants = sorted(k for k in variant_keys if k.startswith(entry["id"].split("_")[0]))
+    return [(entry["id"], None)] + [(v, v) for v in variants]
+
+
+def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuSpec | None:
+    peak = _scalar(entry.get("peak_fp16_bf16_dense_tflops"), variant) or _scalar(
+        entry.get("peak_fp32_tflops"), variant
+    )
+    mem = _scalar(entry.get("memory_gib"), variant)
+    if not peak or not mem:
+        return None
+    link = entry.get("intra_node_interconnect") or {}
+    bidir = _scalar(link.get("per_gpu_bidir_gbps"), variant) or _DEFAULT_INTRA_NODE_BIDIR_GBPS
+    return GpuSpec(
+        id=gpu_id,
+        name=entry.get("name", entry["id"]),
+        memory_bytes=int(float(mem) * 2**30),
+        peak_tflops=float(peak),
+        memory_bandwidth_gbps=float(_scalar(entry.get("memory_bandwidth_gbps"), variant) or 0.0),
+        intra_node_gbps=float(bidir) / 2.0,
+        efficiency=_efficiency_for(str(entry.get("architecture", ""))),
+        bf16_supported=bool(entry.get("bf16_supported", True)),
+    )
+
+
+@lru_cache(maxsize=1)
+def gpu_catalog() -> dict[str, GpuSpec]:
+    """All catalog GPUs with enough data to be priced, keyed by id."""
+    text = resources.files("ethpipe").joinpath("data/gpus.yaml").read_text()
+    entries = yaml.safe_load(text)["gpus"]
+    specs = (_from_entry(e, gid, var) for e in entries for gid, var in _expand_variants(e))
+    return {s.id: s for s in specs if s is not None}
+
+
+def get_gpu(gpu_id: str) -> GpuSpec:
+    catalog = gpu_catalog()
+    if gpu_id not in catalog:
+        known = ", ".join(sorted(catalog))
+        raise ValueError(f"unknown GPU id '{gpu_id}': use one of {known}, or give an inline spec")
+    return catalog[gpu_id]

@@ -1,0 +1,153 @@
+"""Cluster description: which GPUs, how many per node, how the nodes are wired.
+
+The YAML/JSON format is a public contract (other tools write it), so it is validated with
+pydantic at the boundary and turned into a frozen ``Cluster`` the planner works with.
+Global ranks are numbered in the order the node groups are listed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ethpipe.catalog import GpuSpec, get_gpu
+
+
+class InlineGpu(BaseModel):
+    """A GPU that is not in the catalog (or a catalog GPU with every field restated)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    memory_gib: float = Field(gt=0)
+    peak_tflops: float = Field(gt=0)
+    intra_node_gbps: float = Field(default=16.0, gt=0)
+    efficiency: float = Field(default=0.4, gt=0, le=1)
+    memory_bandwidth_gbps: float = Field(default=0.0, ge=0)
+
+
+class NodeGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu: str | InlineGpu
+    num_nodes: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0)
+    nic_gbit_s: float = Field(gt=0)
+    intra_node_gbps: float | None = Field(default=None, gt=0)  # override, per-direction GB/s
+    efficiency: float | None = Field(default=None, gt=0, le=1)  # override achievable fraction of peak
+
+
+class ClusterModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    nodes: list[NodeGroup] = Field(min_length=1)
+    inter_node_latency_us: float = Field(default=10.0, ge=0)
+    intra_node_latency_us: float = Field(default=5.0, ge=0)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of the cluster, by global rank."""
+
+    rank: int
+    node: int  # global node index
+    local_rank: int
+    gpu: GpuSpec
+    nic_gbps: float  # per-direction GB/s of its node's network (nic_gbit_s / 8)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: tuple[Device, ...]
+    inter_node_latency_s: float
+    intra_node_latency_s: float
+    source: dict[str, Any]  # the validated spec, for writing into plans
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """Distinct GPU ids in first-seen order."""
+        return tuple(dict.fromkeys(d.gpu.id for d in self.devices))
+
+    def link_gbps(self, rank_a: int, rank_b: int) -> float:
+        """Per-direction bandwidth between two ranks (the slower end sets it)."""
+        a, b = self.devices[rank_a], self.devices[rank_b]
+        if a.node == b.node:
+            return min(a.gpu.intra_node_gbps, b.gpu.intra_node_gbps)
+        return min(a.nic_gbps, b.nic_gbps)
+
+    def link_latency_s(self, rank_a: int, rank_b: int) -> float:
+        same = self.devices[rank_a].node == self.devices[rank_b].node
+        return self.intra_node_latency_s if same else self.inter_node_latency_s
+
+
+def _resolve_gpu(group: NodeGroup) -> GpuSpec:
+    if isinstance(group.gpu, InlineGpu):
+        g = group.gpu
+        spec = GpuSpec(
+            id=g.id,
+            name=g.id,
+            memory_bytes=int(g.memory_gib * 2**30),
+            peak_tflops=g.peak_tflops,
+            memory_bandwidth_gbps=g.memory_bandwidth_gbps,
+            intra_node_gbps=g.intra_node_gbps,
+            efficiency=g.efficiency,
+        )
+    else:
+        spec = get_gpu(group.gpu)
+    overrides: dict[str, Any] = {}
+    if group.intra_node_gbps is not None:
+        overrides["intra_node_gbps"] = group.intra_node_gbps
+    if group.efficiency is not None:
+        overrides["efficiency"] = group.efficiency
+    if overrides:
+        spec = GpuSpec(**{**spec.__dict__, **overrides})
+    return spec
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    where = ".".join(str(p) for p in e["loc"]) or "cluster"
+    return f"cluster spec field '{where}': {e['msg']}"
+
+
+def cluster_from_dict(data: Any) -> Cluster:
+    """Validate a parsed cluster spec; raises ValueError with a one-line message."""
+    try:
+        model = ClusterModel.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(_first_error(err)) from None
+    devices: list[Device] = []
+    node = 0
+    for index, group in enumerate(model.nodes):
+        try:
+            gpu = _resolve_gpu(group)
+        except ValueError as err:
+            raise ValueError(f"cluster spec field 'nodes.{index}.gpu': {err}") from None
+        for _ in range(group.num_nodes):
+            for local in range(group.gpus_per_node):
+                devices.append(Device(len(devices), node, local, gpu, group.nic_gbit_s / 8.0))
+            node += 1
+    return Cluster(
+        devices=tuple(devices),
+        inter_node_latency_s=model.inter_node_latency_us * 1e-6,
+        intra_node_latency_s=model.intra_node_latency_us * 1e-6,
+        source=model.model_dump(mode="json", exclude_none=True),
+    )
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cluster file '{path}' not found: pass --cluster with a YAML or JSON file")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ValueError(f"cluster file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+    return cluster_from_dict(data)

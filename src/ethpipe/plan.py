@@ -1,0 +1,219 @@
+"""The Plan: the one contract between planner, simulator and runtime (DESIGN section 3).
+
+A plan is plain data (frozen dataclasses <-> versioned JSON). ``Plan.load`` validates the
+whole structure so that a hand-edited, inconsistent plan is rejected before any process
+starts. This module must not import torch or the planner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    ranks: tuple[int, ...]  # tp ranks of this stage
+    device: str  # GPU type id (catalog id, or an emulated type name)
+    layers: tuple[int, int]  # half-open range of decoder blocks
+    tp: int = 1
+    recompute: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    micro_batch_sizes: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.micro_batch_sizes)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.micro_batch_sizes)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    @property
+    def boundaries(self) -> tuple[int, ...]:
+        """Inner stage boundaries (layer indices where a new stage starts)."""
+        return tuple(s.layers[0] for s in self.stages[1:])
+
+
+@dataclass(frozen=True)
+class Block:
+    """A maximal run of layers lying inside one stage of every pipeline (DESIGN 2.2)."""
+
+    layers: tuple[int, int]
+    ranks: tuple[int, ...]  # the holding stage's ranks, pipeline by pipeline
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    pipeline: int
+    stage: int
+    tp_rank: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    method: str
+    model: str
+    global_batch_size: int
+    seq_len: int
+    pipelines: tuple[Pipeline, ...]
+    blocks: tuple[Block, ...]
+    model_spec: ModelSpec | None = None
+    cluster: dict[str, Any] | None = None
+    predicted: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown top-level fields, preserved on save
+    version: int = PLAN_VERSION
+
+    # -- derived views -------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(p.ranks) for p in self.pipelines)
+
+    @property
+    def num_layers(self) -> int:
+        return self.pipelines[0].stages[-1].layers[1]
+
+    def resolve_model(self) -> ModelSpec:
+        """The model spec embedded in the plan, or the preset/file the ``model`` field names."""
+        return self.model_spec if self.model_spec is not None else load_model_spec(self.model)
+
+    def position_of(self, rank: int) -> RankPosition:
+        for p_idx, pipe in enumerate(self.pipelines):
+            for s_idx, stage in enumerate(pipe.stages):
+                if rank in stage.ranks:
+                    return RankPosition(p_idx, s_idx, stage.ranks.index(rank))
+        raise ValueError(f"rank {rank} is not in the plan (world size {self.world_size})")
+
+    def sample_offsets(self) -> tuple[int, ...]:
+        """First sample (within a global batch) of each pipeline: plan order is data order."""
+        offsets, acc = [], 0
+        for pipe in self.pipelines:
+            offsets.append(acc)
+            acc += pipe.num_samples
+        return tuple(offsets)
+
+    def microbatch_slices(self, pipeline: int) -> tuple[tuple[int, int], ...]:
+        """[start, end) sample indices within the global batch of each micro-batch of a pipeline."""
+        start = self.sample_offsets()[pipeline]
+        out = []
+        for size in self.pipelines[pipeline].micro_batch_sizes:
+            out.append((start, start + size))
+            start += size
+        return tuple(out)
+
+    def blocks_of_stage(self, pipeline: int, stage: int) -> tuple[int, ...]:
+        """Indices of the blocks held by a stage, ascending (the global sync order)."""
+        lo, hi = self.pipelines[pipeline].stages[stage].layers
+        return tuple(i for i, b in enumerate(self.blocks) if lo <= b.layers[0] and b.layers[1] <= hi)
+
+    # -- (de)serialisation ----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "version": self.version,
+            "method": self.method,
+            "model": self.model,
+            "global_batch_size": self.global_batch_size,
+            "seq_len": self.seq_len,
+            "pipelines": [
+                {
+                    "stages": [
+                        {"ranks": list(s.ranks), "device": s.device, "layers": list(s.layers), "tp": s.tp,
+                         "recompute": s.recompute}
+                        for s in p.stages
+                    ],
+                    "micro_batch_sizes": list(p.micro_batch_sizes),
+                }
+                for p in self.pipelines
+            ],
+            "blocks": [{"layers": list(b.layers), "ranks": list(b.ranks)} for b in self.blocks],
+        }
+        if self.model_spec is not None:
+            out["model_spec"] = self.model_spec.to_dict()
+        if self.cluster is not None:
+            out["cluster"] = self.cluster
+        if self.predicted is not None:
+            out["predicted"] = self.predicted
+        out.update(self.extra)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        """Atomic write: a crash never leaves a half-written plan behind."""
+        write_text_atomic(Path(path), self.to_json() + "\n")
+
+    @staticmethod
+    def from_dict(data: Any) -> Plan:
+        from ethpipe.plan_validate import plan_from_dict
+
+        return plan_from_dict(data)
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"plan file '{path}' not found: make one with `ethpipe plan ... --out {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"plan file '{path}' is not valid JSON: {err}") from None
+        return Plan.from_dict(data)
+
+
+def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Block, ...]:
+    """Common refinement of every pipeline's stage boundaries, with each block's holders."""
+    num_layers = pipelines[0].stages[-1].layers[1]
+    cuts = sorted({0, num_layers, *(b for p in pipelines for b in p.boundaries)})
+    blocks = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        ranks: list[int] = []
+        for pipe in pipelines:
+            stage = next(s for s in pipe.stages if s.layers[0] <= lo and hi <= s.layers[1])
+            ranks.extend(stage.ranks)
+        blocks.append(Block((lo, hi), tuple(ranks)))
+    return tuple(blocks)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+__all__ = [
+    "PLAN_VERSION", "Block", "Pipeline", "Plan", "RankPosition", "Stage", "compute_blocks",
+    "spec_from_dict", "write_text_atomic",
+]
