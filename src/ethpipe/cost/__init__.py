@@ -1,0 +1,1 @@
+"""Cost model shared by the planner and the simulator: compute, communication and memory."""

@@ -1,0 +1,114 @@
+"""Measured per-layer profiles: the seam through which measurements replace analytic estimates.
+
+``ethpipe profile`` writes this format; ``ethpipe plan --profile`` reads it. Times are per
+micro-batch for one layer of each kind, at the recorded sequence length; other micro-batch
+sizes are interpolated with a least-squares line ``t = a + b * micro_batch`` (kernel launch
+cost + per-sample work), which is what small-batch layer timings look like.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ethpipe.plan import write_text_atomic
+
+PROFILE_VERSION = 1
+LayerKind = Literal["embedding", "block", "head"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    device_name: str  # what was measured, e.g. "cpu: AMD EPYC 7B13" or "cuda: NVIDIA H200"
+    device_kind: str  # "cpu" | "cuda"
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    model: dict[str, Any]  # ModelSpec.to_dict() of the profiled model
+    seq_len: int
+    layers: dict[str, dict[int, LayerTiming]]  # kind -> micro_batch_size -> timing
+    optimizer_s_per_param: float
+    peak_memory_bytes: dict[str, dict[int, int]] = field(default_factory=dict)  # kind -> mbs -> bytes
+    version: int = PROFILE_VERSION
+
+    def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
+        points = self.layers.get(kind)
+        if not points:
+            raise ValueError(f"profile has no timings for layer kind '{kind}': re-run `ethpipe profile`")
+        if micro_batch in points:
+            t = points[micro_batch]
+            return t.fwd_s, t.bwd_s
+        return _fit(points, micro_batch, "fwd_s"), _fit(points, micro_batch, "bwd_s")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "device_name": self.device_name,
+            "device_kind": self.device_kind,
+            "dtype": self.dtype,
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "layers": {
+                kind: {str(b): {"fwd_s": t.fwd_s, "bwd_s": t.bwd_s} for b, t in sorted(pts.items())}
+                for kind, pts in self.layers.items()
+            },
+            "optimizer_s_per_param": self.optimizer_s_per_param,
+            "peak_memory_bytes": {k: {str(b): v for b, v in d.items()} for k, d in self.peak_memory_bytes.items()},
+        }
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _fit(points: dict[int, LayerTiming], micro_batch: int, attr: str) -> float:
+    xs = sorted(points)
+    ys = [getattr(points[x], attr) for x in xs]
+    if len(xs) == 1:
+        return ys[0] * micro_batch / xs[0]
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+    intercept = mean_y - slope * mean_x
+    return max(intercept + slope * micro_batch, 0.0)
+
+
+def profile_from_dict(data: Any) -> MeasuredProfile:
+    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+        raise ValueError(f"profile field 'version' must be {PROFILE_VERSION}: re-run `ethpipe profile`")
+    try:
+        layers = {
+            kind: {int(b): LayerTiming(float(t["fwd_s"]), float(t["bwd_s"])) for b, t in pts.items()}
+            for kind, pts in data["layers"].items()
+        }
+        memory = {k: {int(b): int(v) for b, v in d.items()} for k, d in data.get("peak_memory_bytes", {}).items()}
+        return MeasuredProfile(
+            device_name=str(data["device_name"]),
+            device_kind=str(data["device_kind"]),
+            dtype=str(data["dtype"]),
+            model=dict(data["model"]),
+            seq_len=int(data["seq_len"]),
+            layers=layers,
+            optimizer_s_per_param=float(data["optimizer_s_per_param"]),
+            peak_memory_bytes=memory,
+        )
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
+
+
+def load_profile(path: str | Path) -> MeasuredProfile:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"profile file '{path}' not found: make one with `ethpipe profile --out {path}`")
+    try:
+        return profile_from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"profile file '{path}' is not valid JSON: {err}") from None
