@@ -202,11 +202,15 @@ def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Bl
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Write via a temp file + rename, with the permissions a plain ``open`` would give."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

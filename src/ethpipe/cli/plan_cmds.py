@@ -1,17 +1,174 @@
-"""`ethpipe plan`, `ethpipe compare`, `ethpipe catalog` (owned by the planner work)."""
+"""`ethpipe plan`, `ethpipe compare`, `ethpipe catalog`: the planner's command line."""
 
 from __future__ import annotations
 
-from ethpipe.cli.app import app, console
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from ethpipe.cli.app import app, console, user_errors
+
+ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML or JSON).")]
+ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, spec YAML, or HF config.json.")]
+BatchOpt = Annotated[int, typer.Option("--global-batch", help="Samples per iteration.")]
+SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
+TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree (1 = what the runtime runs).")]
+RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
+ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Measured profile (repeatable).")]
+ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]
+GIB = 2**30
+
+
+def _inputs(cluster: Path, model: str, profile: list[Path] | None, profile_as: list[str] | None):
+    from ethpipe.cluster import load_cluster
+    from ethpipe.cost.profile import load_profile
+    from ethpipe.model_spec import load_model_spec
+
+    profile, profile_as = profile or [], profile_as or []
+    if len(profile) != len(profile_as):
+        raise ValueError(f"--profile given {len(profile)} times but --profile-as {len(profile_as)} times: pair each "
+                         "profile with the device type it measures")
+    spec, clu = load_model_spec(model), load_cluster(cluster)
+    return clu, spec, {t: load_profile(p) for t, p in zip(profile_as, profile)} or None
+
+
+def _summary(plan: Any) -> Table:
+    pred = plan.predicted
+    mem = {d["rank"]: d for d in pred["devices"]}
+    table = Table(title=f"{plan.method} plan: {plan.model}, batch {plan.global_batch_size} x {plan.seq_len} tokens")
+    for col in ("pipe", "stages (device x tp: layers)", "samples", "micro-batches", "time s", "min headroom"):
+        table.add_column(col, justify="right" if col not in ("stages (device x tp: layers)",) else "left")
+    for p, (pipe, t) in enumerate(zip(plan.pipelines, pred["pipeline_times_s"])):
+        stages = ", ".join(f"{s.device}x{s.tp}:{s.layers[0]}-{s.layers[1]}{'*' if s.recompute else ''}"
+                           for s in pipe.stages)
+        head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for r in pipe.ranks)
+        sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
+        mbs = f"{pipe.num_microbatches} (b={'/'.join(map(str, sizes))})"
+        table.add_row(str(p), stages, str(pipe.num_samples), mbs, f"{t:.3f}", f"{100 * head:.0f}%")
+    return table
+
+
+def _metrics_line(plan: Any) -> str:
+    p = plan.predicted
+    return (f"iteration {p['iteration_time_s']:.3f} s  |  {p['tokens_per_s']:,.0f} tokens/s  |  balance efficiency "
+            f"{p['balance_efficiency']:.3f}  |  MFU {p['mfu']:.3f}  |  grad sync exposed {p['grad_sync_exposed_s']:.3f} s"
+            f"  |  planned in {p['planning_time_s']:.3f} s  (* = recompute)")
 
 
 @app.command()
+@user_errors
+def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
+         method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
+         max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
+         out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
+         ) -> None:
+    """Plan a training iteration and print (or write) the plan."""
+    from ethpipe.planner import make_plan
+
+    clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
+    result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute)
+    if out is not None:
+        result.save(out)
+    if as_json:
+        print(result.to_json())
+        return
+    console.print(_summary(result))
+    console.print(_metrics_line(result))
+    if out is not None:
+        console.print(f"plan written to {out}")
+
+
+@app.command()
+@user_errors
+def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
+            recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
+            out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
+            plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
+            ) -> None:
+    """Plan with eth, uniform and layer-balanced in one cost model and compare them."""
+    from ethpipe.planner import METHODS, make_plan
+    from ethpipe.plan import write_text_atomic
+
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"--plot '{plot}' must end in .png, .svg or .pdf")
+    clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
+    plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute)
+             for m in METHODS}
+    eth_time = plans["eth"].predicted["iteration_time_s"]
+    rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",
+                                           "grad_sync_exposed_s", "planning_time_s")}
+            | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines)}
+            for m, p in plans.items()}
+    table = Table(title=f"{spec.name} on {clu.num_devices} devices, batch {global_batch} x {seq_len}")
+    for col in ("method", "pipelines", "iteration s", "tokens/s", "eth speedup", "balance eff.", "MFU", "planning s"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for m, r in rows.items():
+        table.add_row(m, str(r["num_pipelines"]), f"{r['iteration_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                      f"{r['eth_speedup']:.2f}x", f"{r['balance_efficiency']:.3f}", f"{r['mfu']:.3f}",
+                      f"{r['planning_time_s']:.3f}")
+    result = {"model": spec.name, "num_devices": clu.num_devices, "global_batch_size": global_batch,
+              "seq_len": seq_len, "cluster": clu.source, "methods": rows}
+    if plot is not None:
+        _plot(rows, plot, f"{spec.name}, {clu.num_devices} devices, batch {global_batch}x{seq_len}")
+    if out is not None:
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
+    console.print(table)
+
+
+def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
+    import os
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = list(rows)
+    colors = ["#2a9d8f" if n == "eth" else "#8d99ae" for n in names]
+    ax1.bar(names, [rows[n]["tokens_per_s"] for n in names], color=colors)
+    ax1.set_ylabel("predicted tokens/s")
+    ax2.bar(names, [rows[n]["balance_efficiency"] for n in names], color=colors)
+    ax2.set_ylabel("balance efficiency")
+    ax2.set_ylim(0, 1)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+
+
+@app.command()
+@user_errors
 def catalog() -> None:
     """List the built-in GPUs and model presets."""
     from ethpipe.catalog import gpu_catalog
-    from ethpipe.model_spec import model_presets
+    from ethpipe.model_spec import model_presets, published_param_counts
 
+    gpus = Table(title="GPUs (use the id in a cluster spec)")
+    for col in ("id", "name", "memory GiB", "peak TFLOP/s", "efficiency", "intra-node GB/s"):
+        gpus.add_column(col, justify="left" if col in ("id", "name") else "right")
     for g in gpu_catalog().values():
-        console.print(f"{g.id:18s} {g.memory_gib:6.0f} GiB {g.peak_tflops:8.1f} TFLOP/s")
+        gpus.add_row(g.id, g.name, f"{g.memory_gib:.0f}", f"{g.peak_tflops:.1f}", f"{g.efficiency:.2f}",
+                     f"{g.intra_node_gbps:.0f}")
+    published = published_param_counts()
+    models = Table(title="Model presets (use the name with --model)")
+    for col in ("name", "params (B)", "published (B)", "layers", "hidden", "heads/kv", "ffn", "vocab"):
+        models.add_column(col, justify="left" if col == "name" else "right")
     for m in model_presets().values():
-        console.print(f"{m.name:18s} {m.num_params() / 1e9:8.3f} B params, {m.num_layers} layers")
+        pub = f"{published[m.name] / 1e9:.3f}" if m.name in published else "-"
+        models.add_row(m.name, f"{m.num_params() / 1e9:.3f}", pub, str(m.num_layers), str(m.hidden_size),
+                       f"{m.num_heads}/{m.num_kv_heads}", str(m.ffn_hidden_size), str(m.vocab_size))
+    console.print(gpus)
+    console.print(models)

@@ -1,0 +1,90 @@
+"""`ethpipe train` (local spawn or one torchrun rank) and `ethpipe data prepare`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ethpipe.cli.app import app, console, user_errors
+
+data_app = typer.Typer(help="Make token files for `ethpipe train`.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@app.command()
+@user_errors
+def train(
+    plan: Path = typer.Option(..., "--plan", help="Plan JSON (from `ethpipe plan` or hand-written)."),
+    data: Path = typer.Option(..., "--data", help="Token file (.bin, uint16/uint32, nanoGPT layout)."),
+    steps: int = typer.Option(..., "--steps", help="Optimizer steps; step k uses global samples [k*B, (k+1)*B)."),
+    lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95, eps 1e-8)."),
+    weight_decay: float = typer.Option(0.1, "--weight-decay", help="Decoupled, on >=2-D parameters only."),
+    clip_grad: float = typer.Option(0.0, "--clip-grad", help="Max global gradient norm; 0 disables clipping."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the model init and of --shuffle."),
+    shuffle: bool = typer.Option(False, "--shuffle", help="Visit samples in a seeded random permutation."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (autocast; fp32 weights and optimizer)."),
+    recompute: bool = typer.Option(False, "--recompute", help="Recompute activations in backward (all stages)."),
+    metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON line per step here."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Consolidated state dict to start from."),
+    save_final: Optional[Path] = typer.Option(None, "--save-final", help="Write the trained consolidated weights."),
+    emulate: bool = typer.Option(False, "--emulate", help="Slow each rank to its device type's relative speed."),
+    warmup_steps: int = typer.Option(0, "--warmup-steps", help="Linear LR warm-up steps (default: none)."),
+    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant (default) or cosine."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
+    device: str = typer.Option("auto", "--device", help="auto (accelerator if present) or cpu."),
+    timeout_s: float = typer.Option(300.0, "--timeout-s", help="Fail any collective that waits longer."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+) -> None:
+    """Train with a plan, exactly: loss = mean token cross-entropy over the whole global batch,
+    no dropout. Without torchrun the plan's world is spawned on this machine; under
+    `torchrun --nproc-per-node N -m ethpipe train ...` this process is one rank."""
+    from ethpipe.plan import Plan
+    from ethpipe.runtime.launch import in_torchrun, run_local, run_torchrun
+    from ethpipe.runtime.train import TrainConfig
+
+    if device not in ("auto", "cpu"):
+        raise ValueError(f"--device must be auto or cpu, got {device!r}")
+    the_plan = Plan.load(plan)
+    config = TrainConfig(
+        data=str(data), steps=steps, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
+        shuffle=shuffle, dtype=dtype, recompute=recompute,  # type: ignore[arg-type]
+        metrics=str(metrics) if metrics else None, init_from=str(init_from) if init_from else None,
+        save_final=str(save_final) if save_final else None, emulate=emulate, warmup_steps=warmup_steps,
+        lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
+        timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
+    )
+    records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
+    if records:
+        last = records[-1]
+        console.print(f"trained {len(records)} steps: loss {records[0]['loss']:.4f} -> {last['loss']:.4f}, "
+                      f"{last['tokens_per_s']:.0f} tokens/s (last step)")
+
+
+@data_app.command("prepare")
+@user_errors
+def prepare(
+    out: Path = typer.Option(..., "--out", help="Token file to write (.bin; a .bin.json sidecar records dtype)."),
+    text: Optional[list[Path]] = typer.Option(None, "--text", help="UTF-8 text file(s), one document each."),
+    builtin_text: bool = typer.Option(False, "--builtin-text",
+                                      help="Use the docstrings of Python's standard library (offline, real text)."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
+                                             help="Hugging Face tokenizer.json (needs `tokenizers`); default bytes."),
+    max_bytes: int = typer.Option(4_000_000, "--max-bytes", help="Cap on --builtin-text characters."),
+) -> None:
+    """Tokenize real text into a token file: byte-level (vocab 256) unless --tokenizer is given."""
+    from ethpipe.runtime.data import builtin_text as stdlib_docs
+    from ethpipe.runtime.data import prepare_tokens
+
+    if not text and not builtin_text:
+        raise ValueError("give --text FILE (repeatable) or --builtin-text")
+    docs: list[str] = []
+    for path in text or []:
+        if not path.is_file():
+            raise ValueError(f"--text file '{path}' not found")
+        docs.append(path.read_text(encoding="utf-8", errors="replace"))
+    if builtin_text:
+        docs.extend(stdlib_docs(max_bytes))
+    count = prepare_tokens(docs, out, tokenizer)
+    console.print(f"wrote {count} tokens to {out}")

@@ -1,0 +1,44 @@
+"""Memory per pipeline stage under 1F1B (reference/formulas.md sections 2 and 3).
+
+Model states: 16-bit weights + 16-bit gradients + fp32 Adam (master, m, v) = 16 bytes/param
+(ZeRO's K = 12); fp32 training keeps no master copy: 4 + 4 + 8 = 16 as well. Activations per
+decoder block and sample are counted tensor by tensor for a FlashAttention block without
+dropout (no s x s term): two norm inputs and outputs (4h), Q, K, V (q + 2kv) and the attention
+output (q), and the MLP intermediates (3f for SwiGLU, 2f for GeLU). With TP the norm-side
+tensors are replicated and the rest is split (Korthikanti's 10 + 24/t pattern). Full
+recomputation keeps only each block's input and materialises one block at a time in backward.
+"""
+
+from __future__ import annotations
+
+from ethpipe.model_spec import ModelSpec
+
+# Fraction of a device's memory the planner lets a stage use: CUDA context, allocator
+# fragmentation and communication buffers take the rest.
+USABLE_MEMORY_FRACTION = 0.9
+ADAM_STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v (mixed precision)
+FP32_ADAM_STATE_BYTES_PER_PARAM = 8  # m + v (fp32 training: the weights are the master copy)
+LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
+
+
+def state_bytes_per_param(dtype_bytes: int) -> int:
+    adam = ADAM_STATE_BYTES_PER_PARAM if dtype_bytes < 4 else FP32_ADAM_STATE_BYTES_PER_PARAM
+    return 2 * dtype_bytes + adam
+
+
+def block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """Saved activations of one decoder block for one sample (no recomputation)."""
+    f_mult = 3 if model.activation == "swiglu" else 2
+    replicated = 4 * model.hidden_size
+    split = 2 * model.q_dim + 2 * model.kv_dim + f_mult * model.ffn_hidden_size
+    return seq_len * dtype_bytes * (replicated + split / tp)
+
+
+def block_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
+    """What full recomputation keeps per block and sample: the block's input."""
+    return seq_len * dtype_bytes * model.hidden_size
+
+
+def head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """Final-norm input/output plus fp32 logits (split over TP, vocab-parallel) for one sample."""
+    return seq_len * (2 * dtype_bytes * model.hidden_size + LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)

@@ -1,0 +1,227 @@
+"""The cost model every planner method, the estimator and the simulator share (DESIGN 2.3).
+
+Pure and torch-free. Compute is analytic (FLOPs / achievable FLOP/s + a per-kernel-group
+overhead) unless a measured profile is given for a device type, in which case the profile's
+per-layer times win (scaled by the FLOPs ratio when it was taken on another model or sequence
+length). Stage costs are exposed both per ``Stage`` and as (fixed, per-layer) terms, because
+decoder blocks are identical: that linearity is what makes the exact partition search cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ethpipe.catalog import GpuSpec
+from ethpipe.cluster import Cluster, cluster_from_dict
+from ethpipe.cost import comm, compute, memory
+from ethpipe.cost.profile import MeasuredProfile
+from ethpipe.model_spec import ModelSpec, spec_from_dict
+from ethpipe.plan import Block, Plan, Stage
+
+# Launch/synchronisation overhead of one layer's kernels per pass: keeps tiny micro-batches
+# from looking free. Negligible for real model sizes (a 7B block at b=1, s=4096 takes ~10 ms).
+LAYER_OVERHEAD_S = 10e-6
+# Adam touches ~30 bytes per parameter (read w, g, m, v, master; write w, m, v, master).
+OPTIMIZER_BYTES_PER_PARAM = 30
+DEFAULT_MEMORY_BANDWIDTH_GBPS = 300.0
+TP_ALLREDUCES_PER_PASS = 2  # Megatron: one after attention, one after the MLP, in fwd and in bwd
+
+
+def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
+    types: dict[str, GpuSpec] = {}
+    for d in cluster.devices:
+        seen = types.setdefault(d.gpu.id, d.gpu)
+        if seen != d.gpu:
+            raise ValueError(
+                f"cluster GPU id '{d.gpu.id}' appears with different overrides in two node groups: "
+                "give one of them an inline GPU spec with its own id"
+            )
+    return types
+
+
+@dataclass(frozen=True)
+class CostModel:
+    cluster: Cluster
+    model: ModelSpec
+    seq_len: int
+    dtype_bytes: int = 2
+    profiles: Mapping[str, MeasuredProfile] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive integer, got {self.seq_len}")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"seq_len {self.seq_len} exceeds {self.model.name}'s max_seq_len {self.model.max_seq_len}: "
+                "use a shorter --seq-len"
+            )
+        gpus = _gpu_types(self.cluster)
+        for name in self.profiles or {}:
+            if name not in gpus:
+                raise ValueError(f"profile given for device type '{name}' which is not in the cluster ({', '.join(gpus)})")
+        object.__setattr__(self, "_gpus", gpus)
+        s, m = self.seq_len, self.model
+        object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
+        object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
+        object.__setattr__(self, "_act_bytes", float(m.hidden_size * s * self.dtype_bytes))
+        object.__setattr__(self, "_state_bpp", memory.state_bytes_per_param(self.dtype_bytes))
+        speeds = {t: self.achievable_flops(t) for t in gpus}
+        fastest = max(speeds.values())
+        object.__setattr__(self, "_speeds", {t: v / fastest for t, v in speeds.items()})
+
+    @classmethod
+    def for_plan(cls, plan: Plan, profiles: Mapping[str, MeasuredProfile] | None = None) -> CostModel:
+        if plan.cluster is None:
+            raise ValueError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
+        return cls(cluster_from_dict(plan.cluster), plan.resolve_model(), plan.seq_len, profiles=profiles)
+
+    # -- device facts ------------------------------------------------------------------
+
+    def gpu(self, device_type: str) -> GpuSpec:
+        try:
+            return self._gpus[device_type]  # type: ignore[attr-defined]
+        except KeyError:
+            raise ValueError(f"device type '{device_type}' is not in the cluster") from None
+
+    def device_speed(self, device_type: str) -> float:
+        """Relative achievable throughput of one device; the fastest type in the cluster is 1.0."""
+        self.gpu(device_type)
+        return self._speeds[device_type]  # type: ignore[attr-defined]
+
+    def device_speeds(self) -> dict[str, float]:
+        return dict(self._speeds)  # type: ignore[attr-defined]
+
+    def usable_memory_bytes(self, device_type: str) -> int:
+        return int(self.gpu(device_type).memory_bytes * memory.USABLE_MEMORY_FRACTION)
+
+    def achievable_flops(self, device_type: str) -> float:
+        """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
+        if self.profiles and device_type in self.profiles:
+            fwd, bwd = self._profile_or_analytic(device_type, "block", 1)
+            return (1.0 + compute.BACKWARD_FLOPS_FACTOR) * self._block_flops / (fwd + bwd)  # type: ignore[attr-defined]
+        return self.gpu(device_type).achievable_flops
+
+    # -- compute -----------------------------------------------------------------------
+
+    def _profile_or_analytic(self, device_type: str, kind: str, micro_batch: int) -> tuple[float, float]:
+        """(fwd, bwd) seconds of one layer of ``kind`` at tp=1 without recomputation."""
+        prof = self.profiles.get(device_type) if self.profiles else None
+        if prof is not None and prof.layers.get(kind):
+            fwd, bwd = prof.layer_times_s(kind, micro_batch)  # type: ignore[arg-type]
+            scale = self._profile_scale(prof, kind)
+            return fwd * scale, bwd * scale
+        if kind == "embedding":
+            return LAYER_OVERHEAD_S, LAYER_OVERHEAD_S
+        flops = self._block_flops if kind == "block" else self._head_flops  # type: ignore[attr-defined]
+        rate = self.gpu(device_type).achievable_flops
+        fwd = micro_batch * flops / rate
+        return fwd + LAYER_OVERHEAD_S, compute.BACKWARD_FLOPS_FACTOR * fwd + LAYER_OVERHEAD_S
+
+    def _profile_scale(self, prof: MeasuredProfile, kind: str) -> float:
+        if prof.seq_len == self.seq_len and prof.model == self.model.to_dict():
+            return 1.0
+        other = spec_from_dict(prof.model)
+        if kind == "block":
+            return self._block_flops / compute.block_fwd_flops(other, prof.seq_len)  # type: ignore[attr-defined]
+        if kind == "head":
+            return self._head_flops / compute.head_fwd_flops(other, prof.seq_len)  # type: ignore[attr-defined]
+        return (self.seq_len * self.model.hidden_size) / (prof.seq_len * other.hidden_size)
+
+    def tp_allreduce_s(self, device_type: str, tp: int, micro_batch: int) -> float:
+        """One Megatron TP all-reduce of a micro-batch's activation on the intra-node link."""
+        if tp <= 1:
+            return 0.0
+        gpu = self.gpu(device_type)
+        return comm.ring_allreduce_s(tp, micro_batch * self._act_bytes, gpu.intra_node_gbps,  # type: ignore[attr-defined]
+                                     self.cluster.intra_node_latency_s)
+
+    def layer_times_s(self, device_type: str, micro_batch: int, tp: int = 1, recompute: bool = False) -> tuple[float, float]:
+        """(fwd, bwd) seconds of ONE decoder block for one micro-batch (bwd includes recomputation)."""
+        fwd, bwd = self._profile_or_analytic(device_type, "block", micro_batch)
+        comm_s = TP_ALLREDUCES_PER_PASS * self.tp_allreduce_s(device_type, tp, micro_batch)
+        fwd_total = fwd / tp + comm_s
+        bwd_total = bwd / tp + comm_s + (fwd_total if recompute else 0.0)
+        return fwd_total, bwd_total
+
+    def end_times_s(self, device_type: str, micro_batch: int, tp: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage)."""
+        fwd = bwd = 0.0
+        if first:
+            f, b = self._profile_or_analytic(device_type, "embedding", micro_batch)
+            fwd, bwd = fwd + f / tp, bwd + b / tp
+        if last:
+            f, b = self._profile_or_analytic(device_type, "head", micro_batch)
+            fwd, bwd = fwd + f / tp, bwd + b / tp
+        return fwd, bwd
+
+    def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """(fwd, bwd) seconds of one micro-batch on ``stage`` (no p2p)."""
+        lf, lb = self.layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)
+        ef, eb = self.end_times_s(stage.device, micro_batch, stage.tp, first=first, last=last)
+        return stage.num_layers * lf + ef, stage.num_layers * lb + eb
+
+    # -- communication -----------------------------------------------------------------
+
+    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
+        """Send one micro-batch's activation (or its gradient) between two ranks."""
+        return comm.p2p_s(micro_batch * self._act_bytes, self.cluster.link_gbps(src_rank, dst_rank),  # type: ignore[attr-defined]
+                          self.cluster.link_latency_s(src_rank, dst_rank))
+
+    def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
+        """All-reduce among ``ranks``; each node's NIC is shared ``nic_share`` ways (concurrent collectives)."""
+        if len(ranks) <= 1:
+            return 0.0
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            node = self.cluster.devices[r].node
+            per_node[node] = per_node.get(node, 0) + 1
+        devs = [self.cluster.devices[r] for r in ranks]
+        return comm.allreduce_shape_s(
+            num_bytes,
+            num_ranks=len(ranks),
+            num_nodes=len(per_node),
+            max_ranks_per_node=max(per_node.values()),
+            intra_gbps=min(d.gpu.intra_node_gbps for d in devs),
+            inter_gbps=min(d.nic_gbps for d in devs) / max(nic_share, 1.0),
+            intra_latency_s=self.cluster.intra_node_latency_s,
+            inter_latency_s=self.cluster.inter_node_latency_s,
+        )
+
+    # -- parameters, optimizer, memory ---------------------------------------------------
+
+    def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
+        m = self.model
+        return num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
+            m.head_params() if last else 0)
+
+    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
+        """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
+        num_layers = block.layers[1] - block.layers[0]
+        return self.stage_params(num_layers, first=first, last=last) * self.dtype_bytes
+
+    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
+        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
+        prof = self.profiles.get(stage.device) if self.profiles else None
+        if prof is not None:
+            return params * prof.optimizer_s_per_param
+        bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
+        return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9)
+
+    def memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, *,
+                     first: bool, last: bool) -> tuple[float, float]:
+        """(fixed, per-layer) bytes of a stage: memory is linear in its number of layers."""
+        m, s, d = self.model, self.seq_len, self.dtype_bytes
+        bpp = self._state_bpp  # type: ignore[attr-defined]
+        full = memory.block_activation_bytes(m, s, d, tp) * micro_batch
+        kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
+        per_layer = bpp * m.params_per_layer() / tp + in_flight * kept
+        fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
+        fixed += full if recompute else 0.0
+        fixed += memory.head_activation_bytes(m, s, d, tp) * micro_batch if last else 0.0
+        return fixed, per_layer
+
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+        """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held."""
+        fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last)
+        return int(fixed + stage.num_layers * per_layer)

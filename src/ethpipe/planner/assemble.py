@@ -1,0 +1,51 @@
+"""Turn a chosen set of pipelines into a Plan, and explain plans that cannot fit memory."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ethpipe.cost.model import CostModel
+from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.partition import Partition
+from ethpipe.planner.timing import StageSlot, split_sizes
+
+
+def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int, micro_batch: int) -> Pipeline:
+    stages = tuple(Stage(s.ranks, s.device, rng, s.tp, rc) for s, rng, rc in zip(slots, part.ranges(), part.recompute))
+    return Pipeline(stages, split_sizes(num_samples, micro_batch))
+
+
+def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Sequence[Pipeline], *,
+                  started_s: float, search: dict[str, Any]) -> Plan:
+    """Order pipelines by first rank, compute blocks, and price the plan rank by rank."""
+    ordered = tuple(sorted(pipelines, key=lambda p: p.stages[0].ranks[0]))
+    used = sorted(r for p in ordered for r in p.ranks)
+    assert used == list(range(cost.cluster.num_devices)), "a plan must use every device exactly once"
+    plan = Plan(method=method, model=cost.model.name, global_batch_size=global_batch, seq_len=cost.seq_len,
+                pipelines=ordered, blocks=compute_blocks(ordered), model_spec=cost.model, cluster=cost.cluster.source,
+                extra={"device_speeds": cost.device_speeds(), "search": search})
+    planning_s = time.perf_counter() - started_s
+    predicted = predicted_metrics(plan, cost, planning_s)
+    return Plan(**{**plan.__dict__, "predicted": predicted})
+
+
+def memory_error(cost: CostModel, recompute: str) -> ValueError:
+    """One line naming the model, the deepest possible pipeline, the binding device and the fix."""
+    depth = min(cost.model.num_layers, cost.cluster.num_devices)
+    rc = recompute in ("always", "auto")
+    fix = "use more nodes or a shorter --seq-len" if rc else "use more nodes or enable recompute"
+    by_memory = sorted(cost.cluster.gpu_types, key=lambda t: cost.gpu(t).memory_bytes)
+    layers = math.ceil(cost.model.num_layers / depth)
+    for device, num_layers, first in ((by_memory[-1], layers, True), (by_memory[0], 1, False)):
+        fixed, per_layer = cost.memory_terms(1, 1, depth if first else 1, rc, first=first, last=depth == 1 or not first)
+        need = fixed + num_layers * per_layer
+        if need > cost.usable_memory_bytes(device):
+            break
+    return ValueError(
+        f"{cost.model.name} needs {need / 2**30:.1f} GiB per stage at depth {depth} on {device} "
+        f"({cost.usable_memory_bytes(device) / 2**30:.1f} of {cost.gpu(device).memory_gib:.1f} GiB usable): {fix}"
+    )

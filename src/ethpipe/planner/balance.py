@@ -1,0 +1,66 @@
+"""Level 3: samples -> pipelines (water-filling, DESIGN 2.1).
+
+Given each pipeline's non-decreasing iteration time ``T_p(n)``, choose integers ``n_p >= 1``
+with ``sum n_p = B`` minimising ``max_p T_p(n_p)``. For a makespan bound T each pipeline can
+take ``cap_p(T) = max{n : T_p(n) <= T}`` samples; T is feasible iff ``sum cap_p(T) >= B``, so
+a bisection on T finds the optimum and the surplus is trimmed from the slowest pipelines.
+Identical pipelines share one timing (``counts``), so the cost does not grow with the number
+of pipelines. Every pipeline keeps at least one sample: a plan uses every device it lists.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from ethpipe.planner.timing import PipelineTiming
+
+_BISECTION_STEPS = 100
+_RELATIVE_TOLERANCE = 1e-10
+
+
+def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], total: int) -> list[list[int]]:
+    """Samples per pipeline, grouped like ``timings`` (group g has ``counts[g]`` identical pipelines)."""
+    num_pipes = sum(counts)
+    if total < num_pipes:
+        raise ValueError(
+            f"global batch {total} is smaller than the {num_pipes} pipelines of this plan need (one sample each): "
+            f"use --global-batch >= {num_pipes} or fewer, deeper pipelines"
+        )
+    lo = max(t.time_s(1) for t in timings)
+    hi = max(t.time_s(total - num_pipes + 1) for t in timings)
+
+    def caps(limit: float) -> list[int]:
+        return [max(t.max_samples_within(limit, total), 1) for t in timings]
+
+    if sum(c * n for c, n in zip(counts, caps(lo))) < total:
+        for _ in range(_BISECTION_STEPS):
+            mid = (lo + hi) / 2
+            if sum(c * n for c, n in zip(counts, caps(mid))) >= total:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= _RELATIVE_TOLERANCE * hi:
+                break
+    else:
+        hi = lo
+    per_group = caps(hi)
+    samples = [[per_group[g]] * counts[g] for g in range(len(timings))]
+    _trim(timings, samples, sum(c * n for c, n in zip(counts, per_group)) - total)
+    return samples
+
+
+def _trim(timings: Sequence[PipelineTiming], samples: list[list[int]], excess: int) -> None:
+    """Remove ``excess`` samples one at a time from the currently slowest pipeline (keeping >= 1)."""
+    heap = [(-timings[g].time_s(n), g, i) for g, row in enumerate(samples) for i, n in enumerate(row) if n > 1]
+    heapq.heapify(heap)
+    while excess > 0:
+        _, g, i = heapq.heappop(heap)
+        samples[g][i] -= 1
+        excess -= 1
+        if samples[g][i] > 1:
+            heapq.heappush(heap, (-timings[g].time_s(samples[g][i]), g, i))
+
+
+def makespan_s(timings: Sequence[PipelineTiming], samples: Sequence[Sequence[int]]) -> float:
+    return max(t.time_s(n) for t, row in zip(timings, samples) for n in row)

@@ -1,0 +1,169 @@
+"""Baselines in ETH's cost model (DESIGN 2.1): what Megatron and Metis/AMP-style planners choose.
+
+* ``uniform`` (Megatron-LM): one (PP, TP) shape replicated over DP replicas taken in rank
+  order, equal layers per stage (remainder to the earliest non-last stages), equal data; the
+  best micro-batch size and recomputation are searched, as a tuned Megatron run would be.
+* ``layer-balanced`` (Metis/AMP): one pipeline shape replicated over DP replicas, each replica
+  holding an equal share of every GPU type, unequal layers, equal data. Exhaustive over DP x
+  TP degree, the order of GPU types along the pipeline, micro-batch size and recomputation;
+  the layer split is the exact optimum for each order (``partition_layers``).
+Both get the same memory model, per-stage recomputation and sync pricing as ``eth``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from ethpipe.cost.model import CostModel
+from ethpipe.plan import Plan
+from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
+from ethpipe.planner.grouping import Group, group_iteration_s
+from ethpipe.planner.partition import Partition, _choose, partition_layers
+from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, Template, divisors, pools_of, slots_for
+from ethpipe.planner.timing import StageSlot, stage_options, timing_of_partition
+
+
+def equal_split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal integers, larger ones first (data or layers)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _uniform_layers(num_layers: int, depth: int) -> list[int]:
+    """Equal layers; the remainder goes to the earliest stages but never to the last (it holds the head)."""
+    if depth == 1:
+        return [num_layers]
+    return equal_split(num_layers - num_layers // depth, depth - 1) + [num_layers // depth]
+
+
+def _fixed_partition(cost: CostModel, slots: Sequence[StageSlot], counts: Sequence[int], micro_batch: int,
+                     recompute: str) -> Partition | None:
+    options = stage_options(cost, slots, micro_batch, recompute)
+    chosen = []
+    for opts, k in zip(options, counts):
+        if not any(o.max_layers >= k for o in opts):
+            return None
+        chosen.append(_choose(opts, k))
+    return Partition(tuple(counts), tuple(o.recompute for o in chosen),
+                     max(o.time_s(k) for o, k in zip(chosen, counts)))
+
+
+def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -> list[Group] | None:
+    """Group replicas with the same structure; ``make(slots)`` returns their Template or None."""
+    by_key: dict[tuple, list[tuple[StageSlot, ...]]] = {}
+    devs = cost.cluster.devices
+    for slots in instances:
+        links = tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in zip(slots, slots[1:]))
+        by_key.setdefault((tuple((s.device, s.tp) for s in slots), links), []).append(slots)
+    groups = []
+    for members in by_key.values():
+        tpl = make(members[0])
+        if tpl is None:
+            return None
+        nodes: dict[int, set[int]] = {}
+        for idx, slots in enumerate(members):
+            for s in slots:
+                nodes.setdefault(devs[s.ranks[0]].node, set()).add(idx)
+        node_size = max(sum(1 for d in devs if d.node == n) for n in list(nodes)[:1])
+        groups.append(Group(tpl, tuple(members), len(nodes), max(len(v) for v in nodes.values()), node_size))
+    return groups
+
+
+def _evaluate_equal(cost: CostModel, groups: list[Group], global_batch: int) -> tuple[float, list[list[int]]]:
+    shares = iter(equal_split(global_batch, sum(g.count for g in groups)))
+    samples = [[next(shares) for _ in range(g.count)] for g in groups]
+    return group_iteration_s(cost, groups, samples), samples
+
+
+def _finish(method: str, cost: CostModel, global_batch: int, best, started: float, search: dict) -> Plan:
+    if best is None:
+        raise memory_error(cost, search["recompute"])
+    _, groups, samples = best
+    pipelines = [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
+                 for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
+    return assemble_plan(method, cost, global_batch, pipelines, started_s=started, search=search)
+
+
+def plan_uniform(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto") -> Plan:
+    started = time.perf_counter()
+    n, num_layers = cost.cluster.num_devices, cost.model.num_layers
+    node_sizes = {len(p.nodes[0]) for p in pools_of(cost)}
+    tps = [t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)]
+    ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
+    best, evaluated = None, 0
+    for t in tps:
+        for d in divisors(n // t):
+            replicas = n // (d * t)
+            if d > num_layers or replicas > global_batch:
+                continue
+            instances = [slots_for(ranked[i * d * t:(i + 1) * d * t], t) for i in range(replicas)]
+            layers = _uniform_layers(num_layers, d)
+            for b in (x for x in MICRO_BATCH_CANDIDATES if x <= -(-global_batch // replicas)):
+                def make(slots: tuple[StageSlot, ...], b: int = b) -> Template | None:
+                    part = _fixed_partition(cost, slots, layers, b, recompute)
+                    return None if part is None else Template(-1, len(slots), t, b, 1, slots, part,
+                                                              timing_of_partition(cost, slots, part, b))
+                groups = _groups(cost, instances, make)
+                evaluated += 1
+                if groups is None:
+                    continue
+                score, samples = _evaluate_equal(cost, groups, global_batch)
+                if best is None or score < best[0]:
+                    best = (score, groups, samples)
+    search = {"candidates_evaluated": evaluated, "recompute": recompute}
+    return _finish("uniform", cost, global_batch, best, started, search)
+
+
+def plan_layer_balanced(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
+                        time_budget_s: float | None = None) -> Plan:
+    started = time.perf_counter()
+    pools = pools_of(cost)
+    by_type: dict[str, list[int]] = {}
+    for p in pools:
+        by_type.setdefault(p.device, []).extend(r for node in p.nodes for r in node)
+    types = list(by_type)
+    counts = [len(by_type[t]) for t in types]
+    node_sizes = [p.gpus_per_node for p in pools]
+    num_layers = cost.model.num_layers
+    best, evaluated, timed_out = None, 0, False
+    cache: dict = {}
+    for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
+        for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)):
+            if any((c // dp) % t for c in counts) or sum(c // dp for c in counts) // t > num_layers:
+                continue
+            for order in itertools.permutations(range(len(types))):
+                instances = []
+                for r in range(dp):
+                    devices = [(types[i], rank) for i in order
+                               for rank in by_type[types[i]][r * counts[i] // dp:(r + 1) * counts[i] // dp]]
+                    instances.append(slots_for(devices, t))
+                for b in (x for x in MICRO_BATCH_CANDIDATES if x <= -(-global_batch // dp)):
+                    if best is not None and time_budget_s is not None and \
+                            time.perf_counter() - started > time_budget_s:
+                        timed_out = True
+                        break
+
+                    def make(slots: tuple[StageSlot, ...], b: int = b) -> Template | None:
+                        key = (tuple((s.device, s.tp, s.ranks[0]) for s in slots), b)
+                        if key not in cache:
+                            part = partition_layers(stage_options(cost, slots, b, recompute), num_layers)
+                            cache[key] = None if part is None else Template(
+                                -1, len(slots), t, b, 1, slots, part, timing_of_partition(cost, slots, part, b))
+                        return cache[key]
+                    groups = _groups(cost, instances, make)
+                    evaluated += 1
+                    if groups is None:
+                        continue
+                    score, samples = _evaluate_equal(cost, groups, global_batch)
+                    if best is None or score < best[0]:
+                        best = (score, groups, samples)
+                if timed_out:
+                    break
+            if timed_out:
+                break
+        if timed_out:
+            break
+    search = {"candidates_evaluated": evaluated, "timed_out": timed_out, "recompute": recompute}
+    return _finish("layer-balanced", cost, global_batch, best, started, search)

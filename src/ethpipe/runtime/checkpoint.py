@@ -1,0 +1,105 @@
+"""Consolidated state dicts keyed by global parameter names (``--init-from`` / ``--save-final``).
+
+The names of ``build_full_model(spec).state_dict()`` are the contract, so a file written by a
+pipelined run loads into a plain single-process model and vice versa. ``.safetensors`` files
+are read lazily (each stage reads only its own tensors); anything else goes through
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ethpipe.model_spec import ModelSpec
+from ethpipe.runtime.model import state_dict_shapes
+
+
+def _is_safetensors(path: Path) -> bool:
+    return path.suffix == ".safetensors"
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--init-from file '{path}' not found")
+    try:
+        if _is_safetensors(path):
+            with safe_open(str(path), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"--init-from file '{path}' is not a readable state dict: {str(err).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"--init-from file '{path}' does not hold a state dict (name -> tensor)")
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_checkpoint(path: str | Path, spec: ModelSpec) -> None:
+    """The file must hold exactly the model's parameters with the model's shapes."""
+    have = checkpoint_shapes(path)
+    want = state_dict_shapes(spec)
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise ValueError(f"--init-from file '{path}' has no parameter '{missing[0]}': it is not a '{spec.name}' model")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise ValueError(f"--init-from file '{path}' has parameter '{extra[0]}' that model '{spec.name}' does not have")
+    for name, shape in want.items():
+        if have[name] != shape:
+            raise ValueError(
+                f"--init-from file '{path}' has '{name}' of shape {list(have[name])} but model '{spec.name}' "
+                f"needs {list(shape)}: it was saved from another model shape"
+            )
+
+
+def load_into(module: nn.Module, path: str | Path) -> None:
+    """Copy this module's own parameters from a consolidated file (names are global)."""
+    path = Path(path)
+    names = list(module.state_dict().keys())
+    if _is_safetensors(path):
+        with safe_open(str(path), framework="pt") as f:
+            subset = {k: f.get_tensor(k) for k in names}
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        subset = {k: state[k] for k in names}
+    module.load_state_dict(subset)
+
+
+def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write via a temporary file and rename, so a crash never leaves half a checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        if _is_safetensors(path):
+            save_file(tensors, tmp)
+        else:
+            torch.save(tensors, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Collect every parameter once (from pipeline 0's stages) on rank ``dst``; None elsewhere."""
+    local = {k: v.detach().to("cpu") for k, v in module.state_dict().items()} if in_pipeline_zero else {}
+    rank = dist.get_rank()
+    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if rank == dst else None
+    dist.gather_object(local, gathered, dst=dst)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged

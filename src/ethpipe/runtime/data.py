@@ -1,0 +1,176 @@
+"""Token files (nanoGPT ``.bin``: a flat uint16/uint32 array) and the global data order.
+
+DESIGN 3: sample i is ``tokens[i*s : i*s + s + 1]`` (inputs and shifted targets); step k takes
+samples ``[k*B, (k+1)*B)`` (through a seeded permutation with ``shuffle``), split across
+pipelines and micro-batches in plan order. Every rank derives its own slice from the same
+formula, so no data is ever sent between ranks and a re-planned run continues in order.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import sysconfig
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MAX_UINT16_VOCAB = 65536
+_CHECK_CHUNK = 1 << 24
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (nanoGPT's choice), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= MAX_UINT16_VOCAB else np.uint32)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    path: Path
+    tokens: np.ndarray  # read-only memmap
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def num_samples(self, seq_len: int) -> int:
+        return max(0, (self.num_tokens - 1) // seq_len)
+
+
+def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
+    """Memory-map a token file; the dtype comes from its ``.json`` sidecar if present, else from the vocab."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data file '{path}' not found: make one with `ethpipe data prepare --out {path}`")
+    dtype = token_dtype(vocab_size)
+    side = _sidecar(path)
+    if side.is_file():
+        dtype = np.dtype(json.loads(side.read_text())["dtype"])
+    if path.stat().st_size % dtype.itemsize:
+        raise ValueError(f"data file '{path}' has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data file '{path}' is empty")
+    return TokenFile(path, np.memmap(path, dtype=dtype, mode="r"))
+
+
+def step_sample_ids(step: int, global_batch_size: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
+    """Global sample indices of one step, in plan order."""
+    ids = np.arange(step * global_batch_size, (step + 1) * global_batch_size)
+    if shuffle:
+        ids = np.random.default_rng(seed).permutation(num_samples)[ids]
+    return ids
+
+
+def gather_samples(data: TokenFile, sample_ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """(n, seq_len + 1) int64 array of the given samples."""
+    rows = [np.asarray(data.tokens[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64) for i in sample_ids]
+    return np.stack(rows) if rows else np.zeros((0, seq_len + 1), dtype=np.int64)
+
+
+def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_steps: int, shuffle: bool,
+                  vocab_size: int) -> None:
+    """Fail before training if the file is too short or holds ids the model cannot embed."""
+    available = data.num_samples(seq_len)
+    needed = num_steps * global_batch_size
+    if needed > available:
+        raise ValueError(
+            f"data file '{data.path}' holds {available} samples of {seq_len}+1 tokens but --steps {num_steps} x "
+            f"global_batch_size {global_batch_size} needs {needed}: use fewer --steps or more data"
+        )
+    end = data.num_tokens if shuffle else needed * seq_len + 1
+    for lo in range(0, end, _CHECK_CHUNK):
+        top = int(data.tokens[lo:min(end, lo + _CHECK_CHUNK)].max())
+        if top >= vocab_size:
+            raise ValueError(
+                f"data file '{data.path}' holds token id {top} but the model's vocab_size is {vocab_size}: "
+                "tokenize with the model's tokenizer"
+            )
+
+
+# -- making token files ----------------------------------------------------------------
+
+
+def _load_tokenizer(path: str | Path):  # type: ignore[no-untyped-def]
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(
+            "--tokenizer needs the optional 'tokenizers' package: `pip install tokenizers`, or omit --tokenizer "
+            "for byte-level tokens"
+        ) from None
+    if not Path(path).is_file():
+        raise ValueError(f"tokenizer file '{path}' not found: give a Hugging Face tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def prepare_tokens(texts: Iterable[str], out: str | Path, tokenizer: str | Path | None = None) -> int:
+    """Tokenize texts into a ``.bin`` (+ ``.json`` sidecar with dtype and vocab); returns the token count.
+
+    Byte-level (vocab 256) by default; with ``tokenizer`` a Hugging Face ``tokenizer.json``.
+    Documents are separated by a blank line (bytes) or the tokenizer's own encoding of it.
+    """
+    if tokenizer is None:
+        ids = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+        vocab_size = 256
+    else:
+        tok = _load_tokenizer(tokenizer)
+        vocab_size = tok.get_vocab_size()
+        ids = np.asarray([i for enc in tok.encode_batch(list(texts)) for i in [*enc.ids]],
+                         dtype=token_dtype(vocab_size))
+    if ids.size < 2:
+        raise ValueError("the given text is empty: nothing to tokenize")
+    out = Path(out)
+    _write_bytes_atomic(out, ids.astype(token_dtype(vocab_size)).tobytes())
+    _write_bytes_atomic(_sidecar(out), json.dumps({"dtype": str(token_dtype(vocab_size)),
+                                                   "vocab_size": vocab_size}).encode())
+    return int(ids.size)
+
+
+def _write_bytes_atomic(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def builtin_text(max_bytes: int = 4_000_000) -> list[str]:
+    """Real English text present on every machine: docstrings of Python's standard library.
+
+    Read with ``ast`` from the source files (nothing is imported, so no side effects), in
+    sorted path order, so the same Python version always yields the same corpus.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
+    docs: list[str] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        if skip & set(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40:
+                    docs.append(doc)
+                    total += len(doc) + 2
+                    if total >= max_bytes:
+                        return docs
+    if not docs:
+        raise ValueError(f"no standard-library sources found under '{root}': use --text FILE instead")
+    return docs

@@ -1,0 +1,153 @@
+"""Executes one stage's 1F1B action list (``ethpipe.schedule``) for one training step.
+
+Communication is implied by the actions: ``F`` on a non-first stage receives its input
+(blocking recv), a non-last stage sends its output on (isend, waited at the end of the step);
+``B`` mirrors that with gradients. Micro-batches may have different sizes, so every buffer is
+shaped from the plan's micro-batch size, and any count (also fewer than stages) works.
+The last stage's loss is the SUM of token losses times ``loss_scale`` (1 / global batch tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ethpipe.runtime.emulate import Emulator
+from ethpipe.schedule import Action
+
+ACT_DTYPE = torch.float32  # activations cross stage boundaries in fp32 (also under bf16 autocast)
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """Where this stage's inputs come from and outputs go (global ranks in its pipeline group)."""
+
+    group: dist.ProcessGroup
+    prev_rank: int | None
+    next_rank: int | None
+    hidden_size: int
+    seq_len: int
+
+
+@dataclass
+class Timeline:
+    """Per-step timing of one rank and optional trace events (name, start_s, end_s)."""
+
+    busy_s: float = 0.0
+    phase_s: float = 0.0  # start of step to end of last backward
+    record: bool = False
+    events: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def add(self, name: str, start_s: float, end_s: float) -> None:
+        if self.record:
+            self.events.append((name, start_s, end_s))
+
+
+def _sync_device(device: torch.device) -> None:
+    """Make timings honest on asynchronous accelerators (no-op on CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def run_stage_step(
+    module: nn.Module,
+    actions: tuple[Action, ...],
+    micro_batch_sizes: tuple[int, ...],
+    inputs: list[torch.Tensor] | None,
+    targets: list[torch.Tensor] | None,
+    io: StageIO,
+    loss_scale: float,
+    emulator: Emulator | None,
+    step: int,
+    timeline: Timeline,
+    autocast_dtype: torch.dtype | None = None,
+    on_last_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:
+    """Run all actions; returns this stage's (scaled) loss sum as a 0-d tensor (0 off the last stage)."""
+    device = next(module.parameters()).device
+    first, last = io.prev_rank is None, io.next_rank is None
+    assert (inputs is not None) == first and (targets is not None) == last
+    stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    loss_total = torch.zeros((), dtype=torch.float32, device=device)
+    step_start = time.time()
+    num_backward = sum(1 for a in actions if a.kind == "B")
+    done_backward = 0
+
+    def autocast() -> contextlib.AbstractContextManager[None]:
+        if autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=autocast_dtype)
+
+    def timed(name: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        _sync_device(device)
+        start, start_cpu = time.time(), time.thread_time()
+        out = fn()
+        _sync_device(device)
+        # On CPU, this thread's CPU time: on an oversubscribed machine wall time would count the
+        # other ranks' work too and the stretch would amplify that contention.
+        measured = time.thread_time() - start_cpu if device.type == "cpu" else time.time() - start
+        if emulator is not None:
+            emulator.stretch(measured, step)
+        end = time.time()
+        timeline.busy_s += end - start
+        timeline.add(name, start, end)
+        return out
+
+    for action in actions:
+        mb = action.microbatch
+        size = micro_batch_sizes[mb]
+        if action.kind == "F":
+            if first:
+                x: torch.Tensor | None = None
+                inp = inputs[mb]  # type: ignore[index]
+            else:
+                buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=ACT_DTYPE, device=device)
+                dist.recv(buf, src=io.prev_rank, group=io.group)
+                x = inp = buf.requires_grad_()
+
+            def forward() -> torch.Tensor:
+                with autocast():
+                    out = module(inp)
+                if last:
+                    logits = out.float()
+                    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets[mb].reshape(-1),  # type: ignore[index]
+                                           reduction="sum") * loss_scale
+                return out.to(ACT_DTYPE)
+
+            out = timed(f"F{mb}", forward)
+            assert out is not None
+            if last:
+                loss_total += out.detach()
+            else:
+                payload = out.detach()
+                sends.append((dist.isend(payload, dst=io.next_rank, group=io.group), payload))
+            stash[mb] = (x, out)
+        else:
+            x, out = stash.pop(mb)
+            if last:
+                timed(f"B{mb}", lambda: out.backward())  # type: ignore[func-returns-value]
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, src=io.next_rank, group=io.group)
+                timed(f"B{mb}", lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
+            if not first:
+                assert x is not None and x.grad is not None
+                payload = x.grad
+                sends.append((dist.isend(payload, dst=io.prev_rank, group=io.group), payload))
+            done_backward += 1
+            if done_backward == num_backward:
+                timeline.phase_s = time.time() - step_start
+                if on_last_backward is not None:
+                    on_last_backward()
+    for work, _payload in sends:
+        work.wait()
+    assert not stash, "every forwarded micro-batch must be backwarded"
+    return loss_total

@@ -1,0 +1,123 @@
+"""Starting the ranks: under torchrun (env:// rendezvous) or spawned locally from one command.
+
+Local runs rendezvous through a FileStore in a fresh temporary directory, so they never race
+for a port. Each local worker dies with its parent (PR_SET_PDEATHSIG) and runs one compute
+thread. A rank that fails ends the whole world: ``torch.multiprocessing`` terminates the other
+workers, and a user error (ValueError) on any rank comes back to the caller as that one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ethpipe.plan import Plan
+from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
+
+_PR_SET_PDEATHSIG = 1
+
+
+def in_torchrun() -> bool:
+    """True when launched by torchrun / torch elastic (they export RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def pick_device(config: TrainConfig, local_rank: int, local_world_size: int) -> torch.device:
+    """The accelerator when present (one per local rank), else the CPU; never a hard-coded type."""
+    if config.device == "cpu" or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    count = torch.accelerator.device_count()
+    if local_world_size > count:
+        raise ValueError(
+            f"this machine has {count} accelerators but {local_world_size} ranks would share them: "
+            "run with --device cpu, or launch across machines with torchrun"
+        )
+    accel = torch.accelerator.current_accelerator()
+    assert accel is not None
+    torch.accelerator.set_device_index(local_rank)
+    return torch.device(accel.type, local_rank)
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (no orphans after a crash)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def default_start_method() -> str:
+    """fork on Linux (sub-second start, modules already imported), spawn elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, run_dir: str,
+                  num_threads: int) -> None:
+    die_with_parent()
+    torch.set_num_threads(num_threads)
+    try:
+        device = pick_device(config, rank, world_size)
+        records = train(plan, config, rank, world_size, device, init_method=f"file://{run_dir}/store")
+    except ValueError as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        Path(run_dir, f"error-{rank:05d}.txt").write_text(message)
+        raise SystemExit(2) from None
+    except Exception:
+        # The first rank to crash holds the root cause; the others only see peers disappear.
+        Path(run_dir, f"crash-{time.time_ns():020d}-{rank:05d}.txt").write_text(
+            f"rank {rank}: {traceback.format_exc()}")
+        raise
+    if rank == 0:
+        Path(run_dir, "records.json").write_text(json.dumps(records))
+
+
+def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
+              num_threads: int = 1) -> list[dict[str, Any]]:
+    """Spawn the plan's whole world on this machine, train, return rank 0's per-step records.
+
+    All input checks run here first, so bad input fails before any process starts.
+    """
+    check_inputs(plan, config, plan.world_size)
+    import torch.optim  # noqa: F401  (imported before fork so children do not each pay for it)
+
+    with tempfile.TemporaryDirectory(prefix="ethpipe-run-") as run_dir:
+        context = mp.start_processes(
+            _local_worker, args=(plan, config, plan.world_size, run_dir, num_threads),
+            nprocs=plan.world_size, join=False, start_method=start_method or default_start_method(),
+        )
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessExitedException as err:
+            errors = sorted(Path(run_dir).glob("error-*.txt"))
+            if errors:
+                raise ValueError(errors[0].read_text()) from None
+            raise RuntimeError(f"training failed: {err}") from None
+        except mp.ProcessRaisedException as err:
+            crashes = sorted(Path(run_dir).glob("crash-*.txt"))
+            raise RuntimeError(f"training failed on {crashes[0].read_text() if crashes else err}") from None
+        finally:
+            for proc in context.processes:
+                if proc.is_alive():
+                    proc.kill()
+        return json.loads(Path(run_dir, "records.json").read_text())
+
+
+def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
+    """This process is one rank of a torchrun world: check, pick the device, train."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    check_plan_runnable(plan, world_size)
+    device = pick_device(config, local_rank, local_world)
+    return train(plan, config, rank, world_size, device, init_method="env://")

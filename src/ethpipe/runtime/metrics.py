@@ -1,0 +1,117 @@
+"""Per-step metrics (one JSON line per step), the console progress bar, and Chrome traces.
+
+Every rank contributes one small vector per step (loss part, squared-norm part, timings);
+a single world all-gather gives every rank the global loss and gradient norm (all ranks need
+the norm to clip identically), and rank 0 the per-pipeline timing it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from ethpipe.plan import Plan, write_text_atomic
+
+# Fields of the per-rank stats vector, in order.
+STAT_FIELDS = ("loss_part", "square_norm_part", "busy_s", "idle_s", "sync_exposed_s")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float  # global mean token loss
+    grad_norm: float  # before clipping
+    pipeline_compute_s: tuple[float, ...]  # mean over a pipeline's stages of F/B busy time
+    pipeline_idle_s: tuple[float, ...]  # mean over a pipeline's stages of waiting time in the 1F1B phase
+    grad_sync_exposed_s: float  # max over ranks of time blocked on block all-reduces after the last backward
+
+
+def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> StepStats:
+    """World all-gather of every rank's stats vector (the one metrics collective per step)."""
+    local = torch.tensor([values[f] for f in STAT_FIELDS], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    table = torch.stack(parts).cpu()
+    col = {f: table[:, i] for i, f in enumerate(STAT_FIELDS)}
+    compute, idle = [], []
+    for pipe in plan.pipelines:
+        ranks = list(pipe.ranks)
+        compute.append(float(col["busy_s"][ranks].mean()))
+        idle.append(float(col["idle_s"][ranks].mean()))
+    return StepStats(
+        loss=float(col["loss_part"].sum()),
+        grad_norm=math.sqrt(float(col["square_norm_part"].sum())),
+        pipeline_compute_s=tuple(compute),
+        pipeline_idle_s=tuple(idle),
+        grad_sync_exposed_s=float(col["sync_exposed_s"].max()),
+    )
+
+
+def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: int, lr: float) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": stats.loss,
+        "tokens_per_s": tokens / iteration_time_s if iteration_time_s > 0 else 0.0,
+        "iteration_time_s": iteration_time_s,
+        "pipeline_compute_s": list(stats.pipeline_compute_s),
+        "pipeline_idle_s": list(stats.pipeline_idle_s),
+        "grad_sync_exposed_s": stats.grad_sync_exposed_s,
+        "grad_norm": stats.grad_norm,
+        "lr": lr,
+    }
+
+
+class MetricsWriter:
+    """Rank 0's sink: JSON lines file (flushed per step) and an optional rich progress bar."""
+
+    def __init__(self, path: str | None, num_steps: int, progress: bool) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._file: IO[str] | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")  # noqa: SIM115 - closed in close()
+        self._progress = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=num_steps, info="")
+            self._progress.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._progress is not None:
+            info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
+            self._progress.update(self._task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def write_chrome_trace(path: str | Path, events_by_rank: list[list[tuple[str, float, float]]],
+                       labels: list[str]) -> None:
+    """Chrome/Perfetto trace: one track (tid) per rank in process 0, complete ("X") events in µs
+    from the earliest event. The simulator writes the same layout from its predictions."""
+    starts = [start for evs in events_by_rank for _, start, _ in evs]
+    origin = min(starts) if starts else 0.0
+    trace: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "ethpipe run"}}]
+    for rank, label in enumerate(labels):
+        trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": label}})
+        trace.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": rank, "args": {"sort_index": rank}})
+    for rank, events in enumerate(events_by_rank):
+        for name, start, end in events:
+            trace.append({"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": (start - origin) * 1e6,
+                          "dur": max(0.0, end - start) * 1e6, "cat": name.split(" ")[0].rstrip("0123456789")})
+    write_text_atomic(Path(path), json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n")

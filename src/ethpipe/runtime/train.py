@@ -1,0 +1,243 @@
+"""The training loop of one rank: build the stage, run 1F1B, sync blocks, clip, AdamW, report.
+
+``train`` runs on every rank of an initialised (or to-be-initialised) process group. All
+checks that can fail on user input run before any collective, identically on every rank,
+so bad input makes every rank raise the same one-line ValueError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ethpipe.model_spec import ModelSpec
+from ethpipe.plan import Plan
+from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
+from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, step_sample_ids, validate_data
+from ethpipe.runtime.emulate import Emulator, Slowdown, make_emulator, relative_speeds
+from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
+from ethpipe.runtime.grad_sync import (
+    BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients,
+)
+from ethpipe.runtime.groups import build_groups, destroy_groups
+from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
+from ethpipe.runtime.model import build_stage
+from ethpipe.schedule import one_f_one_b
+
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``ethpipe train`` takes besides the plan (defaults = the CLI's defaults)."""
+
+    data: str
+    steps: int
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # decoupled, on parameters with >= 2 dims only
+    clip_grad: float = 0.0  # max global grad norm; 0 = no clipping
+    seed: int = 0  # model init and shuffle order
+    shuffle: bool = False
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    recompute: bool = False  # activation recomputation on every stage (plans may also set it per stage)
+    metrics: str | None = None
+    init_from: str | None = None
+    save_final: str | None = None
+    emulate: bool = False
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    trace: str | None = None
+    slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
+    bucket_bytes: int = 0  # 0: one all-reduce per block; else split blocks into buckets of this size
+    timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
+    progress: bool = True  # rich progress bar on rank 0
+    device: Literal["auto", "cpu"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:
+            raise ValueError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then constant or cosine down to ``lr * min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    span = max(1, config.steps - 1 - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    low = config.lr * config.min_lr_ratio
+    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with nanoGPT's grouping: weight decay on matrices/embeddings, not on norms/biases."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+
+
+def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
+    """Plan-level checks that need no processes (also run by the launcher before spawning)."""
+    if world_size != plan.world_size:
+        raise ValueError(
+            f"the plan needs {plan.world_size} ranks but the world has {world_size}: "
+            f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
+        )
+    for p_idx, pipe in enumerate(plan.pipelines):
+        for s_idx, stage in enumerate(pipe.stages):
+            if stage.tp > 1:
+                raise ValueError(
+                    f"stage pipelines[{p_idx}].stages[{s_idx}] has tp={stage.tp}; tensor parallelism is planned "
+                    "but not executed yet: re-plan with --max-tp 1"
+                )
+    spec = plan.resolve_model()
+    if plan.seq_len > spec.max_seq_len:
+        raise ValueError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
+    if spec.tie_embeddings and any(p.depth > 1 for p in plan.pipelines):
+        raise ValueError(
+            f"model '{spec.name}' ties embedding and head, which multi-stage pipelines do not support yet: "
+            "use an untied spec (tie_embeddings: false)"
+        )
+    return spec
+
+
+def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile]:
+    """Every user-input check, before any process group exists."""
+    spec = check_plan_runnable(plan, world_size)
+    data = open_tokens(config.data, spec.vocab_size)
+    validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
+    if config.init_from is not None:
+        check_checkpoint(config.init_from, spec)
+    if config.emulate:
+        relative_speeds(plan)
+    for s in config.slowdowns:
+        if not 0 <= s.rank < plan.world_size:
+            raise ValueError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
+    return spec, data
+
+
+def _micro_batches(plan: Plan, data: TokenFile, step: int, config: TrainConfig, pipeline: int,
+                   device: torch.device) -> list[torch.Tensor]:
+    ids = step_sample_ids(step, plan.global_batch_size, data.num_samples(plan.seq_len), config.shuffle, config.seed)
+    out = []
+    for lo, hi in plan.microbatch_slices(pipeline):
+        out.append(torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len)).to(device))
+    return out
+
+
+def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: torch.device | None = None,
+          init_method: str = "env://") -> list[dict[str, Any]]:
+    """Train on this rank; returns the per-step metric records on rank 0 ([] elsewhere).
+
+    Initialises the default process group if none exists (and tears it down afterwards);
+    otherwise reuses it and only creates (and destroys) the plan's own groups.
+    """
+    spec, data = check_inputs(plan, config, world_size)
+    device = device if device is not None else torch.device("cpu")
+    owns_world = not dist.is_initialized()
+    if owns_world:
+        backend = dist.get_default_backend_for_device(device)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=config.timeout)
+    try:
+        return _train_on_world(plan, config, spec, data, rank, device)
+    finally:
+        if owns_world:
+            dist.destroy_process_group()
+
+
+def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, rank: int,
+                    device: torch.device) -> list[dict[str, Any]]:
+    groups = build_groups(plan, rank, config.timeout)
+    pos = groups.position
+    pipe = plan.pipelines[pos.pipeline]
+    stage = pipe.stages[pos.stage]
+    first, last = pos.stage == 0, pos.stage == pipe.depth - 1
+    module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
+                         recompute=config.recompute or stage.recompute)
+    if config.init_from is not None:
+        load_into(module, config.init_from)
+    optimizer = make_optimizer(module, config)
+    blocks = params_by_block(plan, module)
+    sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes)
+    emulator: Emulator | None = make_emulator(plan, rank, config.slowdowns) if config.emulate else None
+    io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len)
+    actions = one_f_one_b(pipe.depth, pos.stage, pipe.num_microbatches)
+    loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
+    autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
+    timeline = Timeline(record=config.trace is not None)
+    writer = MetricsWriter(config.metrics, config.steps, config.progress) if rank == 0 else None
+    try:
+        for step in range(config.steps):
+            step_start = time.time()
+            lr = lr_at(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            batch = _micro_batches(plan, data, step, config, pos.pipeline, device) if first or last else []
+            inputs = [b[:, :-1].contiguous() for b in batch] if first else None
+            targets = [b[:, 1:].contiguous() for b in batch] if last else None
+            timeline.busy_s = timeline.phase_s = 0.0
+            loss = run_stage_step(module, actions, pipe.micro_batch_sizes, inputs, targets, io, loss_scale,
+                                  emulator, step, timeline, autocast_dtype, on_last_backward=sync.start)
+            sync_start = time.time()
+            sync.finish(lambda b: timeline.add(f"allreduce block {b}", sync.started_s, time.time()))
+            sync_exposed_s = time.time() - sync_start
+            stats = gather_stats(plan, {
+                "loss_part": float(loss), "square_norm_part": owned_square_norm(plan, rank, blocks),
+                "busy_s": timeline.busy_s, "idle_s": max(0.0, timeline.phase_s - timeline.busy_s),
+                "sync_exposed_s": sync_exposed_s,
+            }, device)
+            if config.clip_grad > 0:
+                scale_gradients(module, clip_coefficient(stats.grad_norm, config.clip_grad))
+            opt_start = time.time()
+            optimizer.step()
+            timeline.add("optimizer", opt_start, time.time())
+            if writer is not None:
+                tokens = plan.global_batch_size * plan.seq_len
+                writer.write(step_record(step, stats, time.time() - step_start, tokens, lr))
+        if config.save_final is not None:
+            state = gather_consolidated(module, pos.pipeline == 0)
+            if state is not None:
+                save_atomic(state, config.save_final)
+        if config.trace is not None:
+            _write_trace(plan, config.trace, timeline, rank)
+        return writer.records if writer is not None else []
+    finally:
+        if writer is not None:
+            writer.close()
+        destroy_groups(groups)
+
+
+def _write_trace(plan: Plan, path: str, timeline: Timeline, rank: int) -> None:
+    gathered: list[Any] | None = [None] * plan.world_size if rank == 0 else None
+    dist.gather_object(timeline.events, gathered, dst=0)
+    if gathered is not None:
+        labels = []
+        for r in range(plan.world_size):
+            p = plan.position_of(r)
+            device = plan.pipelines[p.pipeline].stages[p.stage].device
+            labels.append(f"rank {r} (pipeline {p.pipeline} stage {p.stage}, {device})")
+        write_chrome_trace(path, gathered, labels)

@@ -1,0 +1,188 @@
+"""Discrete-event replay of one training iteration of a Plan.
+
+Each stage replays exactly the action list the runtime executes (``ethpipe.schedule``), on
+one stream: ``F j`` on a non-first stage first receives micro-batch j's activation from the
+previous stage, ``B j`` on a non-last stage the gradient from the next. Receives are blocking
+rendezvous, as in the runtime: the transfer (p2p time on that link) starts once the sender has
+produced the tensor and the receiver has reached the action, and occupies the receiver; sends
+are asynchronous and cost the sender nothing. After a stage's last backward its blocks'
+gradients are all-reduced on a per-stage communication stream in ascending block order, each
+block's all-reduce starting once every holder is free; then each stage steps its optimizer.
+With ``flat_sync`` every all-reduce waits for the slowest pipeline to flush (DDP-style).
+
+Stages are advanced in alternating sweeps (forward chains resolve in ascending sweeps,
+backward chains in descending ones), so the cost is linear in the number of actions; a tp>1
+stage is one stream whose events carry all its ranks.
+"""
+
+from __future__ import annotations
+
+from ethpipe.plan import Plan
+from ethpipe.schedule import max_in_flight, pipeline_schedule
+from ethpipe.sim.report import RankStats, SimEvent, SimReport
+from ethpipe.sim.sync import block_sync_durations_s, holder_stages
+from ethpipe.sim.timing import TimingModel
+
+_NO_EVENT = -1
+
+
+class _Recorder:
+    """Append-only event store with each event's binding predecessor (for the critical path)."""
+
+    def __init__(self) -> None:
+        self.events: list[SimEvent] = []
+        self.preds: list[int] = []
+
+    def add(self, event: SimEvent, pred: int) -> int:
+        self.events.append(event)
+        self.preds.append(pred)
+        return len(self.events) - 1
+
+    def critical_path(self, last: int) -> tuple[SimEvent, ...]:
+        path = []
+        while last != _NO_EVENT:
+            path.append(self.events[last])
+            last = self.preds[last]
+        return tuple(reversed(path))
+
+
+def _simulate_pipeline(
+    plan: Plan, p: int, cost: TimingModel, rec: _Recorder,
+) -> tuple[list[float], list[int], list[float], list[float]]:
+    """Replay one pipeline's 1F1B; per stage: flush time, last event id, compute s, receive s."""
+    pipe = plan.pipelines[p]
+    stages, sizes = pipe.stages, pipe.micro_batch_sizes
+    num_stages, num_mb = len(stages), len(sizes)
+    schedules = pipeline_schedule(num_stages, num_mb)
+    durations: dict[tuple[int, int], tuple[float, float]] = {}
+    for s, stage in enumerate(stages):
+        for size in set(sizes):
+            durations[(s, size)] = cost.stage_compute_s(stage, size, first=s == 0, last=s == num_stages - 1)
+    heads = [st.ranks[0] for st in stages]
+    p2p_cache: dict[tuple[int, int, int], float] = {}
+
+    def p2p(src: int, dst: int, size: int) -> float:
+        key = (src, dst, size)
+        if key not in p2p_cache:
+            p2p_cache[key] = cost.p2p_s(src, dst, size)
+        return p2p_cache[key]
+
+    # sent[s][j] = (time, event id) when the input stage s waits for is ready at its sender.
+    act_in: list[list[tuple[float, int] | None]] = [[None] * num_mb for _ in stages]
+    grad_in: list[list[tuple[float, int] | None]] = [[None] * num_mb for _ in stages]
+    free = [0.0] * num_stages
+    last_event = [_NO_EVENT] * num_stages
+    busy = [0.0] * num_stages
+    recv = [0.0] * num_stages
+    pos = [0] * num_stages
+    remaining = sum(len(a) for a in schedules)
+    ascending = True
+    while remaining:
+        progressed = False
+        order = range(num_stages) if ascending else range(num_stages - 1, -1, -1)
+        for s in order:
+            actions = schedules[s]
+            ranks = stages[s].ranks
+            while pos[s] < len(actions):
+                action = actions[pos[s]]
+                j, is_fwd = action.microbatch, action.kind == "F"
+                src = s - 1 if is_fwd else s + 1
+                start, pred = free[s], last_event[s]
+                if 0 <= src < num_stages:
+                    sent = (act_in if is_fwd else grad_in)[s][j]
+                    if sent is None:
+                        break
+                    if sent[0] > start:
+                        start, pred = sent
+                    end = start + p2p(heads[src], heads[s], sizes[j])
+                    pred = rec.add(SimEvent(f"recv {action}", "p2p", p, s, ranks, start, end, microbatch=j), pred)
+                    recv[s] += end - start
+                    start = end
+                dur = durations[(s, sizes[j])][0 if is_fwd else 1]
+                end = start + dur
+                ev = rec.add(SimEvent(str(action), "compute", p, s, ranks, start, end, microbatch=j), pred)
+                free[s], last_event[s] = end, ev
+                busy[s] += dur
+                dst = s + 1 if is_fwd else s - 1
+                if 0 <= dst < num_stages:
+                    (act_in if is_fwd else grad_in)[dst][j] = (end, ev)
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        assert progressed, "1F1B action lists deadlocked: schedule and simulator disagree"
+        ascending = not ascending
+    return free, last_event, busy, recv
+
+
+def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimReport:
+    """Simulate one iteration of ``plan`` priced by ``cost``."""
+    rec = _Recorder()
+    flush: dict[tuple[int, int], float] = {}
+    tail: dict[tuple[int, int], int] = {}
+    busy: dict[tuple[int, int], float] = {}
+    recv: dict[tuple[int, int], float] = {}
+    for p in range(len(plan.pipelines)):
+        free, last_event, stage_busy, stage_recv = _simulate_pipeline(plan, p, cost, rec)
+        for s in range(len(free)):
+            key = (p, s)
+            flush[key], tail[key], busy[key], recv[key] = free[s], last_event[s], stage_busy[s], stage_recv[s]
+
+    slowest = max(flush, key=lambda key: flush[key])
+    comm_free = {key: (flush[slowest] if flat_sync else t) for key, t in flush.items()}
+    comm_tail = {key: (tail[slowest] if flat_sync else ev) for key, ev in tail.items()}
+    for k, (holders, dur) in enumerate(zip(holder_stages(plan), block_sync_durations_s(plan, cost))):
+        if dur <= 0.0:
+            continue
+        binding = max(holders, key=lambda key: comm_free[key])
+        start, pred = comm_free[binding], comm_tail[binding]
+        for key in holders:
+            ranks = plan.pipelines[key[0]].stages[key[1]].ranks
+            event = SimEvent(f"allreduce block {k}", "allreduce", key[0], key[1], ranks, start, start + dur, block=k)
+            ev = rec.add(event, pred)
+            comm_free[key], comm_tail[key] = start + dur, ev
+
+    opt_end: dict[tuple[int, int], float] = {}
+    opt_start: dict[tuple[int, int], float] = {}
+    opt_event: dict[tuple[int, int], int] = {}
+    no_sync_end = 0.0
+    for (p, s), t_flush in flush.items():
+        pipe = plan.pipelines[p]
+        stage = pipe.stages[s]
+        dur = cost.optimizer_s(stage, first=s == 0, last=s == pipe.depth - 1)
+        start, pred = t_flush, tail[(p, s)]
+        if comm_free[(p, s)] > start:
+            start, pred = comm_free[(p, s)], comm_tail[(p, s)]
+        opt_start[(p, s)], opt_end[(p, s)] = start, start + dur
+        opt_event[(p, s)] = rec.add(SimEvent("optimizer", "optimizer", p, s, stage.ranks, start, start + dur), pred)
+        no_sync_end = max(no_sync_end, t_flush + dur)
+
+    last_key = max(opt_end, key=lambda key: opt_end[key])
+    iteration_s = opt_end[last_key]
+    stats = []
+    for p, pipe in enumerate(plan.pipelines):
+        schedules = pipeline_schedule(pipe.depth, pipe.num_microbatches)
+        for s, stage in enumerate(pipe.stages):
+            key = (p, s)
+            first, last = s == 0, s == pipe.depth - 1
+            memory = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), max_in_flight(schedules[s]),
+                                             first=first, last=last)
+            busy_s = busy[key] + opt_end[key] - opt_start[key]
+            for r in stage.ranks:
+                stats.append(RankStats(
+                    rank=r, pipeline=p, stage=s, device=stage.device, busy_s=busy_s, idle_s=iteration_s - busy_s,
+                    bubble_s=flush[key] - busy[key] - recv[key], recv_s=recv[key],
+                    sync_wait_s=opt_start[key] - flush[key], flush_s=flush[key],
+                    peak_memory_bytes=int(memory),
+                ))
+    stats.sort(key=lambda st: st.rank)
+    pipeline_flush = tuple(max(flush[(p, s)] for s in range(pipe.depth)) for p, pipe in enumerate(plan.pipelines))
+    return SimReport(
+        iteration_time_s=iteration_s,
+        tokens_per_s=plan.global_batch_size * plan.seq_len / iteration_s if iteration_s > 0 else 0.0,
+        exposed_comm_s=max(iteration_s - no_sync_end, 0.0),
+        flat_sync=flat_sync,
+        pipeline_flush_s=pipeline_flush,
+        ranks=tuple(stats),
+        critical_path=rec.critical_path(opt_event[last_key]),
+        events=tuple(rec.events),
+    )

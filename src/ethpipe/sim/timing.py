@@ -1,0 +1,39 @@
+"""The slice of the cost model the simulator needs, as a Protocol.
+
+The simulator depends on this interface, not on ``ethpipe.cost.model.CostModel`` itself, so
+hand-written fakes with round numbers can pin down exact timelines in tests while the real
+cost model (analytic or profile-backed) drives ``ethpipe simulate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from ethpipe.plan import Block, Stage
+
+
+class TimingModel(Protocol):
+    def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch on a whole stage."""
+        ...
+
+    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
+        """Seconds to send one micro-batch's activation (or its gradient) between two ranks."""
+        ...
+
+    def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
+        """Seconds of one all-reduce of ``num_bytes`` over ``ranks`` (``nic_share`` collectives share a NIC)."""
+        ...
+
+    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
+        """Gradient bytes one holder of ``block`` contributes to the block's all-reduce."""
+        ...
+
+    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
+        """Seconds of the optimizer step over a stage's parameters."""
+        ...
+
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+        """Peak bytes on one rank of the stage with ``in_flight`` micro-batches of activations held."""
+        ...

@@ -1,0 +1,122 @@
+"""`ethpipe train` end to end (a real spawned run) and its bad-input errors.
+
+Bad input must give one line, a non-zero exit, no hung rank and no overwritten output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from ethpipe.cli.app import app
+from ethpipe.runtime import launch, train as train_module
+from ethpipe.runtime.checkpoint import save_atomic
+from ethpipe.runtime.data import prepare_tokens
+from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.train import TrainConfig
+
+from .plans import GPT_LIKE, LLAMA_LIKE, make_plan
+
+pytestmark = pytest.mark.dist
+
+import ethpipe.cli.commands  # noqa: E402,F401  (registers the commands on the app)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    plan = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1))])
+    plan.save(tmp_path / "plan.json")
+    rng = np.random.default_rng(1)
+    prepare_tokens([" ".join(rng.choice(["ab", "cd", "ef", "gh"], size=600))], tmp_path / "tokens.bin")
+    return {"plan": tmp_path / "plan.json", "data": tmp_path / "tokens.bin", "dir": tmp_path}
+
+
+def test_cli_train_spawns_locally_and_writes_outputs(files: dict[str, Path]) -> None:
+    d = files["dir"]
+    cmd = [sys.executable, "-m", "ethpipe", "train", "--plan", str(files["plan"]), "--data", str(files["data"]),
+           "--steps", "2", "--metrics", str(d / "m.jsonl"), "--save-final", str(d / "w.safetensors"), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (d / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1]
+    assert {"loss", "tokens_per_s", "iteration_time_s", "pipeline_compute_s", "pipeline_idle_s",
+            "grad_sync_exposed_s", "grad_norm", "lr"} <= set(lines[0])
+    weights = load_file(d / "w.safetensors")
+    full = build_full_model(LLAMA_LIKE).state_dict()
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in full.items()}
+    assert not torch.equal(weights["layers.4.attn.wq.weight"], full["layers.4.attn.wq.weight"])  # it trained
+
+
+def _run_cli(args: list[str]) -> tuple[int, str]:
+    result = CliRunner().invoke(app, args)
+    return result.exit_code, (result.stdout or "") + (result.stderr or "")
+
+
+def _bad(files: dict[str, Path], extra: list[str], plan: Path | None = None, data: Path | None = None) -> str:
+    """Run a bad command; check exit 2, one line, and that existing outputs were not touched."""
+    d = files["dir"]
+    for name in ("m.jsonl", "w.safetensors"):
+        (d / name).write_text("keep")
+    args = ["train", "--plan", str(plan or files["plan"]), "--data", str(data or files["data"]),
+            "--metrics", str(d / "m.jsonl"), "--save-final", str(d / "w.safetensors"), "--no-progress", *extra]
+    code, out = _run_cli(args)
+    assert code == 2, out
+    assert len(out.strip().splitlines()) == 1 and out.startswith("error:"), out
+    assert (d / "m.jsonl").read_text() == "keep" and (d / "w.safetensors").read_text() == "keep"
+    return out
+
+
+def test_bad_inputs_give_one_line_and_touch_nothing(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    d = files["dir"]
+    assert "--steps" in _bad(files, ["--steps", "100"])
+    prepare_tokens(["x" * 200], d / "wide.bin")  # byte 'x' = 120 > vocab 64
+    small_vocab = make_plan(dataclasses.replace(LLAMA_LIKE, vocab_size=64), [([(0, (0, 3)), (1, (3, 6))], (2, 1))])
+    small_vocab.save(d / "small_vocab.json")
+    assert "vocab_size is 64" in _bad(files, ["--steps", "1"], plan=d / "small_vocab.json", data=d / "wide.bin")
+    save_atomic(build_full_model(GPT_LIKE).state_dict(), d / "other.safetensors")
+    assert "--init-from" in _bad(files, ["--steps", "1", "--init-from", str(d / "other.safetensors")])
+    tp_plan = json.loads(files["plan"].read_text())
+    tp_plan["pipelines"][0]["stages"][1].update(ranks=[1, 2], tp=2)
+    tp_plan["blocks"][1]["ranks"] = [1, 2]
+    (d / "tp.json").write_text(json.dumps(tp_plan))
+    assert "re-plan with --max-tp 1" in _bad(files, ["--steps", "1"], plan=d / "tp.json")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert "needs 2 ranks but the world has 3" in _bad(files, ["--steps", "1"])
+
+
+@pytest.mark.timeout(120)  # a hang (ranks left waiting on the failed one) fails here
+def test_error_on_one_rank_ends_every_rank(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    real_build = train_module.build_stage
+
+    def failing_build(spec, layers, first, last, **kw):  # type: ignore[no-untyped-def]
+        if not first:
+            raise ValueError("injected failure on the last stage")
+        return real_build(spec, layers, first, last, **kw)
+
+    monkeypatch.setattr(train_module, "build_stage", failing_build)  # inherited by the forked ranks
+    plan = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1))])
+    config = TrainConfig(data=str(files["data"]), steps=1, progress=False, timeout_s=600.0)
+    with pytest.raises(ValueError, match="injected failure"):
+        launch.run_local(plan, config)  # returns long before the 600 s collective timeout: the launcher ends rank 0
+
+
+def test_torchrun_launch_bf16(files: dict[str, Path]) -> None:
+    d = files["dir"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ethpipe", "train",
+           "--plan", str(files["plan"]), "--data", str(files["data"]), "--steps", "2", "--dtype", "bf16",
+           "--recompute", "--metrics", str(d / "m.jsonl"), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(x)["loss"] for x in (d / "m.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 0.5

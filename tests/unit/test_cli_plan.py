@@ -1,0 +1,77 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ethpipe.cli.app import app
+from ethpipe.cli import commands  # noqa: F401  (registers the commands)
+from ethpipe.plan import Plan
+
+DEMO = "examples/clusters/cpu_demo.yaml"
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "250"})
+
+
+def test_plan_writes_valid_plan_and_prints_table(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    res = _run("plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "32", "--seq-len", "64",
+               "--max-tp", "1", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert "balance efficiency" in res.output and "tokens/s" in res.output
+    plan = Plan.load(out)
+    assert plan.global_batch_size == 32 and plan.method == "eth"
+
+
+def test_plan_json_to_stdout() -> None:
+    res = _run("plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24", "--seq-len", "64",
+               "--method", "uniform", "--json")
+    assert res.exit_code == 0
+    assert Plan.from_dict(json.loads(res.stdout)).method == "uniform"
+
+
+def test_compare_writes_results_and_plot(tmp_path: Path) -> None:
+    out, fig = tmp_path / "r.json", tmp_path / "fig.png"
+    res = _run("compare", "--cluster", DEMO, "--model", "tiny", "--global-batch", "32", "--seq-len", "64",
+               "--out", str(out), "--plot", str(fig))
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert set(data["methods"]) == {"eth", "uniform", "layer-balanced"}
+    assert data["methods"]["eth"]["eth_speedup"] == 1.0
+    assert fig.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_catalog_lists_gpus_and_models() -> None:
+    res = _run("catalog")
+    assert res.exit_code == 0 and "a100_80gb_sxm" in res.output and "llama2-70b" in res.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--cluster", "missing.yaml", "--model", "tiny"], "not found"),
+    (["--cluster", DEMO, "--model", "gpt-9"], "unknown model"),
+    (["--cluster", DEMO, "--model", "tiny", "--method", "best"], "unknown method"),
+    (["--cluster", DEMO, "--model", "llama2-70b"], "llama2-70b needs"),
+    (["--cluster", DEMO, "--model", "tiny", "--global-batch", "1"], "smaller than the"),
+    (["--cluster", DEMO, "--model", "tiny", "--profile", "x.json"], "--profile-as"),
+])
+def test_errors_one_line_exit_2_no_file(tmp_path: Path, args, needle) -> None:
+    out = tmp_path / "plan.json"
+    full = ["plan", "--global-batch", "24", "--seq-len", "64", *args, "--out", str(out)]
+    res = _run(*full)
+    assert res.exit_code == 2
+    lines = [line for line in res.output.strip().splitlines() if line]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in res.output
+    assert not out.exists()
+
+
+def test_console_script_error_path(tmp_path: Path) -> None:
+    bad = tmp_path / "c.yaml"
+    bad.write_text("nodes:\n  - {gpu: h900, num_nodes: 1, gpus_per_node: 1, nic_gbit_s: 1}\n")
+    res = subprocess.run([sys.executable, "-m", "ethpipe", "plan", "--cluster", str(bad), "--model", "tiny",
+                          "--global-batch", "4", "--seq-len", "64"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "h900" in res.stderr

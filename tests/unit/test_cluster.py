@@ -1,0 +1,38 @@
+import pytest
+
+from ethpipe.cluster import cluster_from_dict, load_cluster
+
+SPEC = {"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 8, "nic_gbit_s": 200},
+                  {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]}
+
+
+def test_ranks_follow_node_order_and_links() -> None:
+    c = cluster_from_dict(SPEC)
+    assert c.num_devices == 20
+    assert [d.node for d in c.devices[7:9]] == [0, 1]
+    assert c.devices[16].gpu.id == "v100_32gb_sxm2" and c.devices[16].local_rank == 0
+    assert c.link_gbps(0, 1) == c.devices[0].gpu.intra_node_gbps
+    assert c.link_gbps(0, 16) == 100 / 8  # slower NIC sets the inter-node link
+    assert c.gpu_types == ("a100_80gb_sxm", "v100_32gb_sxm2")
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"nodes": [{"gpu": "nope", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 1}]}, "nodes.0.gpu"),
+    ({"nodes": [{"gpu": "t4", "num_nodes": -1, "gpus_per_node": 1, "nic_gbit_s": 1}]}, "nodes.0.num_nodes"),
+    ({"nodes": [{"gpu": "t4", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 1, "colour": 3}]}, "colour"),
+    ({"nodes": []}, "nodes"),
+])
+def test_bad_cluster_one_line_error(bad, field) -> None:
+    with pytest.raises(ValueError) as err:
+        cluster_from_dict(bad)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_inline_gpu_and_overrides(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("nodes:\n  - gpu: {id: fast, memory_gib: 1, peak_tflops: 3.0}\n    num_nodes: 1\n"
+                    "    gpus_per_node: 2\n    nic_gbit_s: 10\n    efficiency: 0.5\n")
+    c = load_cluster(path)
+    assert c.devices[1].gpu.id == "fast" and c.devices[1].gpu.efficiency == 0.5
+    with pytest.raises(ValueError, match="not found"):
+        load_cluster(tmp_path / "missing.yaml")

@@ -1,0 +1,88 @@
+import pytest
+
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.cost import comm
+from ethpipe.cost.compute import model_train_flops
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.profile import LayerTiming, MeasuredProfile
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import Block, Stage
+
+CLUSTER = cluster_from_dict({"nodes": [
+    {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 200},
+    {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+L7 = load_model_spec("llama2-7b")
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return CostModel(CLUSTER, L7, 4096)
+
+
+def test_model_flops_close_to_6n_plus_attention() -> None:
+    flops = model_train_flops(L7, 4096, 1)
+    six_n = 6 * L7.num_params() * 4096
+    assert six_n < flops < 1.6 * six_n  # attention term at s=4096 adds ~ s/(6h) * ... on top of 6N
+
+
+def test_compute_scales_with_batch_tp_and_recompute(cost: CostModel) -> None:
+    st = Stage((0,), "a100_80gb_sxm", (0, 8))
+    f1, b1 = cost.stage_compute_s(st, 1, first=False, last=False)
+    f2, b2 = cost.stage_compute_s(st, 2, first=False, last=False)
+    assert b1 == pytest.approx(2 * f1, rel=0.01) and f2 == pytest.approx(2 * f1, rel=0.01)
+    _, brc = cost.stage_compute_s(Stage((0,), "a100_80gb_sxm", (0, 8), recompute=True), 1, first=False, last=False)
+    assert brc == pytest.approx(b1 + f1)
+    ftp, _ = cost.stage_compute_s(Stage((0, 1), "a100_80gb_sxm", (0, 8), tp=2), 1, first=False, last=False)
+    assert f1 / 2 < ftp < f1  # half the math plus Megatron all-reduces
+    fv, _ = cost.stage_compute_s(Stage((8,), "v100_32gb_sxm2", (0, 8)), 1, first=False, last=False)
+    assert fv / f1 == pytest.approx(1 / cost.device_speed("v100_32gb_sxm2"), rel=0.01)
+    assert cost.device_speed("a100_80gb_sxm") == 1.0
+
+
+def test_p2p_and_allreduce(cost: CostModel) -> None:
+    act = 4096 * 4096 * 2
+    nvlink = cost.gpu("a100_80gb_sxm").intra_node_gbps
+    assert cost.p2p_s(0, 1, 1) == pytest.approx(5e-6 + act / (nvlink * 1e9))
+    assert cost.p2p_s(0, 4, 1) == pytest.approx(10e-6 + act / 25e9)
+    assert cost.allreduce_s([0], 10**9) == 0.0
+    intra = cost.allreduce_s([0, 1, 2, 3], 10**9)
+    assert intra == pytest.approx(comm.ring_allreduce_s(4, 10**9, nvlink, 5e-6))
+    cross = cost.allreduce_s([0, 4], 10**9)
+    slower = cost.allreduce_s([0, 8], 10**9)
+    assert intra < cross < slower  # slowest link sets the bandwidth
+    assert cost.allreduce_s([0, 4], 10**9, nic_share=2) > cross
+
+
+def test_hierarchical_never_worse_than_flat() -> None:
+    kw = dict(num_ranks=16, num_nodes=2, max_ranks_per_node=8, intra_gbps=300, inter_gbps=25,
+              intra_latency_s=5e-6, inter_latency_s=1e-5)
+    flat = 2 * 15 * 1e-5 + 2 * 15 / 16 * 1e9 / 25e9
+    assert comm.allreduce_shape_s(1e9, **kw) < flat
+
+
+def test_memory_and_blocks(cost: CostModel) -> None:
+    st = Stage((0,), "a100_80gb_sxm", (0, 8))
+    base = cost.stage_memory_bytes(st, 1, 4, first=True, last=False)
+    states = 16 * (8 * L7.params_per_layer() + L7.embedding_params())
+    assert base > states and cost.stage_memory_bytes(st, 1, 8, first=True, last=False) > base
+    rc = cost.stage_memory_bytes(Stage((0,), "a100_80gb_sxm", (0, 8), recompute=True), 1, 4, first=True, last=False)
+    assert states < rc < base
+    whole = cost.block_grad_bytes(Block((0, 32), (0,)), first=True, last=True)
+    assert whole == 2 * L7.num_params()
+
+
+def test_profile_takes_precedence() -> None:
+    prof = MeasuredProfile("cpu", "cpu", "fp32", L7.to_dict(), 4096,
+                           {"block": {1: LayerTiming(1.0, 2.0)}, "head": {1: LayerTiming(0.5, 1.0)},
+                            "embedding": {1: LayerTiming(0.1, 0.1)}}, 1e-9)
+    cost = CostModel(CLUSTER, L7, 2048, profiles={"v100_32gb_sxm2": prof})
+    f, b = cost.layer_times_s("v100_32gb_sxm2", 1)
+    assert 0.4 < f < 0.6 and b == pytest.approx(2 * f)  # scaled by the FLOPs ratio to s=2048
+    assert cost.device_speed("v100_32gb_sxm2") < 0.02  # 0.5 s per block vs ~6 ms analytic A100
+    with pytest.raises(ValueError, match="not in the cluster"):
+        CostModel(CLUSTER, L7, 2048, profiles={"h100_sxm": prof})
+
+
+def test_seq_len_checked() -> None:
+    with pytest.raises(ValueError, match="max_seq_len"):
+        CostModel(CLUSTER, L7, 10**6)

@@ -1,0 +1,74 @@
+"""Token files and the global data order (DESIGN 3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ethpipe.runtime.data import (
+    builtin_text, gather_samples, open_tokens, prepare_tokens, step_sample_ids, token_dtype, validate_data,
+)
+
+
+def _write(path: Path, tokens: np.ndarray) -> Path:
+    tokens.tofile(path)
+    return path
+
+
+def test_sample_formula(tmp_path: Path) -> None:
+    data = open_tokens(_write(tmp_path / "t.bin", np.arange(100, dtype=np.uint16)), vocab_size=256)
+    assert data.num_samples(8) == 12  # (100 - 1) // 8
+    rows = gather_samples(data, np.array([0, 3]), 8)
+    assert rows.tolist() == [list(range(0, 9)), list(range(24, 33))]
+
+
+def test_step_order_and_shuffle() -> None:
+    assert step_sample_ids(2, 4, 100, False, 0).tolist() == [8, 9, 10, 11]
+    a = np.concatenate([step_sample_ids(k, 5, 20, True, 3) for k in range(4)])
+    assert sorted(a.tolist()) == list(range(20))  # a permutation: no sample twice
+    assert a.tolist() == np.concatenate([step_sample_ids(k, 5, 20, True, 3) for k in range(4)]).tolist()
+    assert a.tolist() != np.concatenate([step_sample_ids(k, 5, 20, True, 4) for k in range(4)]).tolist()
+
+
+def test_validation_errors(tmp_path: Path) -> None:
+    data = open_tokens(_write(tmp_path / "t.bin", np.arange(100, dtype=np.uint16)), vocab_size=256)
+    validate_data(data, 8, 4, 3, False, 256)
+    with pytest.raises(ValueError, match="needs 16"):
+        validate_data(data, 8, 4, 4, False, 256)
+    with pytest.raises(ValueError, match="token id 32 but the model's vocab_size is 32"):
+        validate_data(data, 8, 4, 1, False, 32)
+    validate_data(data, 8, 2, 1, False, 32)  # only the tokens a run will read are checked (no shuffle)
+    with pytest.raises(ValueError, match="not found"):
+        open_tokens(tmp_path / "missing.bin", 256)
+
+
+def test_dtype_from_vocab_or_sidecar(tmp_path: Path) -> None:
+    assert token_dtype(50257) == np.uint16 and token_dtype(128256) == np.uint32
+    path = _write(tmp_path / "big.bin", np.array([70000, 1, 2], dtype=np.uint32))
+    assert open_tokens(path, 128256).tokens.tolist() == [70000, 1, 2]
+    (tmp_path / "big.bin.json").write_text(json.dumps({"dtype": "uint32", "vocab_size": 128256}))
+    assert open_tokens(path, 256).tokens.dtype == np.uint32
+
+
+def test_prepare_bytes_roundtrip(tmp_path: Path) -> None:
+    count = prepare_tokens(["héllo", "world"], tmp_path / "o.bin")
+    data = open_tokens(tmp_path / "o.bin", 256)
+    assert count == data.num_tokens
+    assert bytes(data.tokens.astype(np.uint8)).decode() == "héllo\n\nworld"
+    assert json.loads((tmp_path / "o.bin.json").read_text()) == {"dtype": "uint16", "vocab_size": 256}
+
+
+def test_tokenizer_needs_package_or_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tokeniz"):
+        prepare_tokens(["text"], tmp_path / "o.bin", tokenizer=tmp_path / "missing.json")
+    assert not (tmp_path / "o.bin").exists()
+
+
+def test_builtin_text_is_real_english() -> None:
+    docs = builtin_text(max_bytes=50_000)
+    text = " ".join(docs)
+    assert len(text) >= 50_000 and text.count(" the ") > 100
+    assert docs == builtin_text(max_bytes=50_000)  # deterministic

@@ -1,0 +1,85 @@
+import pytest
+
+from ethpipe.cluster import cluster_from_dict, load_cluster
+from ethpipe.cost.model import CostModel
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import Plan
+from ethpipe.planner import estimate_iteration_s, make_plan
+from ethpipe.planner.exhaustive import exhaustive_eth
+
+HETERO = cluster_from_dict({"nodes": [
+    {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 800},
+    {"gpu": "v100_32gb_sxm2", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 400}]})
+
+
+@pytest.fixture(scope="module")
+def eth_plan() -> Plan:
+    return make_plan(HETERO, load_model_spec("llama2-7b"), 128, 2048, max_tp=1)
+
+
+def test_plan_contract_fields(eth_plan: Plan) -> None:
+    data = eth_plan.to_dict()
+    assert data["method"] == "eth" and data["model"] == "llama2-7b" and data["cluster"] == HETERO.source
+    assert set(data["device_speeds"]) == {"a100_80gb_sxm", "v100_32gb_sxm2"}
+    assert data["device_speeds"]["a100_80gb_sxm"] == 1.0
+    pred = data["predicted"]
+    for key in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "planning_time_s", "ideal_time_s", "mfu",
+                "grad_sync_exposed_s"):
+        assert pred[key] > 0 or key == "grad_sync_exposed_s"
+    assert len(pred["devices"]) == HETERO.num_devices
+    assert all(d["memory_bytes"] <= d["memory_capacity_bytes"] for d in pred["devices"])
+    assert Plan.from_dict(data) == Plan.from_dict(Plan.from_dict(data).to_dict())  # validates and round-trips
+
+
+def test_eth_pipelines_homogeneous_and_data_follows_speed(eth_plan: Plan) -> None:
+    assert all(s.tp == 1 for p in eth_plan.pipelines for s in p.stages)
+    per_type: dict[str, list[float]] = {}
+    for p in eth_plan.pipelines:
+        devices = {s.device for s in p.stages}
+        assert len(devices) == 1
+        per_type.setdefault(devices.pop(), []).append(p.num_samples / p.depth)
+    assert min(per_type["a100_80gb_sxm"]) > 2 * max(per_type["v100_32gb_sxm2"])
+
+
+def test_estimate_reproduces_prediction_and_efficiency_bounded(eth_plan: Plan) -> None:
+    cost = CostModel.for_plan(eth_plan)
+    assert estimate_iteration_s(eth_plan, cost) == pytest.approx(eth_plan.predicted["iteration_time_s"], rel=1e-12)
+    assert 0 < eth_plan.predicted["balance_efficiency"] <= 1
+
+
+@pytest.mark.parametrize("model, batch, seq", [("gpt3-1.3b", 64, 2048), ("llama2-7b", 96, 4096)])
+def test_heuristic_close_to_exhaustive_over_own_space(model: str, batch: int, seq: int) -> None:
+    spec = load_model_spec(model)
+    plan = make_plan(HETERO, spec, batch, seq)
+    best = exhaustive_eth(CostModel(HETERO, spec, seq), batch, time_budget_s=120).plan
+    assert best is not None
+    assert plan.predicted["iteration_time_s"] <= best.predicted["iteration_time_s"] / 0.98
+
+
+def test_every_method_balance_efficiency_at_most_one() -> None:
+    spec = load_model_spec("gpt3-1.3b")
+    for method in ("eth", "uniform", "layer-balanced"):
+        plan = make_plan(HETERO, spec, 64, 2048, method)
+        assert 0 < plan.predicted["balance_efficiency"] <= 1
+        assert sorted(r for p in plan.pipelines for r in p.ranks) == list(range(HETERO.num_devices))
+
+
+def test_cpu_demo_cluster_plans_tiny() -> None:
+    cluster = load_cluster("examples/clusters/cpu_demo.yaml")
+    for batch, seq in ((24, 64), (48, 128)):
+        plan = make_plan(cluster, load_model_spec("tiny"), batch, seq, max_tp=1)
+        assert plan.world_size == 6 and plan.extra["device_speeds"]["slow"] == pytest.approx(1 / 3)
+        fast = [p.num_samples for p in plan.pipelines if p.stages[0].device == "fast"]
+        slow = [p.num_samples for p in plan.pipelines if p.stages[0].device == "slow"]
+        assert min(fast) > max(slow)
+
+
+def test_errors() -> None:
+    t4 = cluster_from_dict({"nodes": [{"gpu": "t4", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100}]})
+    with pytest.raises(ValueError, match=r"llama2-70b needs .* GiB per stage at depth 8 on t4") as err:
+        make_plan(t4, load_model_spec("llama2-70b"), 64, 4096)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="smaller than the"):
+        make_plan(HETERO, load_model_spec("gpt3-1.3b"), 1, 2048)
+    with pytest.raises(ValueError, match="unknown method"):
+        make_plan(t4, load_model_spec("tiny"), 8, 64, method="fast")
