@@ -1,5 +1,3 @@
-import pytest
-
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan

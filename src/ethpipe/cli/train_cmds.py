@@ -36,6 +36,13 @@ def train(
     device: str = typer.Option("auto", "--device", help="auto (accelerator if present) or cpu."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Fail any collective that waits longer."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    checkpoint_dir: Optional[Path] = typer.Option(
+        None, "--checkpoint-dir", help="Save training checkpoints here (plan-independent; see `ethpipe inspect`)."),
+    save_every: int = typer.Option(0, "--save-every", help="Checkpoint every K steps (0: only after the last)."),
+    keep: int = typer.Option(3, "--keep", help="Keep the newest N checkpoints."),
+    resume: bool = typer.Option(False, "--resume",
+                                help="Continue from the newest complete checkpoint in --checkpoint-dir, "
+                                     "under this plan (any shape) with the same sample stream."),
 ) -> None:
     """Train with a plan, exactly: loss = mean token cross-entropy over the whole global batch,
     no dropout. Without torchrun the plan's world is spawned on this machine; under
@@ -54,6 +61,8 @@ def train(
         save_final=str(save_final) if save_final else None, emulate=emulate, warmup_steps=warmup_steps,
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
         timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
+        checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
+        resume=resume,
     )
     records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
     if records:

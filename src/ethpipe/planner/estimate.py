@@ -5,10 +5,11 @@ Per pipeline: the 1F1B critical path of ``timing.py``. Each stage's last backwar
 ascending block order (the global order that keeps overlapping groups deadlock-free). A
 block's all-reduce starts when all its holders are free, holders stay busy until it ends,
 and each stage runs its optimizer step after its last block. Collectives that cross nodes at
-the same time share the NIC: after the intra-node reduction a node's NIC carries every
-cross-node block it holds once, so a collective gets the fraction of the NIC its bytes are of
-all those bytes (as if all of them ran at once: a conservative bound, since blocks of
-different stages end at different times). With TP each shard syncs bytes / tp.
+the same time share the NIC: a stage syncs its blocks one after another, so a node runs at
+most one collective per syncing rank at a time (one per stage and TP shard; pipelines on the
+same node are reduced inside it first). A collective therefore gets the NIC divided by
+(the node's ranks in cross-node block groups / this group's ranks on the node), for its
+busiest node. With TP each shard syncs bytes / tp.
 """
 
 from __future__ import annotations
@@ -76,20 +77,24 @@ def estimate_plan(plan: Plan, cost: CostModel) -> Estimate:
         holders_of.append(holders)
     num_layers = plan.num_layers
     groups = []
-    node_bytes: dict[int, float] = {}  # cross-node gradient bytes each node's NIC carries (once per block)
+    syncing: dict[int, set[int]] = {}  # node -> its ranks that take part in a cross-node block group
     for block, holders in zip(plan.blocks, holders_of):
         stages = [plan.pipelines[p].stages[s] for p, s in holders]
         ranks = [st.ranks[0] for st in stages]
         num_bytes = cost.block_grad_bytes(block, first=block.layers[0] == 0, last=block.layers[1] == num_layers)
-        nodes = {cost.cluster.devices[r].node for r in ranks}
-        if len(nodes) > 1:
-            for node in nodes:
-                node_bytes[node] = node_bytes.get(node, 0.0) + num_bytes
-        groups.append((ranks, num_bytes / min(st.tp for st in stages), nodes))
+        if len({cost.cluster.devices[r].node for r in ranks}) > 1:
+            for st in stages:
+                for r in st.ranks:
+                    syncing.setdefault(cost.cluster.devices[r].node, set()).add(r)
+        groups.append((ranks, num_bytes / min(st.tp for st in stages)))
     sync_end = makespan
-    for holders, (ranks, shard_bytes, nodes) in zip(holders_of, groups):
+    for holders, (ranks, shard_bytes) in zip(holders_of, groups):
         if len(ranks) > 1:
-            share = max(node_bytes.get(n, 0.0) for n in nodes) / shard_bytes if len(nodes) > 1 else 1.0
+            here: dict[int, int] = {}
+            for r in ranks:
+                node = cost.cluster.devices[r].node
+                here[node] = here.get(node, 0) + 1
+            share = max(len(syncing.get(n, ())) / count for n, count in here.items()) if len(here) > 1 else 1.0
             duration = cost.allreduce_s(ranks, int(shard_bytes), nic_share=max(share, 1.0))
             start = max(free[h] for h in holders)
             for h in holders:

@@ -38,7 +38,8 @@ def _pool_sync_s(cost: CostModel, pool: Pool, tpl: Template) -> float:
     return 2 * (num_nodes - 1) / num_nodes * model_bytes / tpl.nodes_per_pipeline / (nic_gbps * 1e9)
 
 
-def _top_groups(cost: CostModel, pool: Pool, templates: Sequence[Template], global_batch: int) -> list[Group]:
+def _top_groups(cost: CostModel, pool: Pool, templates: Sequence[Template], global_batch: int, keep: int
+                ) -> list[Group]:
     """Best micro-batch size per shape, then the best few shapes, by time to process a fair share."""
     best: dict[tuple[int, int, int], tuple[float, Template]] = {}
     fitting = [t for t in templates if pool.num_devices // t.devices_per_pipeline <= global_batch]
@@ -50,7 +51,7 @@ def _top_groups(cost: CostModel, pool: Pool, templates: Sequence[Template], glob
         if key not in best or score < best[key][0]:
             best[key] = (score, tpl)
     ranked = sorted(best.values(), key=lambda st: (st[0], -st[1].devices_per_pipeline))
-    return [homogeneous_group(tpl, pool) for _, tpl in ranked[:TOP_TEMPLATES_PER_POOL]]
+    return [homogeneous_group(tpl, pool) for _, tpl in ranked[:keep]]
 
 
 def _mixed_candidates(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, max_tp: int, recompute: str,
@@ -87,11 +88,13 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     cache: dict = {}
     pools = pools_of(cost)
     own: dict[int, list[list[Group]]] = {}  # pool index -> candidate group lists
+    # As many templates per pool as MAX_COMBINATIONS allows for a full enumeration (at least 3).
+    keep = max(TOP_TEMPLATES_PER_POOL, int(round(MAX_COMBINATIONS ** (1 / len(pools)))))
     for i, pool in enumerate(pools):
         templates = pool_templates(cost, pools, i, max_tp=max_tp, recompute=recompute,
                                    max_micro_batch=max(1, global_batch), cache=cache)
         if templates:
-            own[i] = [[g] for g in _top_groups(cost, pool, templates, global_batch)]
+            own[i] = [[g] for g in _top_groups(cost, pool, templates, global_batch, keep)]
     best: tuple[float, list[Group], list[list[int]]] | None = None
     layouts, error = 0, None
     for mixed_set in _mixed_sets(cost, pools, own):

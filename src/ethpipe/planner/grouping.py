@@ -76,12 +76,10 @@ def _sync_blocks(cost: CostModel, groups: Sequence[Group], free: dict[tuple[int,
     cuts = sorted({0, num_layers, *(lo for gr in groups for lo, _ in gr.template.partition.ranges())})
     devs = [cost.cluster.devices[gr.instances[0][0].ranks[0]] for gr in groups]
     num_nodes = sum(gr.num_nodes for gr in groups)
-    model_bytes = cost.block_grad_bytes(Block((0, num_layers), ()), first=True, last=True)
-    # Bytes a node's NIC carries (see estimate.py): the whole model for in-node pipelines.
-    node_bytes = max(model_bytes / max(gr.num_nodes // gr.count, 1) if gr.template.nodes_per_pipeline > 1
-                     else model_bytes for gr in groups)
+    # One concurrent collective per syncing (stage, shard) of a node, pipelines_per_node ranks each.
+    share = max(max(gr.gpus_per_node / gr.pipelines_per_node, 1.0) for gr in groups) if num_nodes > 1 else 1.0
     intra = min(d.gpu.intra_node_gbps for d in devs)
-    nic = min(d.nic_gbps for d in devs)
+    inter = min(d.nic_gbps for d in devs) / share
     per_node = max(gr.pipelines_per_node for gr in groups)
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         holders = []
@@ -89,12 +87,10 @@ def _sync_blocks(cost: CostModel, groups: Sequence[Group], free: dict[tuple[int,
         for g, gr in enumerate(groups):
             s = next(i for i, (a, b) in enumerate(gr.template.partition.ranges()) if a <= lo < b)
             holders.append((g, s))
-        full = cost.block_grad_bytes(Block((lo, hi), ()), first=lo == 0, last=hi == num_layers)
-        num_bytes = full / tp
+        num_bytes = cost.block_grad_bytes(Block((lo, hi), ()), first=lo == 0, last=hi == num_layers) / tp
         duration = comm.allreduce_shape_s(
             num_bytes, num_ranks=sum(gr.count for gr in groups), num_nodes=num_nodes, max_ranks_per_node=per_node,
-            intra_gbps=intra, inter_gbps=nic * num_bytes / max(node_bytes, num_bytes),
-            intra_latency_s=cost.cluster.intra_node_latency_s,
+            intra_gbps=intra, inter_gbps=inter, intra_latency_s=cost.cluster.intra_node_latency_s,
             inter_latency_s=cost.cluster.inter_node_latency_s)
         start = max(free[h] for h in holders)
         for h in holders:

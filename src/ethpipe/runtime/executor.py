@@ -91,11 +91,12 @@ def run_stage_step(
         start, start_cpu = time.time(), time.thread_time()
         out = fn()
         _sync_device(device)
-        # On CPU, this thread's CPU time: on an oversubscribed machine wall time would count the
-        # other ranks' work too and the stretch would amplify that contention.
-        measured = time.thread_time() - start_cpu if device.type == "cpu" else time.time() - start
         if emulator is not None:
-            emulator.stretch(measured, step)
+            # On CPU the real compute is this thread's CPU time: time spent descheduled while other
+            # ranks share the core is not work, and pacing on the wall clock absorbs it.
+            elapsed = time.time() - start
+            compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
+            emulator.pace(compute, elapsed, step)
         end = time.time()
         timeline.busy_s += end - start
         timeline.add(name, start, end)

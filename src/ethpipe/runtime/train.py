@@ -1,4 +1,4 @@
-"""The training loop of one rank: build the stage, run 1F1B, sync blocks, clip, AdamW, report.
+"""The training loop of one rank: build the stage, run 1F1B, sync blocks, clip, AdamW, report, checkpoint.
 
 ``train`` runs on every rank of an initialised (or to-be-initialised) process group. All
 checks that can fail on user input run before any collective, identically on every rank,
@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
-from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, step_sample_ids, validate_data
+from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, find_resume
+from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
+from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, validate_data
 from ethpipe.runtime.emulate import Emulator, Slowdown, make_emulator, relative_speeds
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.grad_sync import (
@@ -60,6 +63,10 @@ class TrainConfig:
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
     progress: bool = True  # rich progress bar on rank 0
     device: Literal["auto", "cpu"] = "auto"
+    checkpoint_dir: str | None = None  # training checkpoints (torch.distributed.checkpoint), see docs/checkpoints.md
+    save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
+    keep: int = 3  # newest checkpoints kept
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -72,6 +79,13 @@ class TrainConfig:
             raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.save_every < 0 or self.keep < 1:
+            raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
+        if (self.save_every or self.resume) and self.checkpoint_dir is None:
+            raise ValueError("--save-every and --resume need --checkpoint-dir DIR")
+        if self.resume and self.init_from is not None:
+            raise ValueError("give --init-from or --resume, not both: a resumed run takes its weights from the "
+                             "checkpoint")
 
     @property
     def timeout(self) -> timedelta:
@@ -123,11 +137,24 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
     return spec
 
 
-def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile]:
-    """Every user-input check, before any process group exists."""
+def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
+    """Every user-input check, before any process group exists; also where training starts."""
     spec = check_plan_runnable(plan, world_size)
     data = open_tokens(config.data, spec.vocab_size)
-    validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
+    start = ResumePoint()
+    if config.resume:
+        assert config.checkpoint_dir is not None
+        start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
+                            data.num_samples(plan.seq_len))
+        if start.step >= config.steps:
+            raise ValueError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
+                             "train; raise --steps")
+    elif config.checkpoint_dir is not None:
+        check_fresh_dir(config.checkpoint_dir)
+    if start.step == 0:
+        validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
+    else:
+        _validate_resumed_data(data, plan, config, start)
     if config.init_from is not None:
         check_checkpoint(config.init_from, spec)
     if config.emulate:
@@ -135,12 +162,33 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
     for s in config.slowdowns:
         if not 0 <= s.rank < plan.world_size:
             raise ValueError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
-    return spec, data
+    return spec, data, start
 
 
-def _micro_batches(plan: Plan, data: TokenFile, step: int, config: TrainConfig, pipeline: int,
+def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, start: ResumePoint) -> None:
+    end_sample = start.next_sample + (config.steps - start.step) * plan.global_batch_size
+    available = data.num_samples(plan.seq_len)
+    if end_sample > available:
+        raise ValueError(
+            f"data file '{data.path}' holds {available} samples but resuming at sample {start.next_sample} for "
+            f"{config.steps - start.step} more steps of {plan.global_batch_size} needs {end_sample}: use fewer "
+            "--steps or more data"
+        )
+    validate_data(data, plan.seq_len, 1, end_sample, config.shuffle, plan.resolve_model().vocab_size)
+
+
+def sample_ids(first_sample: int, count: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
+    """Global sample indices ``[first, first + count)`` of the (seeded, shuffled) order: the data cursor
+    counts samples, not steps, so a run resumed under a plan with another batch size continues exactly."""
+    ids = np.arange(first_sample, first_sample + count)
+    if shuffle:
+        ids = np.random.default_rng(seed).permutation(num_samples)[ids]
+    return ids
+
+
+def _micro_batches(plan: Plan, data: TokenFile, first_sample: int, config: TrainConfig, pipeline: int,
                    device: torch.device) -> list[torch.Tensor]:
-    ids = step_sample_ids(step, plan.global_batch_size, data.num_samples(plan.seq_len), config.shuffle, config.seed)
+    ids = sample_ids(first_sample, plan.global_batch_size, data.num_samples(plan.seq_len), config.shuffle, config.seed)
     out = []
     for lo, hi in plan.microbatch_slices(pipeline):
         out.append(torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len)).to(device))
@@ -154,7 +202,7 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     Initialises the default process group if none exists (and tears it down afterwards);
     otherwise reuses it and only creates (and destroys) the plan's own groups.
     """
-    spec, data = check_inputs(plan, config, world_size)
+    spec, data, start = check_inputs(plan, config, world_size)
     device = device if device is not None else torch.device("cpu")
     owns_world = not dist.is_initialized()
     if owns_world:
@@ -162,14 +210,14 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=config.timeout)
     try:
-        return _train_on_world(plan, config, spec, data, rank, device)
+        return _train_on_world(plan, config, spec, data, start, rank, device)
     finally:
         if owns_world:
             dist.destroy_process_group()
 
 
-def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, rank: int,
-                    device: torch.device) -> list[dict[str, Any]]:
+def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
+                    rank: int, device: torch.device) -> list[dict[str, Any]]:
     groups = build_groups(plan, rank, config.timeout)
     pos = groups.position
     pipe = plan.pipelines[pos.pipeline]
@@ -180,6 +228,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     if config.init_from is not None:
         load_into(module, config.init_from)
     optimizer = make_optimizer(module, config)
+    if start.step_dir is not None:
+        load_checkpoint(start, module, optimizer, device)
     blocks = params_by_block(plan, module)
     sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes)
     emulator: Emulator | None = make_emulator(plan, rank, config.slowdowns) if config.emulate else None
@@ -188,15 +238,17 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
     autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
     timeline = Timeline(record=config.trace is not None)
-    writer = MetricsWriter(config.metrics, config.steps, config.progress) if rank == 0 else None
+    writer = MetricsWriter(config.metrics, config.steps - start.step, config.progress) if rank == 0 else None
+    num_samples = data.num_samples(plan.seq_len)
     try:
-        for step in range(config.steps):
+        for step in range(start.step, config.steps):
+            first_sample = start.next_sample + (step - start.step) * plan.global_batch_size
             step_start = time.time()
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            batch = _micro_batches(plan, data, step, config, pos.pipeline, device) if first or last else []
+            batch = _micro_batches(plan, data, first_sample, config, pos.pipeline, device) if first or last else []
             inputs = [b[:, :-1].contiguous() for b in batch] if first else None
             targets = [b[:, 1:].contiguous() for b in batch] if last else None
             timeline.busy_s = timeline.phase_s = 0.0
@@ -218,6 +270,14 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             if writer is not None:
                 tokens = plan.global_batch_size * plan.seq_len
                 writer.write(step_record(step, stats, time.time() - step_start, tokens, lr))
+            done = step + 1
+            if config.checkpoint_dir is not None and (done == config.steps or
+                                                      (config.save_every and done % config.save_every == 0)):
+                save_start = time.time()
+                cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
+                save_checkpoint(config.checkpoint_dir, done, module, optimizer, plan, spec, cursor, config.keep,
+                                device)
+                timeline.add("checkpoint", save_start, time.time())
         if config.save_final is not None:
             state = gather_consolidated(module, pos.pipeline == 0)
             if state is not None:

@@ -1,0 +1,1 @@
+"""Helpers of ``benchmarks/evaluate.py``: scenarios, one module per section, figures and the markdown template."""

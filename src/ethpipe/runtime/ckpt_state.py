@@ -1,0 +1,180 @@
+"""One rank's share of a training checkpoint, saved and loaded with torch.distributed.checkpoint.
+
+Every key is global, so a checkpoint does not depend on the plan that wrote it: model keys as
+in ``build_full_model(spec).state_dict()`` (``layers.7.attn.wq.weight``), AdamW state as
+``optim.<step|exp_avg|exp_avg_sq>.<parameter>``, RNG states as ``rng.<device>.rank<r>``. Each rank
+hands DCP only what its stage holds; replicas in other pipelines present the same keys with
+identical values and DCP's save planner writes each key once (deduplicated, load-balanced over
+the holders). Loading asks for exactly the keys of the rank's stage under the *new* plan, so a
+checkpoint loads under any plan: other pipelines, depths and layer splits.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from ethpipe.model_spec import ModelSpec, spec_from_dict
+from ethpipe.plan import Plan
+from ethpipe.runtime.checkpoint import save_atomic
+from ethpipe.runtime.ckpt_layout import (
+    FAIL_SAVE_ENV, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files, check_model,
+    commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest, optim_key,
+    read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
+)
+from ethpipe.runtime.model import state_dict_shapes
+
+OptimState = dict[nn.Parameter, dict[str, torch.Tensor]]
+
+
+def _rng_key(kind: str, rank: int) -> str:
+    return f"rng.{kind}.rank{rank}"
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """CPU and (if any) accelerator generator states. Training draws no random numbers (no dropout;
+    init and shuffle are seeded), so these matter only to code that adds randomness."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        module = torch.get_device_module(device.type)
+        if hasattr(module, "get_rng_state"):
+            states[device.type] = module.get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    for kind, state in states.items():
+        if kind == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimizer: bool = False
+               ) -> tuple[dict[str, torch.Tensor], OptimState]:
+    """Flat global-keyed state of this stage (model + AdamW), and the optimizer state it aliases.
+
+    ``empty_optimizer`` makes fresh zero tensors to load into (before the first step the
+    optimizer has none); otherwise the optimizer's live tensors are used.
+    """
+    flat: dict[str, torch.Tensor] = dict(module.state_dict())
+    optim: OptimState = {}
+    for name, param in module.named_parameters():  # a tied weight is listed once
+        if empty_optimizer:
+            state = {"step": torch.zeros((), dtype=torch.float32),
+                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+        else:
+            state = optimizer.state[param]
+            assert set(OPTIM_KINDS) <= set(state), f"no AdamW state for {name}: save only after an optimizer step"
+        optim[param] = state
+        for kind in OPTIM_KINDS:
+            flat[optim_key(kind, name)] = state[kind]
+    return flat, optim
+
+
+def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
+                    spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device) -> Path:
+    """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint."""
+    root = Path(root)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_partial(root)  # leftovers of a killed save; nobody writes into them until the barrier
+    dist.barrier()
+    tmp = root / tmp_dir_name(step)
+    flat, _ = rank_state(module, optimizer)
+    flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
+    dcp.save(flat, storage_writer=FileSystemWriter(str(tmp)))  # returns after the coordinator wrote .metadata
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in names[rank::world]}
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)  # also the barrier: every rank's shards are on disk
+    if os.environ.get(FAIL_SAVE_ENV) == str(step):
+        raise InjectedSaveFailure(f"{FAIL_SAVE_ENV}={step}: simulated crash after the shards, before the commit")
+    outcome: list[Any] = [None]
+    if rank == 0:
+        files = {n: info for part in parts for n, info in part.items()}
+        try:
+            outcome[0] = str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files), keep))
+        except OSError as err:
+            outcome[0] = OSError(f"could not commit checkpoint step {step} in '{root}': {err}")
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], OSError):
+        raise outcome[0]
+    return Path(outcome[0])
+
+
+def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.optim.Optimizer,
+                    device: torch.device) -> None:
+    """Collective over the world: verify the files (split over ranks), then load this stage's keys."""
+    assert point.step_dir is not None and point.manifest is not None
+    step_dir, manifest = point.step_dir, point.manifest
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, corrupt_files(step_dir, manifest, sorted(manifest.files)[rank::world]))
+    bad = sorted(name for part in parts for name in part)
+    if bad:
+        raise corrupt_error(step_dir, bad[0])  # every rank raises the same error
+    flat, optim = rank_state(module, optimizer, empty_optimizer=True)
+    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    rng = {kind: s.clone() for kind, s in _rng_states(device).items() if _rng_key(kind, rank) in saved}
+    flat.update({_rng_key(kind, rank): s for kind, s in rng.items()})
+    dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)))
+    for param, state in optim.items():
+        optimizer.state[param] = state
+    _set_rng_states(rng, device)
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Manifest:
+    """Consolidate a checkpoint's model weights into one state-dict file (global names), in this process."""
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    metadata = check_files(step_dir, manifest)
+    spec = spec_from_dict(manifest.model_spec)
+    check_model(step_dir, metadata, spec)
+    bad = corrupt_files(step_dir, manifest, sorted(manifest.files))
+    if bad:
+        raise corrupt_error(step_dir, bad[0])
+    entries = metadata.state_dict_metadata
+    state = {name: torch.empty(shape, dtype=entries[name].properties.dtype)  # type: ignore[union-attr]
+             for name, shape in state_dict_shapes(spec).items()}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    save_atomic(state, out)
+    return manifest
+
+
+def checkpoint_summary(path: str | Path) -> dict[str, Any]:
+    """What ``ethpipe inspect`` shows: step, data cursor, model, plan shape, size (files checked, not read)."""
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    check_files(step_dir, manifest)
+    spec = spec_from_dict(manifest.model_spec)
+    plan = manifest.plan
+    pipelines = [{
+        "depth": len(p["stages"]),
+        "devices": [s["device"] for s in p["stages"]],
+        "layers": [list(s["layers"]) for s in p["stages"]],
+        "ranks": [list(s["ranks"]) for s in p["stages"]],
+        "micro_batch_sizes": list(p["micro_batch_sizes"]),
+    } for p in plan["pipelines"]]
+    return {
+        "path": str(step_dir), "step": manifest.step, "next_sample": manifest.cursor.next_sample,
+        "shuffle": manifest.cursor.shuffle, "seed": manifest.cursor.seed,
+        "model": spec.name, "num_params": spec.num_params(), "size_bytes": dir_size_bytes(step_dir),
+        "num_files": len(manifest.files), "saved_at": manifest.saved_at, "torch_version": manifest.torch_version,
+        "plan_method": plan.get("method"), "global_batch_size": plan.get("global_batch_size"),
+        "seq_len": plan.get("seq_len"), "world_size": sum(len(r) for p in pipelines for r in p["ranks"]),
+        "pipelines": pipelines,
+        "checkpoints": [step for step, _ in complete_checkpoints(step_dir.parent)],
+    }
