@@ -1,10 +1,13 @@
-"""Planner scaling benchmark: planning time of eth vs the exhaustive layer-balanced search, and
-eth's predicted throughput vs an exhaustive search over eth's own space (small clusters).
+"""Planner benchmark: eth vs the layer-balanced (exhaustive) and uniform baselines, in one cost model.
 
-    .venv/bin/python benchmarks/planner_scale.py [--budget-s 20] [--sizes 16,64,256,512,1024,4096]
+    .venv/bin/python benchmarks/planner_scale.py [--budget-s 20] [--sizes 16,64,256,512,1024,4096] [--quick]
 
-Writes docs/benchmarks/planner_scale.md and .json. Times are wall-clock on this machine, the
-median of three runs for eth (after one warm-up) and one run for the exhaustive searches.
+For each cluster and model, two global batches: ~4M tokens (a realistic LLM batch) and one
+sample per GPU (harsh, but what very large clusters see). Reports predicted iteration time
+of eth, layer-balanced and uniform, eth's speedups, eth's planning time (median of three runs
+after a warm-up), the exhaustive layer-balanced search's time, and on small clusters eth's
+quality against an exhaustive search over eth's own space. Writes docs/benchmarks/planner_scale.md
+and .json. Times are wall-clock on this machine.
 """
 
 from __future__ import annotations
@@ -25,7 +28,23 @@ from ethpipe.planner import make_plan
 from ethpipe.planner.exhaustive import exhaustive_eth
 
 MODELS = {"gpt3-1.3b": 2048, "llama2-7b": 4096, "llama2-70b": 4096}
-NIC_GBIT = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v100_32gb_sxm2": 800}
+NIC_GBIT = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v100_32gb_sxm2": 800,
+            "v100_16gb": 800, "t4": 200, "l4": 400}
+TOKENS_PER_BATCH = 4 * 1024 * 1024
+# Clusters users have (issue 6): name -> [(gpu, num_gpus)], 8 GPUs per node.
+REALISTIC = {
+    "8xA100-80 + 8xV100-32": [("a100_80gb_sxm", 8), ("v100_32gb_sxm2", 8)],
+    "16xA100-40 + 16xV100-16 + 16xT4": [("a100_40gb_sxm", 16), ("v100_16gb", 16), ("t4", 16)],
+    "32xH100 + 64xA100-80 + 32xL4": [("h100_sxm", 32), ("a100_80gb_sxm", 64), ("l4", 32)],
+    "1024: 384xH100 + 256xA100-80 + 256xL4 + 128xV100-32": [("h100_sxm", 384), ("a100_80gb_sxm", 256), ("l4", 256),
+                                                            ("v100_32gb_sxm2", 128)],
+    "32xA100-80 + 32xA100-40": [("a100_80gb_sxm", 32), ("a100_40gb_sxm", 32)],
+}
+
+
+def _cluster(parts: list[tuple[str, int]]) -> Cluster:
+    return cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": n // 8, "gpus_per_node": 8, "nic_gbit_s": NIC_GBIT[g]}
+                                        for g, n in parts if n]})
 
 
 def cluster_of(num_gpus: int) -> Cluster:
@@ -38,8 +57,7 @@ def cluster_of(num_gpus: int) -> Cluster:
         types = ["h100_sxm", "a100_80gb_sxm", "a100_40gb_sxm", "v100_32gb_sxm2"]
     nodes = num_gpus // 8
     counts = [nodes // len(types) + (1 if i < nodes % len(types) else 0) for i in range(len(types))]
-    return cluster_from_dict({"nodes": [{"gpu": t, "num_nodes": c, "gpus_per_node": 8, "nic_gbit_s": NIC_GBIT[t]}
-                                        for t, c in zip(types, counts) if c]})
+    return _cluster([(t, 8 * c) for t, c in zip(types, counts)])
 
 
 def _timed(fn):
@@ -48,42 +66,50 @@ def _timed(fn):
     return time.perf_counter() - start, out
 
 
-def run(sizes: list[int], budget_s: float) -> list[dict]:
+def _row(name: str, cluster: Cluster, model: str, seq: int, batch: int, batch_label: str, budget_s: float,
+         exhaustive: bool) -> dict:
+    spec = load_model_spec(model)
+    row: dict = {"cluster": name, "gpus": cluster.num_devices, "gpu_types": len(cluster.gpu_types), "model": model,
+                 "seq_len": seq, "global_batch": batch, "batch": batch_label}
+    try:
+        make_plan(cluster, spec, batch, seq)  # warm-up
+    except ValueError as err:
+        return row | {"error": str(err)}
+    runs = [_timed(lambda: make_plan(cluster, spec, batch, seq)) for _ in range(3)]
+    eth = runs[0][1]
+    row |= {"eth_planning_s": statistics.median(t for t, _ in runs), "eth_iteration_s": eth.predicted["iteration_time_s"],
+            "eth_balance_efficiency": eth.predicted["balance_efficiency"],
+            "eth_sync_exposed_s": eth.predicted["grad_sync_exposed_s"], "eth_pipelines": len(eth.pipelines)}
+    t_lb, lb = _timed(lambda: make_plan(cluster, spec, batch, seq, "layer-balanced", time_budget_s=budget_s))
+    row |= {"lb_planning_s": t_lb, "lb_timed_out": lb.extra["search"]["timed_out"],
+            "lb_iteration_s": lb.predicted["iteration_time_s"], "lb_candidates": lb.extra["search"]["candidates_evaluated"],
+            "lb_sync_exposed_s": lb.predicted["grad_sync_exposed_s"]}
+    uni = make_plan(cluster, spec, batch, seq, "uniform")
+    row["uniform_iteration_s"] = uni.predicted["iteration_time_s"]
+    if exhaustive:
+        t_ex, ex = _timed(lambda: exhaustive_eth(CostModel(cluster, spec, seq), batch, time_budget_s=budget_s))
+        row |= {"exh_planning_s": t_ex, "exh_timed_out": ex.timed_out, "exh_evaluated": ex.evaluated,
+                "exh_combinations": ex.combinations}
+        if ex.plan is not None:
+            row["eth_vs_exhaustive"] = ex.plan.predicted["iteration_time_s"] / row["eth_iteration_s"]
+    return row
+
+
+def run(sizes: list[int], budget_s: float, models: dict[str, int], realistic: bool) -> list[dict]:
     rows = []
-    for n in sizes:
-        cluster = cluster_of(n)
-        for name, seq in MODELS.items():
-            spec, batch = load_model_spec(name), max(256, n)
-            row: dict = {"gpus": n, "gpu_types": len(cluster.gpu_types), "model": name, "global_batch": batch,
-                         "seq_len": seq}
-            try:
-                make_plan(cluster, spec, batch, seq)  # warm-up
-            except ValueError as err:
-                row["error"] = str(err)
+    clusters = [(f"{n} GPUs", cluster_of(n)) for n in sizes]
+    if realistic:
+        clusters += [(name, _cluster(parts)) for name, parts in REALISTIC.items()]
+    for name, cluster in clusters:
+        for model, seq in models.items():
+            for label, batch in (("4M tok", TOKENS_PER_BATCH // seq), ("1/GPU", cluster.num_devices)):
+                row = _row(name, cluster, model, seq, batch, label, budget_s, cluster.num_devices <= 64)
                 rows.append(row)
-                print(row, flush=True)
-                continue
-            runs = [_timed(lambda: make_plan(cluster, spec, batch, seq)) for _ in range(3)]
-            eth = runs[0][1]
-            row |= {"eth_planning_s": statistics.median(t for t, _ in runs),
-                    "eth_iteration_s": eth.predicted["iteration_time_s"],
-                    "eth_balance_efficiency": eth.predicted["balance_efficiency"]}
-            t_lb, lb = _timed(lambda: make_plan(cluster, spec, batch, seq, "layer-balanced", time_budget_s=budget_s))
-            row |= {"lb_planning_s": t_lb, "lb_timed_out": lb.extra["search"]["timed_out"],
-                    "lb_iteration_s": lb.predicted["iteration_time_s"],
-                    "lb_candidates": lb.extra["search"]["candidates_evaluated"]}
-            if n <= 64:
-                t_ex, ex = _timed(lambda: exhaustive_eth(CostModel(cluster, spec, seq), batch, time_budget_s=budget_s))
-                row |= {"exh_planning_s": t_ex, "exh_timed_out": ex.timed_out, "exh_evaluated": ex.evaluated,
-                        "exh_combinations": ex.combinations}
-                if ex.plan is not None:
-                    row["eth_vs_exhaustive"] = ex.plan.predicted["iteration_time_s"] / row["eth_iteration_s"]
-            rows.append(row)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     return rows
 
 
-def _fmt_s(value: float | None, timed_out: bool = False) -> str:
+def _s(value: float | None, timed_out: bool = False) -> str:
     if value is None:
         return "-"
     return f"timeout ({value:.0f} s)" if timed_out else f"{value:.3f}"
@@ -91,30 +117,41 @@ def _fmt_s(value: float | None, timed_out: bool = False) -> str:
 
 def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path) -> None:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    ok = [r for r in rows if "error" not in r]
     lines = [
-        "# Planner scaling", "",
+        "# Planner benchmark: eth vs layer-balanced vs uniform", "",
         f"Command: `{command}`  ", f"Machine: {machine}  ",
-        f"Exhaustive searches are capped at {budget_s:.0f} s; \"timeout\" means the cap was hit (the best plan found "
-        "so far is what the iteration-time column shows).", "",
-        "Clusters: 8 GPUs per node, equal node shares of 2 types (16 GPUs: A100-80G, V100-32G), 3 types (64: + H100) "
-        "or 4 types (>= 256: H100, A100-80G, A100-40G, V100-32G); NICs 3200/1600/1600/800 Gbit/s per node. "
-        "Global batch max(256, #GPUs); seq 2048 (gpt3-1.3b) or 4096 (llama2).", "",
-        "| GPUs | types | model | eth plan s | eth iter s | eth bal. eff. | layer-bal. plan s | layer-bal. iter s "
-        "| eth speedup | exh.(eth space) plan s | eth / exhaustive throughput |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"Exhaustive searches are capped at {budget_s:.0f} s (\"timeout\": the cap was hit; the best plan found so far "
+        "is what is reported).", "",
+        "Scaling clusters (\"N GPUs\"): 8 GPUs per node, equal node shares of 2 types (16: A100-80G, V100-32G), 3 "
+        "(64: + H100) or 4 (>= 256: H100, A100-80G, A100-40G, V100-32G); NICs 3200/1600/1600/800 Gbit/s per node. "
+        "Realistic clusters from issue 6 (NICs: T4 200, L4 400 Gbit/s). Batches: `4M tok` = 4Mi tokens "
+        "(2048 samples at seq 2048, 1024 at seq 4096); `1/GPU` = one sample per GPU. Times are predicted iteration "
+        "seconds of each method's best plan in the same cost model; speedup = baseline time / eth time.", "",
+        "| cluster | model | batch | eth plan s | eth iter s | eth bal. eff. | layer-bal. plan s | layer-bal. iter s "
+        "| uniform iter s | eth vs layer-bal. | eth vs uniform | exh. (eth space) plan s | eth / exhaustive |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['gpus']} | {r['gpu_types']} | {r['model']} | infeasible: {r['error']} |||||||")
+            lines.append(f"| {r['cluster']} | {r['model']} | {r['batch']} | infeasible: {r['error']} |||||||||")
             continue
         ratio = f"{r['eth_vs_exhaustive']:.3f}x" if "eth_vs_exhaustive" in r else "-"
-        exh = _fmt_s(r.get("exh_planning_s"), r.get("exh_timed_out", False))
         lines.append(
-            f"| {r['gpus']} | {r['gpu_types']} | {r['model']} | {r['eth_planning_s']:.3f} | {r['eth_iteration_s']:.3f} "
-            f"| {r['eth_balance_efficiency']:.3f} | {_fmt_s(r['lb_planning_s'], r['lb_timed_out'])} "
-            f"| {r['lb_iteration_s']:.3f} | {r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x | {exh} | {ratio} |")
-    lines += ["", "eth / exhaustive throughput = exhaustive plan's iteration time / eth's (>= 0.98 is the target; 1.0 "
-              "means the heuristic found the best plan of its space)."]
+            f"| {r['cluster']} | {r['model']} | {r['batch']} | {r['eth_planning_s']:.3f} | {r['eth_iteration_s']:.3f} "
+            f"| {r['eth_balance_efficiency']:.3f} | {_s(r['lb_planning_s'], r['lb_timed_out'])} | {r['lb_iteration_s']:.3f} "
+            f"| {r['uniform_iteration_s']:.3f} | {r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x "
+            f"| {r['uniform_iteration_s'] / r['eth_iteration_s']:.2f}x "
+            f"| {_s(r.get('exh_planning_s'), r.get('exh_timed_out', False))} | {ratio} |")
+    losses = [r for r in ok if r["lb_iteration_s"] < r["eth_iteration_s"] * (1 - 1e-9)]
+    uni_losses = [r for r in ok if r["uniform_iteration_s"] < r["eth_iteration_s"] * (1 - 1e-9)]
+    lines += ["", "eth / exhaustive = exhaustive plan's iteration time / eth's (>= 0.98 is the target).", "",
+              f"Summary: eth >= layer-balanced in {len(ok) - len(losses)} of {len(ok)} cases, >= uniform in "
+              f"{len(ok) - len(uni_losses)} of {len(ok)}."]
+    if losses:
+        lines += ["", "Where eth loses to layer-balanced (predicted): " + "; ".join(
+            f"{r['cluster']} {r['model']} {r['batch']} ({r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x, eth sync "
+            f"exposed {r['eth_sync_exposed_s']:.3f} s vs {r['lb_sync_exposed_s']:.3f} s)" for r in losses) + "."]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "planner_scale.md").write_text("\n".join(lines) + "\n")
     (out_dir / "planner_scale.json").write_text(json.dumps(
@@ -125,9 +162,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=20.0)
     parser.add_argument("--sizes", default="16,64,256,512,1024,4096")
+    parser.add_argument("--no-realistic", action="store_true", help="skip the issue-6 clusters")
     parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
-    rows = run([int(s) for s in args.sizes.split(",")], args.budget_s)
+    rows = run([int(s) for s in args.sizes.split(",")], args.budget_s, MODELS, not args.no_realistic)
     write_report(rows, args.budget_s, "python " + " ".join(sys.argv), args.out_dir)
 
 

@@ -11,7 +11,9 @@ benchmark measures the runtime, not the planner. Results: docs/benchmarks/runtim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -19,8 +21,10 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -30,14 +34,23 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe import demo
+from ethpipe.runtime.emulate import emulation_time_scale, local_cores, with_emulation
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.launch import die_with_parent, run_local
 from ethpipe.runtime.model import build_stage
 from ethpipe.runtime.train import TrainConfig
+from ethpipe.sim import simulate
 from ethpipe.schedule import one_f_one_b
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 SPEEDS = {"fast": 1.0, "slow": 0.25}
+EMULATION_TEXT = {
+    "paced": "every forward/backward lasts its stage's time from a profile of this CPU (fastest of 3 runs) "
+             "x time_scale / speed, independent of the machine's load",
+    "scaled": "every forward/backward lasts its real CPU time x time_scale / speed",
+}
+IDEAL_UNITS = {"uniform": 192, "layer-balanced": 96, "eth": 80}  # ideal 1F1B makespans, fast-layer-sample units
 BATCH, SEQ = 24, 128
 
 
@@ -59,15 +72,37 @@ def three_plans() -> dict[str, Plan]:
             "eth": _plan("eth", eth)}
 
 
-def bench_plans(data: str, steps: int) -> dict[str, dict[str, float]]:
+def paced(plans: dict[str, Plan]) -> tuple[dict[str, Plan], float, dict[str, float]]:
+    """The plans with pacing targets from a profile of this CPU (the demo cluster has the same ranks and
+    speeds: 0-1 fast, 2-5 slow at 1/4), and the time scale."""
+    cluster, spec = demo.demo_cluster(), model_presets()["tiny"]
+    speeds = demo.cluster_speeds(cluster, spec, SEQ)
+    assert speeds == SPEEDS
+    scale = demo.cluster_time_scale(cluster, speeds)
+    profiles = demo.emulated_profiles(demo.measure_profile(spec, SEQ, (1, 2), rounds=3), speeds, scale)
+    cost = demo.emulated_cost(cluster, spec, SEQ, profiles)
+    cluster_dict = yaml.safe_load(demo.demo_cluster_path().read_text())
+    out = {n: with_emulation(p, scale, demo.pacing_targets(p, cost)) for n, p in plans.items()}
+    simulated = {n: simulate(dataclasses.replace(p, cluster=cluster_dict), cost).iteration_time_s for n, p in out.items()}
+    return out, scale, simulated
+
+
+def bench_plans(plans: dict[str, Plan], data: str, steps: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """Each plan ``repeats`` times, interleaved (load drift hits all plans alike); median of run medians."""
+    runs: dict[str, list[float]] = {name: [] for name in plans}
+    final_loss: dict[str, float] = {}
+    for r in range(repeats):
+        for name, plan in plans.items():
+            config = TrainConfig(data=data, steps=steps, emulate=True, progress=False, timeout_s=120.0, device="cpu")
+            records = run_local(plan, config)
+            runs[name].append(statistics.median(x["iteration_time_s"] for x in records[2:]))
+            final_loss[name] = records[-1]["loss"]
+            print(f"{name:15s} run {r}: {runs[name][-1] * 1e3:8.1f} ms/step", flush=True)
     out = {}
-    for name, plan in three_plans().items():
-        config = TrainConfig(data=data, steps=steps, emulate=True, progress=False, timeout_s=120.0)
-        records = run_local(plan, config)
-        times = [r["iteration_time_s"] for r in records[2:]]
-        out[name] = {"median_step_s": statistics.median(times), "tokens_per_s": BATCH * SEQ / statistics.median(times),
-                     "final_loss": records[-1]["loss"]}
-        print(f"{name:15s} {out[name]['median_step_s'] * 1e3:8.1f} ms/step", flush=True)
+    for name, times in runs.items():
+        median = statistics.median(times)
+        out[name] = {"median_step_s": median, "tokens_per_s": BATCH * SEQ / median, "runs_s": times,
+                     "spread": (max(times) - min(times)) / median, "final_loss": final_loss[name]}
     return out
 
 
@@ -136,46 +171,68 @@ def bench_schedules(world: int = 4, num_mb: int = 8, iters: int = 15) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--emulation", choices=("paced", "scaled"), default="paced",
+                        help="paced: targets from a profile of this CPU (deterministic); scaled: CPU time x scale / speed")
     args = parser.parse_args()
+    plans_in = three_plans()
+    simulated: dict[str, float] = {}
+    if args.emulation == "paced":
+        plans_in, scale, simulated = paced(plans_in)
+    else:
+        scale = emulation_time_scale(plans_in["eth"])
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/tokens.bin"
         prepare_tokens(builtin_text(2_000_000), data)
-        plans = bench_plans(data, args.steps)
+        plans = bench_plans(plans_in, data, args.steps, args.repeats)
+    for name, sim_s in simulated.items():
+        plans[name]["simulated_s"] = sim_s
     sched = bench_schedules()
-    machine = f"{platform.platform()}, {platform.processor() or platform.machine()}, " \
-              f"{len(__import__('os').sched_getaffinity(0))} cores, torch {torch.__version__}"
+    machine = f"{platform.platform()}, {platform.processor() or platform.machine()}, {local_cores()} cores, " \
+              f"torch {torch.__version__}; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "runtime_cpu.json").write_text(json.dumps({"machine": machine, "plans": plans, "schedule": sched}, indent=2))
+    (OUT / "runtime_cpu.json").write_text(json.dumps({"machine": machine, "emulation": args.emulation,
+                                                      "time_scale": scale, "plans": plans,
+                                                      "schedule": sched}, indent=2) + "\n")
     base = plans["uniform"]["median_step_s"]
-    rows = "\n".join(f"| {n} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | {base / v['median_step_s']:.2f}x |"
+    rows = "\n".join(f"| {n} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | {base / v['median_step_s']:.2f}x "
+                     f"| {IDEAL_UNITS[n]} | {v.get('simulated_s', float('nan')) * 1e3:.1f} | {v['spread'] * 100:.1f}% |"
                      for n, v in plans.items())
     (OUT / "runtime_cpu.md").write_text(f"""# Runtime on CPU (measured)
 
-Command: `.venv/bin/python benchmarks/runtime_cpu.py --steps {args.steps}`
-Machine: {machine}
+Command: `.venv/bin/python benchmarks/runtime_cpu.py --steps {args.steps} --repeats {args.repeats} --emulation {args.emulation}`
+Machine: {machine} (shared with other jobs while it ran)
 
 ## Plans under `--emulate` (6 ranks: 2 "fast" at speed 1.0, 4 "slow" at 0.25; tiny model, batch {BATCH} x {SEQ})
 
 Hand-written after each method's definition: uniform = one mixed shape (fast, slow, slow) x 2, layers 3/3/2,
 equal data (6 micro-batches of 2 each); layer-balanced = same shape, layers 6/1/1, equal data; eth = three
 homogeneous 2-stage pipelines (fast; slow; slow), layers 4/4, with 16/4/4 samples (8 x 2; 4 x 1; 4 x 1).
-Ideal 1F1B makespans in fast-layer-sample units: uniform 192, layer-balanced 96, eth 80.
-Median iteration time of steps 2..{args.steps - 1}.
+Ideal 1F1B makespans in fast-layer-sample units (below) assume a sample costs the same in any micro-batch:
+eth would beat layer-balanced by 96/80 = 1.2x. On this CPU a sample costs more in a micro-batch of 1 than of
+2 (eth's slow pipelines use 1), which the simulator, priced with the same profile as the pacing, accounts for
+("simulated ms"; `ethpipe.sim.simulate` on the plan with the demo cluster's links).
+Emulation ({args.emulation}; docs/runtime.md, "Emulation model"): {EMULATION_TEXT[args.emulation]}, time scale
+{scale:.1f} by the default rule (all ranks' real compute within a quarter of the {local_cores()} cores), so every rank,
+the fast ones too, sleeps most of each action.
+Median over {args.repeats} interleaved runs of each run's median step time (steps 2..{args.steps - 1}); spread = (max - min) / median.
 
-| plan | ms/step | tokens/s | speed-up vs uniform |
-|---|---|---|---|
+| plan | ms/step | tokens/s | speed-up vs uniform | ideal units | simulated ms | run spread |
+|---|---|---|---|---|---|---|
 {rows}
+
+With the old emulation (sleep `measured x (1/speed - 1)`, fast ranks never slept) eth measured 860.9 ms against
+layer-balanced 662.7 ms (eth 0.77x of layer-balanced): eth's fast pipeline does 2/3 of the real work on 2
+processes and was CPU-bound. Now eth / layer-balanced = **{plans['layer-balanced']['median_step_s'] / plans['eth']['median_step_s']:.2f}x**
+(ideal 1.20x; simulated {plans['layer-balanced'].get('simulated_s', float('nan')) / plans['eth'].get('simulated_s', float('nan')):.2f}x).
 
 ## Our 1F1B vs `torch.distributed.pipelining.Schedule1F1B` (one homogeneous pipeline)
 
 {sched['stages']} stages of tiny, {sched['microbatches']} micro-batches of {sched['micro_batch_size']} x {SEQ}, forward+backward
-only, median of interleaved runs: ours {sched['ours'] * 1e3:.1f} ms, torch {sched['torch'] * 1e3:.1f} ms,
-ratio ours/torch = **{sched['ratio_ours_over_torch']:.3f}**.
-
-Caveat: 6 (or {sched['stages']}) processes share {len(__import__('os').sched_getaffinity(0))} cores, so measured compute
-includes contention; emulation sleeps free the cores of "slow" ranks. Emulation is faithful only while
-the real (unslept) compute fits the cores: here eth's fast pipeline does 2/3 of all real work on 2 processes
-and is CPU-bound, which is why it trails layer-balanced although its emulated makespan is shorter.
+only, no emulation, median of interleaved runs: ours {sched['ours'] * 1e3:.1f} ms, torch {sched['torch'] * 1e3:.1f} ms,
+ratio ours/torch = **{sched['ratio_ours_over_torch']:.3f}**. ({sched['stages']} processes share {local_cores()} cores here, so both
+include the same contention.)
 """)
 
 

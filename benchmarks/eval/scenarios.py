@@ -36,7 +36,8 @@ CLUSTERS = (
     ClusterScenario("a100_v100_16", "eval_a100_v100_16.yaml", "8x A100-80 + 8x V100-32"),
     ClusterScenario("a100_v100_t4_48", "eval_a100_v100_t4_48.yaml", "16x A100-40 + 16x V100-16 + 16x T4"),
     ClusterScenario("h100_a100_l4_128", "eval_h100_a100_l4_128.yaml", "32x H100 + 64x A100-80 + 32x L4"),
-    ClusterScenario("mix4_1024", "eval_mix4_1024.yaml", "1024 GPUs: 256 H100 + 384 A100-80 + 256 A100-40 + 128 V100-32"),
+    ClusterScenario("mix4_1024", "eval_mix4_1024.yaml",
+                    "1024 GPUs: 256 H100 + 384 A100-80 + 256 A100-40 + 128 V100-32"),
     ClusterScenario("a100_80_40_32", "eval_a100_80_40_32.yaml", "16x A100-80 + 16x A100-40 (mild)"),
 )
 MODELS = (

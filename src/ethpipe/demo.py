@@ -1,10 +1,12 @@
 """The CPU demo's pieces: an emulated mixed cluster, its measured profile, plans, runs and predictions.
 
-Consistency is the point: the runtime's emulation (``ethpipe.runtime.emulate``) paces every
-forward/backward to ``real compute x time_scale / speed``, so the profile of this CPU is mapped
-onto each emulated device type with exactly that factor, and the simulator prices the plans
-with it. Optimizer, p2p and all-reduce are not paced (they run at real speed), so the mapped
-profile keeps the measured optimizer cost. ``benchmarks/fidelity.py`` uses the same functions.
+Consistency is the point. A profile of this CPU is mapped onto each emulated device type as
+``layer time x time_scale / speed``; the planner and the simulator price plans with it, and the
+same cost model's per-stage forward/backward times are written into each plan as the runtime's
+pacing targets (``ethpipe.runtime.emulate``), so the emulated compute is what was predicted and
+everything else (schedule, bubbles, p2p, gradient sync, optimizer, runtime overheads) is real.
+Optimizer, p2p and all-reduce are not paced, so the mapped profile keeps the measured optimizer
+cost. ``benchmarks/fidelity.py`` uses the same functions.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
-from ethpipe.runtime.emulate import auto_time_scale, local_cores, with_time_scale
+from ethpipe.runtime.emulate import auto_time_scale, local_cores, with_emulation
 
 METHODS = ("eth", "uniform", "layer-balanced")
 ACTIVATION_BYTES = 4  # the runtime trains in fp32 and sends fp32 activations and gradients
@@ -65,30 +67,67 @@ def emulated_profiles(profile: MeasuredProfile, speeds: Mapping[str, float],
     return {device: emulated_profile(profile, speed, time_scale) for device, speed in speeds.items()}
 
 
+def measure_profile(model: ModelSpec, seq_len: int, micro_batch_sizes: Sequence[int], rounds: int = 2,
+                    repeats: int = 5) -> MeasuredProfile:
+    """``ethpipe profile`` of this CPU (one thread), the fastest of ``rounds`` runs per layer and size:
+    other processes sharing the cores only ever add time."""
+    from ethpipe.profiler import ProfileSettings, profile_model
+
+    settings = ProfileSettings(seq_len, tuple(micro_batch_sizes), repeats=repeats, warmup=2)
+    runs = [profile_model(model, settings) for _ in range(max(1, rounds))]
+    layers = {kind: {b: LayerTiming(min(r.layers[kind][b].fwd_s for r in runs),
+                                    min(r.layers[kind][b].bwd_s for r in runs))
+                     for b in points}
+              for kind, points in runs[0].layers.items()}
+    return dataclasses.replace(runs[0], layers=layers,
+                               optimizer_s_per_param=min(r.optimizer_s_per_param for r in runs))
+
+
+def emulated_cost(cluster: Cluster, model: ModelSpec, seq_len: int,
+                  profiles: Mapping[str, MeasuredProfile]) -> CostModel:
+    """The cost model of an emulated run: fp32 activations and gradients, the emulated profiles."""
+    return CostModel(cluster, model, seq_len, dtype_bytes=ACTIVATION_BYTES, profiles=profiles)
+
+
+def pacing_targets(plan: Plan, cost: CostModel) -> dict[int, dict[int, tuple[float, float]]]:
+    """rank -> micro-batch size -> (fwd_s, bwd_s) of its stage: the simulator's compute times."""
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for pipe in plan.pipelines:
+        for s, stage in enumerate(pipe.stages):
+            times = {b: cost.stage_compute_s(stage, b, first=s == 0, last=s == pipe.depth - 1)
+                     for b in sorted(set(pipe.micro_batch_sizes))}
+            for rank in stage.ranks:
+                out[rank] = times
+    return out
+
+
 @dataclass(frozen=True)
 class Prediction:
     simulated_s: float  # discrete-event simulator
     estimate_s: float  # the planner's closed form
 
 
-def predict(plan: Plan, cluster: Cluster, profiles: Mapping[str, MeasuredProfile]) -> Prediction:
-    """Iteration time of ``plan`` as run with ``--emulate``, priced by the emulated profiles."""
+def predict(plan: Plan, cost: CostModel) -> Prediction:
+    """Iteration time of ``plan`` as run with ``--emulate``, priced by the emulated cost model."""
     from ethpipe.planner import estimate_iteration_s
     from ethpipe.sim import simulate
 
-    cost = CostModel(cluster, plan.resolve_model(), plan.seq_len, dtype_bytes=ACTIVATION_BYTES, profiles=profiles)
     return Prediction(simulate(plan, cost).iteration_time_s, estimate_iteration_s(plan, cost))
 
 
 def make_plans(cluster: Cluster, model: ModelSpec, global_batch: int, seq_len: int,
                profiles: Mapping[str, MeasuredProfile], time_scale: float,
-               methods: Sequence[str] = METHODS) -> dict[str, Plan]:
-    """One plan per method (tp = 1: what the runtime executes), pinned to ``time_scale``."""
+               methods: Sequence[str] = METHODS, paced: bool = True) -> dict[str, Plan]:
+    """One plan per method (tp = 1: what the runtime executes) carrying its emulation settings:
+    ``time_scale`` and, if ``paced``, the per-rank pacing targets from the emulated profiles."""
     from ethpipe.planner import make_plan
 
-    return {m: with_time_scale(make_plan(cluster, model, global_batch, seq_len, m, max_tp=1, profiles=profiles),
-                               time_scale)
-            for m in methods}
+    cost = emulated_cost(cluster, model, seq_len, profiles)
+    plans = {}
+    for method in methods:
+        plan = make_plan(cluster, model, global_batch, seq_len, method, max_tp=1, profiles=profiles)
+        plans[method] = with_emulation(plan, time_scale, pacing_targets(plan, cost) if paced else None)
+    return plans
 
 
 def measured_step_s(records: Sequence[Mapping[str, Any]], warmup: int = WARMUP_STEPS) -> float:

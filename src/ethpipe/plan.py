@@ -8,12 +8,11 @@ starts. This module must not import torch or the planner.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ethpipe.atomic import write_text_atomic
 from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict
 
 PLAN_VERSION = 1
@@ -199,22 +198,6 @@ def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Bl
             ranks.extend(stage.ranks)
         blocks.append(Block((lo, hi), tuple(ranks)))
     return tuple(blocks)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write via a temp file + rename, with the permissions a plain ``open`` would give."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ethpipe.plan import Block, Pipeline, Plan, Stage, compute_blocks
+from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 
 
 @dataclass
@@ -26,11 +26,11 @@ class FakeCost:
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         return self.p2p_time_s
 
-    def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
-        return num_bytes * self.seconds_per_byte if len(ranks) > 1 else 0.0
-
-    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
-        return self.grad_bytes_by_layers.get(block.layers, 0)
+    def block_sync_s(self, plan: Plan) -> list[float]:
+        """bytes x seconds_per_byte for blocks held by more than one pipeline."""
+        multi = len(plan.pipelines) > 1
+        return [self.grad_bytes_by_layers.get(b.layers, 0) * self.seconds_per_byte if multi else 0.0
+                for b in plan.blocks]
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return self.optimizer_time_s

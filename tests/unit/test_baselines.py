@@ -1,7 +1,8 @@
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan
-from ethpipe.planner.baselines import _uniform_layers, equal_split
+from ethpipe.planner.baselines import equal_split
+from ethpipe.planner.templates import equal_layers
 
 CLUSTER = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 800},
@@ -10,7 +11,7 @@ CLUSTER = cluster_from_dict({"nodes": [
 
 def test_splits() -> None:
     assert equal_split(10, 3) == [4, 3, 3]
-    assert _uniform_layers(10, 4) == [3, 3, 2, 2] and sum(_uniform_layers(32, 3)) == 32
+    assert equal_layers(10, 4) == [3, 3, 2, 2] and sum(equal_layers(32, 3)) == 32
 
 
 def test_uniform_equal_layers_and_data() -> None:

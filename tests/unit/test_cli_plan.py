@@ -56,7 +56,8 @@ def test_catalog_lists_gpus_and_models() -> None:
     (["--cluster", DEMO, "--model", "gpt-9"], "unknown model"),
     (["--cluster", DEMO, "--model", "tiny", "--method", "best"], "unknown method"),
     (["--cluster", DEMO, "--model", "llama2-70b"], "llama2-70b needs"),
-    (["--cluster", DEMO, "--model", "tiny", "--global-batch", "1"], "smaller than the"),
+    (["--cluster", "examples/clusters/a100_v100.yaml", "--model", "tiny", "--max-tp", "1", "--global-batch", "1"],
+     "smaller than the"),
     (["--cluster", DEMO, "--model", "tiny", "--profile", "x.json"], "--profile-as"),
 ])
 def test_errors_one_line_exit_2_no_file(tmp_path: Path, args, needle) -> None:

@@ -1,4 +1,4 @@
-"""Relative speeds, stretch arithmetic and injected slowdowns of --emulate."""
+"""Relative speeds, time scale, pacing arithmetic (scaled and paced targets) and slowdowns of --emulate."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import pytest
 
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.emulate import Emulator, Slowdown, make_emulator, parse_slowdown, relative_speeds
+from ethpipe.plan import Plan as PlanType
+from ethpipe.runtime.emulate import (
+    CPU_SHARE, Emulator, Slowdown, auto_time_scale, check_emulation, emulation_time_scale, make_emulator,
+    paced_targets, parse_slowdown, relative_speeds, with_emulation,
+)
 
 
 def _plan(devices: list[str], extra: dict | None = None) -> Plan:
@@ -36,12 +40,66 @@ def test_no_speeds_is_a_clear_error() -> None:
         relative_speeds(_plan(["a", "b"], {"device_speeds": {"a": 1.0}}))
 
 
-def test_stretch_arithmetic_and_slowdowns() -> None:
-    assert Emulator(1.0).extra_s(0.2, 0) == 0.0
-    assert Emulator(0.25).extra_s(0.2, 0) == pytest.approx(0.6)  # 0.2 s at 1/4 speed lasts 0.8 s
-    slow = Emulator(0.5, (Slowdown(0, 2.0, from_step=3),))
-    assert slow.extra_s(1.0, 2) == pytest.approx(1.0)
-    assert slow.extra_s(1.0, 3) == pytest.approx(3.0)
+def test_scaled_targets_pace_every_rank() -> None:
+    # The fastest device sleeps too once time_scale > 1: 0.2 s of compute lasts 0.2 * 3 s.
+    assert Emulator(1.0, time_scale=3.0).target_s("F", 1, 0.2, 0) == pytest.approx(0.6)
+    assert Emulator(0.25).target_s("B", 1, 0.2, 0) == pytest.approx(0.8)  # 1/4 speed: 4x as long
+    # The sleep tops the action's wall time up to its target; time spent descheduled counts as elapsed.
+    em = Emulator(0.5, time_scale=2.0)
+    assert em.sleep_s("F", 1, 0.1, 0.1, 0) == pytest.approx(0.3)
+    assert em.sleep_s("F", 1, 0.1, 0.25, 0) == pytest.approx(0.15)
+    assert em.sleep_s("F", 1, 0.1, 0.5, 0) == 0.0  # an overrun is never shortened
+    assert Emulator(1.0).sleep_s("F", 1, 0.2, 0.2, 0) == 0.0  # scale 1: the fastest device runs as is
+
+
+def test_paced_targets_ignore_measurement_and_apply_slowdowns() -> None:
+    em = Emulator(0.25, time_scale=4.0, slowdowns=(Slowdown(0, 2.0, from_step=3),),
+                  paced=((1, 0.010, 0.020), (2, 0.016, 0.030)))
+    assert em.target_s("F", 1, 123.0, 0) == pytest.approx(0.010)
+    assert em.target_s("B", 2, 0.0, 0) == pytest.approx(0.030)
+    assert em.target_s("B", 2, 0.0, 3) == pytest.approx(0.060)
+    assert em.sleep_s("F", 1, 0.001, 0.004, 0) == pytest.approx(0.006)
+    assert em.target_s("F", 3, 0.01, 0) == pytest.approx(0.01 * 4.0 / 0.25)  # no target: scaled
+
+
+def test_slowdowns_multiply() -> None:
+    slow = Emulator(0.5, slowdowns=(Slowdown(0, 2.0, from_step=3), Slowdown(0, 1.5, from_step=5)))
+    assert slow.target_s("F", 1, 1.0, 2) == pytest.approx(2.0)
+    assert slow.target_s("F", 1, 1.0, 3) == pytest.approx(4.0)
+    assert slow.target_s("F", 1, 1.0, 5) == pytest.approx(6.0)
+
+
+def test_auto_time_scale_keeps_compute_within_the_cpu_share() -> None:
+    # 2 fast + 4 slow at a quarter speed on 2 cores: sum of speeds 3 -> 3 / (share * 2).
+    assert auto_time_scale([1, 1, 0.25, 0.25, 0.25, 0.25], 2) == pytest.approx(3.0 / (CPU_SHARE * 2))
+    assert auto_time_scale([1.0], 64) == 1.0  # never faster than real
+    with pytest.raises(ValueError):
+        auto_time_scale([], 2)
+
+
+def test_time_scale_from_plan_or_auto() -> None:
+    plan = _plan(["fast", "slow", "slow"], {"device_speeds": {"fast": 4.0, "slow": 1.0}})
+    assert emulation_time_scale(plan, num_cores=1) == pytest.approx(1.5 / CPU_SHARE)
+    pinned = with_emulation(plan, 7.0)
+    assert emulation_time_scale(pinned, num_cores=1) == 7.0
+    assert make_emulator(pinned, 0).time_scale == 7.0
+    with pytest.raises(ValueError, match="emulation.time_scale"):
+        emulation_time_scale(PlanType(**{**plan.__dict__, "extra": {**plan.extra, "emulation": {"time_scale": 0.5}}}))
+
+
+def test_paced_targets_round_trip_through_the_plan_file() -> None:
+    plan = _plan(["fast", "slow"], {"device_speeds": {"fast": 2.0, "slow": 1.0}})
+    paced = with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}, 1: {1: (0.02, 0.04)}})
+    again = PlanType.from_dict(paced.to_dict())
+    assert paced_targets(again, 1) == ((1, 0.02, 0.04),)
+    em = make_emulator(again, 1)
+    assert (em.speed, em.time_scale, em.paced) == (0.5, 3.0, ((1, 0.02, 0.04),))
+    assert paced_targets(plan, 0) == ()  # no targets: scaled from measurement
+    check_emulation(paced)
+    with pytest.raises(ValueError, match="no targets for rank 1"):
+        check_emulation(with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}}))
+    with pytest.raises(ValueError, match="no target for micro-batch size 1"):
+        paced_targets(with_emulation(plan, 3.0, {0: {2: (0.01, 0.02)}, 1: {2: (0.01, 0.02)}}), 0)
 
 
 def test_parse_slowdown() -> None:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
 
 ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML or JSON).")]
@@ -120,8 +121,6 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
 
 
 def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
-    import os
-    import tempfile
 
     import matplotlib
 
@@ -138,15 +137,11 @@ def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
     ax2.set_ylim(0, 1)
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    os.close(fd)
     try:
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp)
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 @app.command()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cli.app import app, console, err_console, user_errors
 
 data_app = typer.Typer(help="Make token files for `ethpipe train`.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -43,17 +45,43 @@ def train(
     resume: bool = typer.Option(False, "--resume",
                                 help="Continue from the newest complete checkpoint in --checkpoint-dir, "
                                      "under this plan (any shape) with the same sample stream."),
+    auto_resume: bool = typer.Option(False, "--auto-resume",
+                                     help="Resume if --checkpoint-dir holds a complete checkpoint, else start fresh "
+                                          "(for torchrun --max-restarts: every attempt runs the same command)."),
+    replan_cluster: Optional[Path] = typer.Option(
+        None, "--replan-cluster", help="Cluster of the job: when the world differs from the plan's (a rank was lost "
+                                       "or added), re-plan for the world's devices (the first WORLD_SIZE of it)."),
+    rebalance: Optional[str] = typer.Option(
+        None, "--rebalance", help="Online data rebalancing: every=K[,threshold=0.05][,window=K] (measured rates, "
+                                  "same global batch, no weights moved)."),
+    emulate_slowdown: Optional[list[str]] = typer.Option(
+        None, "--emulate-slowdown", help="With --emulate: RANK:FACTOR@STEP makes a rank FACTOR times slower from "
+                                         "STEP on (repeatable)."),
+    watchdog_s: Optional[float] = typer.Option(
+        None, "--watchdog-s", help="End a rank without progress for this long (default 2 x --timeout-s + 60; 0: off)."),
+    log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
 ) -> None:
     """Train with a plan, exactly: loss = mean token cross-entropy over the whole global batch,
     no dropout. Without torchrun the plan's world is spawned on this machine; under
     `torchrun --nproc-per-node N -m ethpipe train ...` this process is one rank."""
     from ethpipe.plan import Plan
-    from ethpipe.runtime.launch import in_torchrun, run_local, run_torchrun
+    from ethpipe.runtime.emulate import parse_slowdown
+    from ethpipe.runtime.launch import TrainingFailed, in_torchrun, run_local, run_torchrun
+    from ethpipe.runtime.rebalance import parse_rebalance
     from ethpipe.runtime.train import TrainConfig
 
     if device not in ("auto", "cpu"):
         raise ValueError(f"--device must be auto or cpu, got {device!r}")
+    slowdowns = tuple(parse_slowdown(text) for text in emulate_slowdown or [])
+    if slowdowns and not emulate:
+        raise ValueError("--emulate-slowdown needs --emulate (it slows an emulated device)")
+    balance = parse_rebalance(rebalance) if rebalance is not None else None
     the_plan = Plan.load(plan)
+    if replan_cluster is not None:
+        from ethpipe.cli.replan_cmds import plan_for_world
+
+        world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else the_plan.world_size
+        the_plan = plan_for_world(the_plan, replan_cluster, world)
     config = TrainConfig(
         data=str(data), steps=steps, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
         shuffle=shuffle, dtype=dtype, recompute=recompute,  # type: ignore[arg-type]
@@ -62,9 +90,14 @@ def train(
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
         timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
-        resume=resume,
+        resume=resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
+        log_sample_ids=log_sample_ids,
     )
-    records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
+    try:
+        records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
+    except TrainingFailed as err:  # a rank died or crashed: one line, not a traceback
+        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     if records:
         last = records[-1]
         console.print(f"trained {len(records)} steps: loss {records[0]['loss']:.4f} -> {last['loss']:.4f}, "

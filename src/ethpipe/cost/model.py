@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.cost import comm, compute, memory
+from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Block, Plan, Stage
@@ -188,6 +189,19 @@ class CostModel:
             inter_latency_s=self.cluster.inter_node_latency_s,
         )
 
+    def sync_s(self, shape: SyncShape | None) -> float:
+        """Seconds of one block all-reduce of this shape (``cost/sync.py``)."""
+        return 0.0 if shape is None else sync_shape_s(shape, self.cluster)
+
+    def block_sync_s(self, plan: Plan) -> list[float]:
+        """Seconds of each block's all-reduce in ``plan`` (0.0 where one pipeline holds it).
+
+        The one pricing of gradient sync: the planner's estimate and the simulator both call it.
+        """
+        shapes = block_sync_shapes(plan, self.cluster, lambda b, first, last: self.block_grad_bytes(
+            b, first=first, last=last))
+        return [self.sync_s(shape) for shape in shapes]
+
     # -- parameters, optimizer, memory ---------------------------------------------------
 
     def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
@@ -209,19 +223,36 @@ class CostModel:
         return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9)
 
     def memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, *,
-                     first: bool, last: bool) -> tuple[float, float]:
-        """(fixed, per-layer) bytes of a stage: memory is linear in its number of layers."""
+                     first: bool, last: bool, device: str | None = None) -> tuple[float, float]:
+        """(fixed, per-layer) bytes of a stage: memory is linear in its number of layers.
+
+        Activations come from the device type's measured profile where it has them (scaled by
+        the analytic ratio when the profile was taken on another model, sequence length, dtype
+        or TP degree), else from the analytic per-tensor count.
+        """
         m, s, d = self.model, self.seq_len, self.dtype_bytes
         bpp = self._state_bpp  # type: ignore[attr-defined]
-        full = memory.block_activation_bytes(m, s, d, tp) * micro_batch
+        full = self._activation_bytes(device, "block", micro_batch, tp)
         kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
         per_layer = bpp * m.params_per_layer() / tp + in_flight * kept
         fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
         fixed += full if recompute else 0.0
-        fixed += memory.head_activation_bytes(m, s, d, tp) * micro_batch if last else 0.0
+        fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
         return fixed, per_layer
+
+    def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
+        m, s, d = self.model, self.seq_len, self.dtype_bytes
+        analytic = memory.block_activation_bytes if kind == "block" else memory.head_activation_bytes
+        ours = analytic(m, s, d, tp) * micro_batch
+        prof = self.profiles.get(device) if self.profiles and device else None
+        measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]
+        if prof is None or measured is None:
+            return ours
+        theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1) * micro_batch
+        return measured * ours / theirs
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
         """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held."""
-        fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last)
+        fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last,
+                                             device=stage.device)
         return int(fixed + stage.num_layers * per_layer)

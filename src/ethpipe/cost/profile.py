@@ -48,6 +48,19 @@ class MeasuredProfile:
             return t.fwd_s, t.bwd_s
         return _fit(points, micro_batch, "fwd_s"), _fit(points, micro_batch, "bwd_s")
 
+    def activation_bytes(self, kind: LayerKind, micro_batch: int) -> float | None:
+        """Measured activation bytes one layer of ``kind`` keeps for backward, or None if not measured."""
+        points = self.peak_memory_bytes.get(kind)
+        if not points:
+            return None
+        if micro_batch in points:
+            return float(points[micro_batch])
+        return _fit({b: LayerTiming(float(v), 0.0) for b, v in points.items()}, micro_batch, "fwd_s")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "fp32" else 2
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,

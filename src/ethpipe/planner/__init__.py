@@ -10,6 +10,7 @@ from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
+from ethpipe.planner.options import PlannerOptions
 
 METHODS = ("eth", "uniform", "layer-balanced")
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -17,11 +18,12 @@ RECOMPUTE_MODES = ("auto", "never", "always")
 
 def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_len: int, method: str = "eth", *,
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
-              time_budget_s: float | None = None) -> Plan:
+              time_budget_s: float | None = None, options: PlannerOptions | None = None) -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
-    returned, and the plan's ``search`` record says it timed out).
+    returned, and the plan's ``search`` record says it timed out). ``options`` are ETH's
+    ablation knobs (``PlannerOptions``); the baselines ignore them.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -35,7 +37,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
 
-        return plan_eth(cost, global_batch_size, max_tp=max_tp, recompute=recompute)
+        return plan_eth(cost, global_batch_size, max_tp=max_tp, recompute=recompute, options=options)
     from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
 
     if method == "uniform":
@@ -43,4 +45,5 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     return plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute, time_budget_s=time_budget_s)
 
 
-__all__ = ["METHODS", "CostModel", "Estimate", "estimate_iteration_s", "estimate_plan", "ideal_time_s", "make_plan"]
+__all__ = ["METHODS", "CostModel", "Estimate", "PlannerOptions", "estimate_iteration_s", "estimate_plan", "ideal_time_s",
+           "make_plan"]

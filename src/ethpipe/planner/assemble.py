@@ -20,7 +20,7 @@ def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int,
 
 
 def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Sequence[Pipeline], *,
-                  started_s: float, search: dict[str, Any]) -> Plan:
+                  started_s: float, search: dict[str, Any], flat_sync: bool = False) -> Plan:
     """Order pipelines by first rank, compute blocks, and price the plan rank by rank."""
     ordered = tuple(sorted(pipelines, key=lambda p: p.stages[0].ranks[0]))
     used = sorted(r for p in ordered for r in p.ranks)
@@ -29,7 +29,7 @@ def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Se
                 pipelines=ordered, blocks=compute_blocks(ordered), model_spec=cost.model, cluster=cost.cluster.source,
                 extra={"device_speeds": cost.device_speeds(), "search": search})
     planning_s = time.perf_counter() - started_s
-    predicted = predicted_metrics(plan, cost, planning_s)
+    predicted = predicted_metrics(plan, cost, planning_s, flat_sync=flat_sync)
     return Plan(**{**plan.__dict__, "predicted": predicted})
 
 
@@ -41,7 +41,8 @@ def memory_error(cost: CostModel, recompute: str) -> ValueError:
     by_memory = sorted(cost.cluster.gpu_types, key=lambda t: cost.gpu(t).memory_bytes)
     layers = math.ceil(cost.model.num_layers / depth)
     for device, num_layers, first in ((by_memory[-1], layers, True), (by_memory[0], 1, False)):
-        fixed, per_layer = cost.memory_terms(1, 1, depth if first else 1, rc, first=first, last=depth == 1 or not first)
+        fixed, per_layer = cost.memory_terms(1, 1, depth if first else 1, rc, first=first, last=depth == 1 or not first,
+                                             device=device)
         need = fixed + num_layers * per_layer
         if need > cost.usable_memory_bytes(device):
             break

@@ -6,6 +6,8 @@ take ``cap_p(T) = max{n : T_p(n) <= T}`` samples; T is feasible iff ``sum cap_p(
 a bisection on T finds the optimum and the surplus is trimmed from the slowest pipelines.
 Identical pipelines share one timing (``counts``), so the cost does not grow with the number
 of pipelines. Every pipeline keeps at least one sample: a plan uses every device it lists.
+With whole micro-batches only (a timing's ``granularity`` = its micro-batch size) caps and
+trimming move in whole micro-batches and every pipeline keeps at least one.
 """
 
 from __future__ import annotations
@@ -16,22 +18,23 @@ from collections.abc import Sequence
 from ethpipe.planner.timing import PipelineTiming
 
 _BISECTION_STEPS = 100
-_RELATIVE_TOLERANCE = 1e-10
+_RELATIVE_TOLERANCE = 1e-7
 
 
 def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], total: int) -> list[list[int]]:
     """Samples per pipeline, grouped like ``timings`` (group g has ``counts[g]`` identical pipelines)."""
     num_pipes = sum(counts)
-    if total < num_pipes:
+    units = [t.granularity for t in timings]
+    if total < sum(c * u for c, u in zip(counts, units)):
         raise ValueError(
             f"global batch {total} is smaller than the {num_pipes} pipelines of this plan need (one sample each): "
             f"use --global-batch >= {num_pipes} or fewer, deeper pipelines"
         )
-    lo = max(t.time_s(1) for t in timings)
+    lo = max(t.time_s(u) for t, u in zip(timings, units))
     hi = max(t.time_s(total - num_pipes + 1) for t in timings)
 
     def caps(limit: float) -> list[int]:
-        return [max(t.max_samples_within(limit, total), 1) for t in timings]
+        return [max(t.max_samples_within(limit, total), u) for t, u in zip(timings, units)]
 
     if sum(c * n for c, n in zip(counts, caps(lo))) < total:
         for _ in range(_BISECTION_STEPS):
@@ -51,14 +54,17 @@ def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], to
 
 
 def _trim(timings: Sequence[PipelineTiming], samples: list[list[int]], excess: int) -> None:
-    """Remove ``excess`` samples one at a time from the currently slowest pipeline (keeping >= 1)."""
-    heap = [(-timings[g].time_s(n), g, i) for g, row in enumerate(samples) for i, n in enumerate(row) if n > 1]
+    """Remove ``excess`` samples, a unit at a time, from the currently slowest pipeline (keeping one unit)."""
+    units = [t.granularity for t in timings]
+    heap = [(-timings[g].time_s(n), g, i) for g, row in enumerate(samples) for i, n in enumerate(row)
+            if n > units[g] and units[g] <= excess]
     heapq.heapify(heap)
     while excess > 0:
+        assert heap, "whole micro-batches of different sizes cannot add up to the batch"
         _, g, i = heapq.heappop(heap)
-        samples[g][i] -= 1
-        excess -= 1
-        if samples[g][i] > 1:
+        samples[g][i] -= units[g]
+        excess -= units[g]
+        if samples[g][i] > units[g] and units[g] <= excess:
             heapq.heappush(heap, (-timings[g].time_s(samples[g][i]), g, i))
 
 

@@ -19,35 +19,13 @@ from collections.abc import Sequence
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
-from ethpipe.planner.grouping import Group, group_iteration_s
-from ethpipe.planner.partition import Partition, _choose, partition_layers
-from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, Template, divisors, pools_of, slots_for
+from ethpipe.planner.grouping import Group, equal_split, evaluate_groups, make_group
+from ethpipe.planner.partition import partition_layers
+from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Template, divisors, equal_layers, fixed_partition,
+                                       pools_of, slots_for)
 from ethpipe.planner.timing import StageSlot, stage_options, timing_of_partition
 
-
-def equal_split(total: int, parts: int) -> list[int]:
-    """``total`` as ``parts`` near-equal integers, larger ones first (data or layers)."""
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def _uniform_layers(num_layers: int, depth: int) -> list[int]:
-    """Equal layers; the remainder goes to the earliest stages but never to the last (it holds the head)."""
-    if depth == 1:
-        return [num_layers]
-    return equal_split(num_layers - num_layers // depth, depth - 1) + [num_layers // depth]
-
-
-def _fixed_partition(cost: CostModel, slots: Sequence[StageSlot], counts: Sequence[int], micro_batch: int,
-                     recompute: str) -> Partition | None:
-    options = stage_options(cost, slots, micro_batch, recompute)
-    chosen = []
-    for opts, k in zip(options, counts):
-        if not any(o.max_layers >= k for o in opts):
-            return None
-        chosen.append(_choose(opts, k))
-    return Partition(tuple(counts), tuple(o.recompute for o in chosen),
-                     max(o.time_s(k) for o, k in zip(chosen, counts)))
+__all__ = ["equal_split", "plan_layer_balanced", "plan_uniform"]
 
 
 def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -> list[Group] | None:
@@ -62,19 +40,12 @@ def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -
         tpl = make(members[0])
         if tpl is None:
             return None
-        nodes: dict[int, set[int]] = {}
-        for idx, slots in enumerate(members):
-            for s in slots:
-                nodes.setdefault(devs[s.ranks[0]].node, set()).add(idx)
-        node_size = max(sum(1 for d in devs if d.node == n) for n in list(nodes)[:1])
-        groups.append(Group(tpl, tuple(members), len(nodes), max(len(v) for v in nodes.values()), node_size))
+        groups.append(make_group(cost, tpl, members))
     return groups
 
 
 def _evaluate_equal(cost: CostModel, groups: list[Group], global_batch: int) -> tuple[float, list[list[int]]]:
-    shares = iter(equal_split(global_batch, sum(g.count for g in groups)))
-    samples = [[next(shares) for _ in range(g.count)] for g in groups]
-    return group_iteration_s(cost, groups, samples), samples
+    return evaluate_groups(cost, groups, global_batch, equal_data=True)
 
 
 def _finish(method: str, cost: CostModel, global_batch: int, best, started: float, search: dict) -> Plan:
@@ -99,10 +70,10 @@ def plan_uniform(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompu
             if d > num_layers or replicas > global_batch:
                 continue
             instances = [slots_for(ranked[i * d * t:(i + 1) * d * t], t) for i in range(replicas)]
-            layers = _uniform_layers(num_layers, d)
+            layers = equal_layers(num_layers, d)
             for b in (x for x in MICRO_BATCH_CANDIDATES if x <= -(-global_batch // replicas)):
                 def make(slots: tuple[StageSlot, ...], b: int = b) -> Template | None:
-                    part = _fixed_partition(cost, slots, layers, b, recompute)
+                    part = fixed_partition(cost, slots, layers, b, recompute)
                     return None if part is None else Template(-1, len(slots), t, b, 1, slots, part,
                                                               timing_of_partition(cost, slots, part, b))
                 groups = _groups(cost, instances, make)

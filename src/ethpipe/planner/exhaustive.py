@@ -1,7 +1,8 @@
 """Exhaustive search over ETH's own space, for small clusters: how much level 1's pruning loses.
 
-ETH's space: one template per pool (every feasible depth, TP degree, node span and micro-batch
-size, not just the few the heuristic keeps), pipelines balanced by level 3. Every combination
+ETH's space: one template per pool (every shape that tiles the pool - depth, TP degree, node
+span - with every micro-batch size, not just the few the heuristic keeps), pipelines balanced
+by level 3. Every combination
 across pools is priced with the same group evaluator; a time budget bounds it honestly. When
 a pool cannot hold a replica alone (ETH mixes it), the space is empty and no plan is returned.
 """
@@ -16,7 +17,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline
 from ethpipe.planner.grouping import evaluate_groups, homogeneous_group
-from ethpipe.planner.templates import pool_templates, pools_of
+from ethpipe.planner.templates import build_template, micro_batch_candidates, pool_shapes, pools_of, shape_slots
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,17 @@ def exhaustive_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recom
     cache: dict = {}
     per_pool = []
     for i, pool in enumerate(pools):
-        templates = pool_templates(cost, pools, i, max_tp=max_tp, recompute=recompute,
-                                   max_micro_batch=global_batch, cache=cache)
-        if not templates:  # the pool needs mixed pipelines: outside the one-template-per-pool space
+        groups = []
+        for depth, tp, span in pool_shapes(cost, pool, max_tp):
+            if pool.num_devices // (depth * tp) > global_batch:
+                continue
+            for b in micro_batch_candidates(global_batch):
+                tpl = build_template(cost, i, shape_slots(pool, depth, tp, span), b, recompute, span, cache)
+                if tpl is not None:
+                    groups.append(homogeneous_group(cost, tpl, pool))
+        if not groups:  # the pool needs mixed pipelines: outside the one-template-per-pool space
             return ExhaustiveResult(None, 0, 0, False)
-        per_pool.append([homogeneous_group(t, pool) for t in templates])
+        per_pool.append(groups)
     total = 1
     for c in per_pool:
         total *= len(c)

@@ -1,8 +1,9 @@
-"""Level 1: devices -> pipelines. Instances of templates, and a group-level iteration time.
+"""Level 1: devices -> pipelines. Groups of identical pipelines, and a group-level iteration time.
 
-Candidates are compared with the group-level evaluator below (identical pipelines are priced
-once), which mirrors ``estimate.py``'s block-wise sync on groups instead of ranks; the plan
-finally chosen is re-priced rank by rank with ``estimate_plan``.
+Candidates are compared with ``group_iteration_s``, which computes exactly what
+``estimate_plan`` computes for the assembled plan (same stage finish formula, same
+``SyncShape`` pricing from ``cost/sync.py``) but prices identical pipelines once: a group's
+node statistics are gathered when it is made, so a candidate costs O(blocks x groups).
 """
 
 from __future__ import annotations
@@ -10,12 +11,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ethpipe.cost import comm
 from ethpipe.cost.model import CostModel
+from ethpipe.cost.sync import SyncShape
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.balance import balance_samples
-from ethpipe.planner.templates import Pool, Template, slots_for
+from ethpipe.planner.templates import Pool, Template, slots_for, span_instances
 from ethpipe.planner.timing import StageSlot
+
+
+@dataclass(frozen=True)
+class StageNodes:
+    """Where one stage position of a group's pipelines sits: heads per node and the slowest links."""
+
+    heads: tuple[tuple[int, int, float], ...]  # (node, pipelines whose stage head is on it, node NIC GB/s)
+    intra_gbps: float
 
 
 @dataclass(frozen=True)
@@ -24,80 +33,132 @@ class Group:
 
     template: Template
     instances: tuple[tuple[StageSlot, ...], ...]
-    num_nodes: int  # nodes these pipelines occupy
-    pipelines_per_node: int
-    gpus_per_node: int
+    stages: tuple[StageNodes, ...]
+    ranks_per_node: tuple[tuple[int, int], ...]  # (node, ranks of this group on it)
 
     @property
     def count(self) -> int:
         return len(self.instances)
 
-
-def homogeneous_group(template: Template, pool: Pool) -> Group:
-    """Cut a whole pool into pipelines of ``template``: inside each node, or over spans of nodes."""
-    size = template.devices_per_pipeline
-    if template.nodes_per_pipeline > 1:
-        k = template.nodes_per_pipeline
-        spans = [[r for node in pool.nodes[i:i + k] for r in node] for i in range(0, len(pool.nodes), k)]
-    else:
-        spans = [list(node[j:j + size]) for node in pool.nodes for j in range(0, len(node), size)]
-    instances = tuple(slots_for([(pool.device, r) for r in ranks], template.tp) for ranks in spans)
-    return Group(template, instances, len(pool.nodes), max(pool.gpus_per_node // size, 1), pool.gpus_per_node)
+    @property
+    def num_nodes(self) -> int:
+        return len(self.ranks_per_node)
 
 
-def _ready_and_opt(cost: CostModel, group: Group, num_samples: int) -> tuple[list[float], list[float]]:
-    tpl = group.template
-    timing = tpl.timing
-    total = timing.time_s(num_samples)
-    last = num_samples - (-(-num_samples // timing.micro_batch) - 1) * timing.micro_batch
-    ready = [total - d for d in timing.drain_s(last)]
-    opts = []
-    for i, (lo, hi) in enumerate(tpl.partition.ranges()):
-        stage = Stage(tpl.slots[i].ranks, tpl.slots[i].device, (lo, hi), tpl.slots[i].tp, tpl.partition.recompute[i])
-        opts.append(cost.optimizer_s(stage, first=i == 0, last=i == tpl.depth - 1))
-    return ready, opts
+def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[StageSlot, ...]]) -> Group:
+    devices = cost.cluster.devices
+    stages = []
+    for s in range(template.depth):
+        heads: dict[int, int] = {}
+        nic: dict[int, float] = {}
+        intra = float("inf")
+        for slots in instances:
+            d = devices[slots[s].ranks[0]]
+            heads[d.node] = heads.get(d.node, 0) + 1
+            nic[d.node] = d.nic_gbps
+            intra = min(intra, d.gpu.intra_node_gbps)
+        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra))
+    ranks: dict[int, int] = {}
+    for slots in instances:
+        for slot in slots:
+            for r in slot.ranks:
+                ranks[devices[r].node] = ranks.get(devices[r].node, 0) + 1
+    return Group(template, tuple(instances), tuple(stages), tuple(ranks.items()))
 
 
-def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequence[Sequence[int]]) -> float:
-    """Iteration time of a candidate: slowest flush + exposed block-wise sync + optimizer."""
-    ready, opts = {}, {}
-    for g, (group, row) in enumerate(zip(groups, samples)):
-        r, o = _ready_and_opt(cost, group, max(row))
-        for s in range(group.template.depth):
-            ready[(g, s)], opts[(g, s)] = r[s], o[s]
-    num_pipes = sum(gr.count for gr in groups)
-    if num_pipes > 1:
-        _sync_blocks(cost, groups, ready)
-    return max(ready[k] + opts[k] for k in ready)
+def homogeneous_group(cost: CostModel, template: Template, pool: Pool) -> Group:
+    """Cut a whole pool into pipelines of ``template`` (``span_instances``)."""
+    spans = span_instances(pool, template.depth, template.tp, template.nodes_per_pipeline)
+    return make_group(cost, template, [slots_for([(pool.device, r) for r in ranks], template.tp) for ranks in spans])
 
 
-def _sync_blocks(cost: CostModel, groups: Sequence[Group], free: dict[tuple[int, int], float]) -> None:
+def _holders(groups: Sequence[Group], lo: int) -> list[int]:
+    return [next(i for i, (a, b) in enumerate(gr.template.partition.ranges()) if a <= lo < b) for gr in groups]
+
+
+def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int], SyncShape | None]]:
+    """Per block (common refinement of the groups' splits): holder stage per group, and its shape."""
     num_layers = cost.model.num_layers
     cuts = sorted({0, num_layers, *(lo for gr in groups for lo, _ in gr.template.partition.ranges())})
-    devs = [cost.cluster.devices[gr.instances[0][0].ranks[0]] for gr in groups]
-    num_nodes = sum(gr.num_nodes for gr in groups)
-    # One concurrent collective per syncing (stage, shard) of a node, pipelines_per_node ranks each.
-    share = max(max(gr.gpus_per_node / gr.pipelines_per_node, 1.0) for gr in groups) if num_nodes > 1 else 1.0
-    intra = min(d.gpu.intra_node_gbps for d in devs)
-    inter = min(d.nic_gbps for d in devs) / share
-    per_node = max(gr.pipelines_per_node for gr in groups)
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        holders = []
-        tp = min(gr.template.tp for gr in groups)
-        for g, gr in enumerate(groups):
-            s = next(i for i, (a, b) in enumerate(gr.template.partition.ranges()) if a <= lo < b)
-            holders.append((g, s))
+    blocks = []
+    for lo in cuts[:-1]:
+        holders = _holders(groups, lo)
+        here: dict[int, int] = {}
+        nic: dict[int, float] = {}
+        for gr, s in zip(groups, holders):
+            for node, c, bw in gr.stages[s].heads:
+                here[node] = here.get(node, 0) + c
+                nic[node] = bw
+        blocks.append((holders, here, nic))
+    syncing: dict[int, int] = {}
+    counted: set[tuple[int, int]] = set()
+    for holders, here, _ in blocks:
+        if len(here) > 1:
+            for g, s in enumerate(holders):
+                if (g, s) not in counted:
+                    counted.add((g, s))
+                    tp = groups[g].template.slots[s].tp
+                    for node, c, _ in groups[g].stages[s].heads:
+                        syncing[node] = syncing.get(node, 0) + c * tp
+    num_pipes = sum(gr.count for gr in groups)
+    out = []
+    for (lo, hi), (holders, here, nic) in zip(zip(cuts[:-1], cuts[1:]), blocks):
+        if num_pipes < 2:
+            out.append((holders, None))
+            continue
+        st = [gr.stages[s] for gr, s in zip(groups, holders)]
+        tp = min(gr.template.slots[s].tp for gr, s in zip(groups, holders))
         num_bytes = cost.block_grad_bytes(Block((lo, hi), ()), first=lo == 0, last=hi == num_layers) / tp
-        duration = comm.allreduce_shape_s(
-            num_bytes, num_ranks=sum(gr.count for gr in groups), num_nodes=num_nodes, max_ranks_per_node=per_node,
-            intra_gbps=intra, inter_gbps=inter, intra_latency_s=cost.cluster.intra_node_latency_s,
-            inter_latency_s=cost.cluster.inter_node_latency_s)
-        start = max(free[h] for h in holders)
-        for h in holders:
-            free[h] = start + duration
+        cross = len(here) > 1
+        bw = min(nic[n] / max(syncing[n] / c, 1.0) if cross else nic[n] for n, c in here.items())
+        out.append((holders, SyncShape(num_bytes, num_pipes, len(here), max(here.values()),
+                                       min(x.intra_gbps for x in st), bw)))
+    return out
 
 
-def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int) -> tuple[float, list[list[int]]]:
-    """Balance the batch over the groups' pipelines (level 3) and price the iteration."""
-    samples = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch)
-    return group_iteration_s(cost, groups, samples), samples
+def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequence[Sequence[int]], *,
+                      flat_sync: bool = False, shapes: list | None = None) -> float:
+    """Iteration time of a candidate: stage finishes, block-wise (or flat) sync, optimizer."""
+    finish, free, opts = {}, {}, {}
+    for g, (group, row) in enumerate(zip(groups, samples)):
+        f = group.template.timing.finish_s(max(row))
+        tpl = group.template
+        for s, (lo, hi) in enumerate(tpl.partition.ranges()):
+            finish[(g, s)] = float(f[s])
+            stage = Stage(tpl.slots[s].ranks, tpl.slots[s].device, (lo, hi), tpl.slots[s].tp, tpl.partition.recompute[s])
+            opts[(g, s)] = cost.optimizer_s(stage, first=s == 0, last=s == tpl.depth - 1)
+    makespan = max(finish.values())
+    free = {k: (makespan if flat_sync else v) for k, v in finish.items()}
+    for holders, shape in (shapes if shapes is not None else sync_shapes(cost, groups)):
+        duration = cost.sync_s(shape)
+        if duration > 0.0:
+            keys = [(g, s) for g, s in enumerate(holders)]
+            start = max(free[k] for k in keys)
+            for k in keys:
+                free[k] = start + duration
+    return max(max(free[k], finish[k]) + opts[k] for k in finish)
+
+
+def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,
+                    flat_sync: bool = False) -> tuple[float, list[list[int]]]:
+    """Balance the batch over the groups' pipelines (level 3; or split it equally) and price the iteration."""
+    if equal_data:
+        samples = equal_samples(groups, global_batch)
+    else:
+        samples = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch)
+    return group_iteration_s(cost, groups, samples, flat_sync=flat_sync), samples
+
+
+def equal_split(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal integers, larger ones first (data or layers)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def equal_samples(groups: Sequence[Group], global_batch: int) -> list[list[int]]:
+    num_pipes = sum(g.count for g in groups)
+    if global_batch < num_pipes:
+        raise ValueError(f"global batch {global_batch} is smaller than the {num_pipes} pipelines of this plan need "
+                         f"(one sample each): use --global-batch >= {num_pipes} or fewer, deeper pipelines")
+    shares = iter(equal_split(global_batch, num_pipes))
+    return [[next(shares) for _ in range(g.count)] for g in groups]

@@ -1,9 +1,15 @@
 """Level 1 building blocks: node pools and pipeline templates (DESIGN 2.1).
 
 A *pool* is the set of nodes with one GPU type and node size. A *template* is a pipeline
-shape on one pool: depth d, TP degree t, micro-batch size b, the nodes it spans (1 unless one
-node cannot hold the model), and the recomputation mode; its layer split (level 2) and timing
-are computed once and shared by every pipeline cut from it.
+shape: its stage slots (device, TP degree, ranks of the first instance), micro-batch size b,
+the nodes it spans, and its layer split (level 2) and timing, computed once and shared by
+every pipeline cut from it. On a pool, a shape (d, t, k) cuts every k consecutive nodes into
+``P = k g / (d t)`` pipelines, each putting ``d / k`` consecutive stages on each of the k nodes
+(k = 1: pipelines packed inside a node). Spanning k nodes cuts the gradient bytes each node's
+NIC carries to ``1/k`` of a replica - what wins when sync dominates (small per-GPU batches) -
+and striding (P > 1) does so without making the pipeline deeper: the same trick that lets a
+layer-balanced replica (one node of each type) sync little, without mixing types. Depth is
+bounded by the number of layers.
 """
 
 from __future__ import annotations
@@ -12,13 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
-from ethpipe.planner.partition import Partition, partition_layers
+from ethpipe.planner.options import PlannerOptions
+from ethpipe.planner.partition import Partition, _choose, partition_layers
 from ethpipe.planner.timing import PipelineTiming, StageSlot, stage_options, timing_of_partition
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
-# Pipelines span nodes when one node cannot hold the model, and also (up to this many nodes)
-# when that cuts the gradient bytes each node's NIC must carry in the block-wise sync.
-MAX_EXTRA_SPAN = 4
 
 
 @dataclass(frozen=True)
@@ -71,40 +75,71 @@ def slots_for(devices: Sequence[tuple[str, int]], tp: int) -> tuple[StageSlot, .
     )
 
 
+def equal_layers(num_layers: int, depth: int) -> list[int]:
+    """Equal layers; the remainder goes to the earliest stages but never to the last (it holds the head)."""
+    if depth == 1:
+        return [num_layers]
+    rest = num_layers - num_layers // depth
+    base, extra = divmod(rest, depth - 1)
+    return [base + (1 if i < extra else 0) for i in range(depth - 1)] + [num_layers // depth]
+
+
+def fixed_partition(cost: CostModel, slots: Sequence[StageSlot], counts: Sequence[int], micro_batch: int,
+                    recompute: str) -> Partition | None:
+    """A given layer split (per-stage recomputation only where memory needs it); None if it does not fit."""
+    options = stage_options(cost, slots, micro_batch, recompute)
+    chosen = []
+    for opts, k in zip(options, counts):
+        if not any(o.max_layers >= k for o in opts):
+            return None
+        chosen.append(_choose(opts, k))
+    return Partition(tuple(counts), tuple(o.recompute for o in chosen), max(o.time_s(k) for o, k in zip(chosen, counts)))
+
+
 def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot], micro_batch: int,
-                   recompute: str, nodes_per_pipeline: int, cache: dict) -> Template | None:
+                   recompute: str, nodes_per_pipeline: int, cache: dict,
+                   options: PlannerOptions = PlannerOptions()) -> Template | None:
     """Partition and time one pipeline shape; None if it does not fit memory."""
     links = tuple(cost.cluster.devices[a.ranks[0]].node == cost.cluster.devices[b.ranks[0]].node
                   for a, b in zip(slots, slots[1:]))
     key = (tuple((s.device, s.tp) for s in slots), links, micro_batch, recompute)
     if key not in cache:
-        part = partition_layers(stage_options(cost, slots, micro_batch, recompute), cost.model.num_layers)
-        cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, micro_batch))
+        if options.balance_layers:
+            part = partition_layers(stage_options(cost, slots, micro_batch, recompute), cost.model.num_layers)
+        else:
+            part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute)
+        granularity = 1 if options.fine_grained else micro_batch
+        cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, micro_batch, granularity))
     hit = cache[key]
     if hit is None:
         return None
     return Template(pool_index, len(slots), slots[0].tp, micro_batch, nodes_per_pipeline, tuple(slots), *hit)
 
 
-def pool_templates(cost: CostModel, pools: Sequence[Pool], index: int, *, max_tp: int, recompute: str,
-                   max_micro_batch: int, cache: dict) -> list[Template]:
-    """Every memory-feasible template of one pool: inside a node, or over a few nodes."""
-    pool = pools[index]
+def pool_shapes(cost: CostModel, pool: Pool, max_tp: int) -> list[tuple[int, int, int]]:
+    """(depth, tp, nodes spanned) of every pipeline shape that tiles the pool."""
     g, num_layers = pool.gpus_per_node, cost.model.num_layers
-    mbs = [b for b in MICRO_BATCH_CANDIDATES if b <= max_micro_batch] or [1]
-    tps = [t for t in divisors(g) if t <= max_tp]
-    found: list[Template] = []
-    for span in divisors(len(pool.nodes)):
-        if found and span > MAX_EXTRA_SPAN:
-            break
-        devices = [(pool.device, r) for node in pool.nodes[:span] for r in node]
-        for t in tps:
-            for d in divisors(span * g // t):
-                if d > num_layers or (span > 1 and d * t != span * g):
-                    continue
-                slots = slots_for(devices[: d * t], t)
-                for b in mbs:
-                    tpl = build_template(cost, index, slots, b, recompute, span, cache)
-                    if tpl is not None:
-                        found.append(tpl)
-    return found
+    shapes = []
+    for t in (t for t in divisors(g) if t <= max_tp):
+        for k in divisors(len(pool.nodes)):
+            shapes += [(d, t, k) for d in divisors(k * g // t) if d % k == 0 and d <= num_layers]
+    return shapes
+
+
+def span_instances(pool: Pool, depth: int, tp: int, span: int) -> list[list[int]]:
+    """Ranks of every pipeline of a shape, in stage order (``d / k`` stages on each of k nodes)."""
+    per_node = depth // span * tp
+    out = []
+    for first in range(0, len(pool.nodes), span):
+        nodes = pool.nodes[first:first + span]
+        out += [[r for node in nodes for r in node[p * per_node:(p + 1) * per_node]]
+                for p in range(pool.gpus_per_node // per_node)]
+    return out
+
+
+def shape_slots(pool: Pool, depth: int, tp: int, span: int) -> tuple[StageSlot, ...]:
+    return slots_for([(pool.device, r) for r in span_instances(pool, depth, tp, span)[0]], tp)
+
+
+def micro_batch_candidates(max_micro_batch: int) -> list[int]:
+    return [b for b in MICRO_BATCH_CANDIDATES if b <= max_micro_batch] or [1]

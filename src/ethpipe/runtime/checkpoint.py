@@ -8,8 +8,6 @@ are read lazily (each stage reads only its own tensors); anything else goes thro
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ethpipe.atomic import atomic_path
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import state_dict_shapes
 
@@ -76,19 +75,12 @@ def load_into(module: nn.Module, path: str | Path) -> None:
 def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
     """Write via a temporary file and rename, so a crash never leaves half a checkpoint."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         if _is_safetensors(path):
-            save_file(tensors, tmp)
+            save_file(tensors, str(tmp))
         else:
             torch.save(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:

@@ -12,6 +12,7 @@ checkpoint loads under any plan: other pipelines, depths and layer splits.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.futures import Future
 
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint import save_atomic
+from ethpipe.runtime.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
 from ethpipe.runtime.ckpt_layout import (
     FAIL_SAVE_ENV, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files, check_model,
     commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest, optim_key,
@@ -81,6 +84,36 @@ def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimi
     return flat, optim
 
 
+class CheckpointWriteError(RuntimeError):
+    """A save failed on some rank (disk full, I/O error); raised on every rank, the last commit is intact."""
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer with the test-only fault points of a save (fault_hooks)."""
+
+    def __init__(self, path: str, step: int, rank: int, kill: KillSpec | None) -> None:
+        super().__init__(path)
+        self._step, self._rank, self._kill = step, rank, kill
+
+    def write_data(self, plan: Any, planner: Any) -> Future:  # type: ignore[override]
+        maybe_enospc(self._step)
+        written = super().write_data(plan, planner)
+        if self._kill is not None:
+            written.wait()  # this rank's shard is on disk; the metadata and the commit are not
+            maybe_kill(self._kill, self._rank, "save", self._step)
+        return written
+
+
+def _root_cause(err: BaseException) -> str:
+    """One line for a DCP failure: the first rank's underlying exception (e.g. ENOSPC), not the wrapper."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = getattr(wrapped, "exception", wrapped)
+        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                     spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device) -> Path:
     """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint."""
@@ -93,7 +126,14 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
     tmp = root / tmp_dir_name(step)
     flat, _ = rank_state(module, optimizer)
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
-    dcp.save(flat, storage_writer=FileSystemWriter(str(tmp)))  # returns after the coordinator wrote .metadata
+    try:  # DCP gathers every rank's write outcome, so all ranks fail together
+        dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()))  # after .metadata is written
+    except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - (DCP's is a BaseException)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial save took
+        raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({_root_cause(err)}); "
+                                   "the previous checkpoint is intact: free space or fix the disk, then resume"
+                                   ) from None
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())
     mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in names[rank::world]}
     parts: list[Any] = [None] * world
@@ -106,9 +146,10 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
         try:
             outcome[0] = str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files), keep))
         except OSError as err:
-            outcome[0] = OSError(f"could not commit checkpoint step {step} in '{root}': {err}")
+            outcome[0] = CheckpointWriteError(f"could not commit checkpoint step {step} in '{root}' ({err}); the "
+                                              "previous checkpoint is intact: free space or fix the disk, then resume")
     dist.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], OSError):
+    if isinstance(outcome[0], CheckpointWriteError):
         raise outcome[0]
     return Path(outcome[0])
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import sysconfig
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ethpipe.atomic import write_bytes_atomic
 
 MAX_UINT16_VOCAB = 65536
 _CHECK_CHUNK = 1 << 24
@@ -61,12 +61,18 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
     return TokenFile(path, np.memmap(path, dtype=dtype, mode="r"))
 
 
-def step_sample_ids(step: int, global_batch_size: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
-    """Global sample indices of one step, in plan order."""
-    ids = np.arange(step * global_batch_size, (step + 1) * global_batch_size)
+def sample_ids(first_sample: int, count: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
+    """Global sample indices ``[first, first + count)`` of the (seeded, shuffled) order: the data cursor
+    counts samples, not steps, so a run resumed under a plan with another batch size continues exactly."""
+    ids = np.arange(first_sample, first_sample + count)
     if shuffle:
         ids = np.random.default_rng(seed).permutation(num_samples)[ids]
     return ids
+
+
+def step_sample_ids(step: int, global_batch_size: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
+    """Global sample indices of step ``step`` of a run that started at sample 0 (plan order)."""
+    return sample_ids(step * global_batch_size, global_batch_size, num_samples, shuffle, seed)
 
 
 def gather_samples(data: TokenFile, sample_ids: np.ndarray, seq_len: int) -> np.ndarray:
@@ -128,22 +134,10 @@ def prepare_tokens(texts: Iterable[str], out: str | Path, tokenizer: str | Path 
     if ids.size < 2:
         raise ValueError("the given text is empty: nothing to tokenize")
     out = Path(out)
-    _write_bytes_atomic(out, ids.astype(token_dtype(vocab_size)).tobytes())
-    _write_bytes_atomic(_sidecar(out), json.dumps({"dtype": str(token_dtype(vocab_size)),
+    write_bytes_atomic(out, ids.astype(token_dtype(vocab_size)).tobytes())
+    write_bytes_atomic(_sidecar(out), json.dumps({"dtype": str(token_dtype(vocab_size)),
                                                    "vocab_size": vocab_size}).encode())
     return int(ids.size)
-
-
-def _write_bytes_atomic(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def builtin_text(max_bytes: int = 4_000_000) -> list[str]:

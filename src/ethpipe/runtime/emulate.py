@@ -1,29 +1,37 @@
 """Heterogeneity emulation for CPU runs (``--emulate``): pace every forward/backward to a target time.
 
-Model: an action whose real compute took ``compute_s`` (this thread's CPU time on CPU, wall time
-on an accelerator) is made to last ``target_s = compute_s * time_scale / speed`` of wall time,
-by sleeping ``target_s - elapsed_s`` after it (sleeps only, so training stays exact).
-``speed`` is the rank's device type's speed relative to the fastest type in the plan;
+Each forward/backward is made to last a *target* duration of wall time by sleeping after it
+(sleeps only, so training stays exact). Two sources of targets:
+
+* **Paced from a profile** (the plan's ``emulation.compute_s``: per rank, per micro-batch size,
+  emulated forward and backward seconds, as ``ethpipe demo`` writes them from a profile of this
+  CPU scaled by ``time_scale / speed``). Targets are deterministic and independent of the
+  machine's load, and they are exactly the compute times the simulator uses.
+* **Scaled from measurement** (any other plan): ``target = compute_s * time_scale / speed``,
+  where ``compute_s`` is the action's real compute (this thread's CPU time on CPU, wall time
+  on an accelerator) and ``speed`` the rank's device type's speed relative to the fastest type.
+
 ``time_scale`` (>= 1) slows *every* device, the fastest included, so that each rank's real
-compute is only ``speed / time_scale`` of its emulated busy time. The default scale keeps the
-whole world's real compute within ``CPU_SHARE`` of this machine's cores, so six ranks on two
-cores never queue for a core and an action's duration does not depend on what the other ranks
-do: measured CPU time excludes time spent descheduled, and pacing on the wall clock absorbs it.
+compute is only ``speed / time_scale`` of its emulated busy time; the default keeps the whole
+world's real compute within ``CPU_SHARE`` of this machine's cores, so six ranks on two cores do
+not queue for a core. A real compute longer than its target is not shortened (an overrun).
 Only forward/backward are paced; p2p, gradient all-reduce and the optimizer run at real speed.
-Injected slowdowns (a straggler from step k on) divide the speed further (``--emulate-slowdown``).
+Injected slowdowns (a straggler from step k on) multiply the target (``--emulate-slowdown``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ethpipe.plan import Plan
 
 # The default time scale keeps the real compute of all ranks within this fraction of the cores.
-CPU_SHARE = 0.5
+CPU_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -114,13 +122,51 @@ def emulation_time_scale(plan: Plan, num_cores: int | None = None) -> float:
     return auto_time_scale(rank_speeds, num_cores if num_cores is not None else local_cores())
 
 
-def with_time_scale(plan: Plan, time_scale: float) -> Plan:
-    """A copy of ``plan`` that pins the emulation time scale (so a prediction and a run agree on it)."""
-    import dataclasses
-
-    emulation = dict(plan.extra.get("emulation") or {})
-    emulation["time_scale"] = float(time_scale)
+def with_emulation(plan: Plan, time_scale: float,
+                   compute_s: Mapping[int, Mapping[int, tuple[float, float]]] | None = None) -> Plan:
+    """A copy of ``plan`` that pins the emulation time scale and, if given, paced targets
+    (rank -> micro-batch size -> (fwd_s, bwd_s)), so a prediction and a run agree on them."""
+    emulation: dict[str, Any] = {"time_scale": float(time_scale)}
+    if compute_s is not None:
+        emulation["compute_s"] = {str(r): {str(b): [float(f), float(bw)] for b, (f, bw) in sorted(t.items())}
+                                  for r, t in sorted(compute_s.items())}
     return dataclasses.replace(plan, extra={**plan.extra, "emulation": emulation})
+
+
+def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]:
+    """``(micro_batch, fwd_s, bwd_s)`` targets of ``rank`` from the plan's ``emulation.compute_s`` (or ())."""
+    section = plan.extra.get("emulation")
+    table = section.get("compute_s") if isinstance(section, Mapping) else None
+    if table is None:
+        return ()
+    where = "plan field 'emulation.compute_s'"
+    if not isinstance(table, Mapping) or str(rank) not in table or not isinstance(table[str(rank)], Mapping):
+        raise ValueError(f"{where} has no targets for rank {rank}: "
+                         "give {\"RANK\": {\"MICRO_BATCH\": [fwd_s, bwd_s]}}")
+    pos = plan.position_of(rank)
+    sizes = set(plan.pipelines[pos.pipeline].micro_batch_sizes)
+    out = []
+    for key, pair in table[str(rank)].items():
+        try:
+            fwd, bwd = (float(v) for v in pair)
+            size = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s]") from None
+        if fwd < 0 or bwd < 0:
+            raise ValueError(f"{where}[{rank}][{key}] must not be negative")
+        out.append((size, fwd, bwd))
+    missing = sizes - {size for size, _, _ in out}
+    if missing:
+        raise ValueError(f"{where}[{rank}] has no target for micro-batch size {min(missing)}")
+    return tuple(sorted(out))
+
+
+def check_emulation(plan: Plan) -> None:
+    """Every check ``--emulate`` makes of a plan (speeds, time scale, paced targets), before any process starts."""
+    relative_speeds(plan)
+    emulation_time_scale(plan, num_cores=1)
+    for rank in range(plan.world_size):
+        paced_targets(plan, rank)
 
 
 @dataclass(frozen=True)
@@ -130,6 +176,7 @@ class Emulator:
     speed: float  # relative to the fastest device type in the plan
     time_scale: float = 1.0  # every device runs this many times slower than the real one
     slowdowns: tuple[Slowdown, ...] = ()
+    paced: tuple[tuple[int, float, float], ...] = ()  # (micro_batch, fwd_s, bwd_s) targets, if paced
 
     def slowdown(self, step: int) -> float:
         factor = 1.0
@@ -138,17 +185,20 @@ class Emulator:
                 factor *= s.factor
         return factor
 
-    def target_s(self, compute_s: float, step: int) -> float:
-        """Emulated duration of an action whose real compute took ``compute_s``."""
+    def target_s(self, kind: str, micro_batch: int, compute_s: float, step: int) -> float:
+        """Emulated duration of a forward (``kind`` "F") or backward ("B") whose real compute took ``compute_s``."""
+        for size, fwd, bwd in self.paced:
+            if size == micro_batch:
+                return (fwd if kind == "F" else bwd) * self.slowdown(step)
         return compute_s * self.time_scale * self.slowdown(step) / self.speed
 
-    def sleep_s(self, compute_s: float, elapsed_s: float, step: int) -> float:
+    def sleep_s(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int) -> float:
         """Sleep that makes an action that has lasted ``elapsed_s`` of wall time last its target."""
-        return max(0.0, self.target_s(compute_s, step) - elapsed_s)
+        return max(0.0, self.target_s(kind, micro_batch, compute_s, step) - elapsed_s)
 
-    def pace(self, compute_s: float, elapsed_s: float, step: int) -> float:
+    def pace(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int) -> float:
         """Sleep up to the action's target duration; returns the sleep."""
-        sleep = self.sleep_s(compute_s, elapsed_s, step)
+        sleep = self.sleep_s(kind, micro_batch, compute_s, elapsed_s, step)
         if sleep > 0:
             time.sleep(sleep)
         return sleep
@@ -162,4 +212,4 @@ def make_emulator(plan: Plan, rank: int, slowdowns: tuple[Slowdown, ...] = (),
     pos = plan.position_of(rank)
     device = plan.pipelines[pos.pipeline].stages[pos.stage].device
     return Emulator(relative_speeds(plan)[device], emulation_time_scale(plan, num_cores),
-                    tuple(s for s in slowdowns if s.rank == rank))
+                    tuple(s for s in slowdowns if s.rank == rank), paced_targets(plan, rank))

@@ -86,7 +86,7 @@ def run_stage_step(
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=autocast_dtype)
 
-    def timed(name: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    def timed(action: Action, size: int, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         _sync_device(device)
         start, start_cpu = time.time(), time.thread_time()
         out = fn()
@@ -96,10 +96,10 @@ def run_stage_step(
             # ranks share the core is not work, and pacing on the wall clock absorbs it.
             elapsed = time.time() - start
             compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
-            emulator.pace(compute, elapsed, step)
+            emulator.pace(action.kind, size, compute, elapsed, step)
         end = time.time()
         timeline.busy_s += end - start
-        timeline.add(name, start, end)
+        timeline.add(str(action), start, end)
         return out
 
     for action in actions:
@@ -123,7 +123,7 @@ def run_stage_step(
                                            reduction="sum") * loss_scale
                 return out.to(ACT_DTYPE)
 
-            out = timed(f"F{mb}", forward)
+            out = timed(action, size, forward)
             assert out is not None
             if last:
                 loss_total += out.detach()
@@ -134,11 +134,11 @@ def run_stage_step(
         else:
             x, out = stash.pop(mb)
             if last:
-                timed(f"B{mb}", lambda: out.backward())  # type: ignore[func-returns-value]
+                timed(action, size, lambda: out.backward())  # type: ignore[func-returns-value]
             else:
                 grad = torch.empty_like(out)
                 dist.recv(grad, src=io.next_rank, group=io.group)
-                timed(f"B{mb}", lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
+                timed(action, size, lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
             if not first:
                 assert x is not None and x.grad is not None
                 payload = x.grad

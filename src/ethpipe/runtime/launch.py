@@ -20,12 +20,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import CheckpointException
 
 from ethpipe.plan import Plan
 from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
+from ethpipe.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
+
+
+class TrainingFailed(RuntimeError):
+    """A rank died or crashed: ``str()`` is one line naming the rank and the root cause; ``details``
+    holds the crashed rank's traceback, if any."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
 
 
 def in_torchrun() -> bool:
@@ -72,7 +84,7 @@ def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, r
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         Path(run_dir, f"error-{rank:05d}.txt").write_text(message)
         raise SystemExit(2) from None
-    except Exception:
+    except (Exception, CheckpointException):  # DCP's exception is a BaseException
         # The first rank to crash holds the root cause; the others only see peers disappear.
         Path(run_dir, f"crash-{time.time_ns():020d}-{rank:05d}.txt").write_text(
             f"rank {rank}: {traceback.format_exc()}")
@@ -98,19 +110,41 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
         try:
             while not context.join():
                 pass
-        except mp.ProcessExitedException as err:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):
             errors = sorted(Path(run_dir).glob("error-*.txt"))
             if errors:
                 raise ValueError(errors[0].read_text()) from None
-            raise RuntimeError(f"training failed: {err}") from None
-        except mp.ProcessRaisedException as err:
-            crashes = sorted(Path(run_dir).glob("crash-*.txt"))
-            raise RuntimeError(f"training failed on {crashes[0].read_text() if crashes else err}") from None
+            raise _failure(context.processes, Path(run_dir)) from None
         finally:
             for proc in context.processes:
                 if proc.is_alive():
                     proc.kill()
         return json.loads(Path(run_dir, "records.json").read_text())
+
+
+def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
+    """The root cause in one line: a rank killed by a signal or the watchdog, else the first crash.
+
+    ``torch.multiprocessing`` ends the other ranks with SIGTERM once one fails, and the peers of a
+    dead rank crash on their broken connections, so those are consequences, not causes.
+    """
+    for proc in processes:
+        proc.join(timeout=5)
+    codes = {rank: proc.exitcode for rank, proc in enumerate(processes)}
+    for rank, code in codes.items():
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            return TrainingFailed(f"training failed: rank {rank} was killed by {signal.Signals(-code).name}; "
+                                  "resume from the last checkpoint (--auto-resume)")
+    for rank, code in codes.items():
+        if code == WATCHDOG_EXIT_CODE:
+            return TrainingFailed(f"training failed: rank {rank} made no progress within --watchdog-s and was "
+                                  "ended by its watchdog (see its message above)")
+    crashes = sorted(run_dir.glob("crash-*.txt"))
+    if crashes:
+        text = crashes[0].read_text()
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        return TrainingFailed(f"training failed on {lines[0].split(':')[0]}: {lines[-1].strip()}", text)
+    return TrainingFailed(f"training failed: ranks exited with codes {codes}")
 
 
 def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
@@ -120,4 +154,18 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     check_plan_runnable(plan, world_size)
     device = pick_device(config, local_rank, local_world)
-    return train(plan, config, rank, world_size, device, init_method="env://")
+    return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config))
+
+
+def torchrun_store(rank: int, world_size: int, config: TrainConfig) -> dist.Store:
+    """The rendezvous store, with one key prefix per torchrun attempt.
+
+    torchrun keeps its store across ``--max-restarts``; gloo's rendezvous keys of the killed
+    attempt would survive in it and the restarted ranks would dial the dead processes' ports
+    (measured with torch 2.13: "Gloo connectFullMesh failed ... Connection refused"), so every
+    attempt gets its own prefix.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=config.timeout)
+    return dist.PrefixStore(f"ethpipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

@@ -29,6 +29,7 @@ class StepStats:
     pipeline_compute_s: tuple[float, ...]  # mean over a pipeline's stages of F/B busy time
     pipeline_idle_s: tuple[float, ...]  # mean over a pipeline's stages of waiting time in the 1F1B phase
     grad_sync_exposed_s: float  # max over ranks of time blocked on block all-reduces after the last backward
+    rank_busy_s: tuple[float, ...] = ()  # F/B busy time of every rank (the same on every rank: rebalancing input)
 
 
 def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> StepStats:
@@ -49,10 +50,13 @@ def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> 
         pipeline_compute_s=tuple(compute),
         pipeline_idle_s=tuple(idle),
         grad_sync_exposed_s=float(col["sync_exposed_s"].max()),
+        rank_busy_s=tuple(float(x) for x in col["busy_s"]),
     )
 
 
-def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: int, lr: float) -> dict[str, Any]:
+def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: int, lr: float,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One metrics line; ``extra`` adds the data cursor, the split and any rebalancing decision."""
     return {
         "step": step,
         "loss": stats.loss,
@@ -63,18 +67,24 @@ def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: in
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
         "grad_norm": stats.grad_norm,
         "lr": lr,
+        **(extra or {}),
     }
 
 
 class MetricsWriter:
-    """Rank 0's sink: JSON lines file (flushed per step) and an optional rich progress bar."""
+    """Rank 0's sink: JSON lines file (flushed per step) and an optional rich progress bar.
 
-    def __init__(self, path: str | None, num_steps: int, progress: bool) -> None:
+    A resumed run appends (``append``): the file keeps the lines of the run(s) before. A step that
+    ran after the last checkpoint of a crashed attempt appears again when the resumed run redoes
+    it; the later line is the one whose update the final weights contain.
+    """
+
+    def __init__(self, path: str | None, num_steps: int, progress: bool, append: bool = False) -> None:
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w")  # noqa: SIM115 - closed in close()
+            self._file = open(path, "a" if append else "w")  # noqa: SIM115 - closed in close()
         self._progress = None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

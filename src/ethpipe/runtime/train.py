@@ -7,8 +7,11 @@ so bad input makes every rank raise the same one-line ValueError instead of hang
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -20,18 +23,23 @@ import torch.distributed as dist
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
-from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, find_resume
+from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
-from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, validate_data
-from ethpipe.runtime.emulate import Emulator, Slowdown, make_emulator, relative_speeds
+from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, sample_ids, validate_data
+from ethpipe.runtime.emulate import Emulator, Slowdown, check_emulation, make_emulator
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
+from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill
 from ethpipe.runtime.grad_sync import (
     BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients,
 )
 from ethpipe.runtime.groups import build_groups, destroy_groups
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
 from ethpipe.runtime.model import build_stage
+from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
+from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
+
+__all__ = ["TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_optimizer", "sample_ids", "train"]
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
@@ -67,6 +75,10 @@ class TrainConfig:
     save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
     keep: int = 3  # newest checkpoints kept
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    auto_resume: bool = False  # resume if checkpoint_dir holds a complete checkpoint, else start fresh (restarts)
+    rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
+    watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off
+    log_sample_ids: bool = False  # metrics lines list the global sample ids of each step
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -81,8 +93,12 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.save_every < 0 or self.keep < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
-        if (self.save_every or self.resume) and self.checkpoint_dir is None:
-            raise ValueError("--save-every and --resume need --checkpoint-dir DIR")
+        if (self.save_every or self.resume or self.auto_resume) and self.checkpoint_dir is None:
+            raise ValueError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
+        if self.resume and self.auto_resume:
+            raise ValueError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
+        if self.watchdog_s is not None and self.watchdog_s < 0:
+            raise ValueError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
         if self.resume and self.init_from is not None:
             raise ValueError("give --init-from or --resume, not both: a resumed run takes its weights from the "
                              "checkpoint")
@@ -90,6 +106,11 @@ class TrainConfig:
     @property
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
+
+    @property
+    def watchdog_limit_s(self) -> float:
+        """Longer than any collective may wait, so a timeout reports first when it can."""
+        return 2 * self.timeout_s + 60 if self.watchdog_s is None else self.watchdog_s
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
@@ -142,11 +163,12 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
     spec = check_plan_runnable(plan, world_size)
     data = open_tokens(config.data, spec.vocab_size)
     start = ResumePoint()
-    if config.resume:
+    resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
+    if resume:
         assert config.checkpoint_dir is not None
         start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
                             data.num_samples(plan.seq_len))
-        if start.step >= config.steps:
+        if start.step > config.steps or (start.step == config.steps and not config.auto_resume):
             raise ValueError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
                              "train; raise --steps")
     elif config.checkpoint_dir is not None:
@@ -155,10 +177,10 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
         validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
     else:
         _validate_resumed_data(data, plan, config, start)
-    if config.init_from is not None:
+    if config.init_from is not None and start.step_dir is None:
         check_checkpoint(config.init_from, spec)
     if config.emulate:
-        relative_speeds(plan)
+        check_emulation(plan)
     for s in config.slowdowns:
         if not 0 <= s.rank < plan.world_size:
             raise ValueError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
@@ -177,18 +199,9 @@ def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, sta
     validate_data(data, plan.seq_len, 1, end_sample, config.shuffle, plan.resolve_model().vocab_size)
 
 
-def sample_ids(first_sample: int, count: int, num_samples: int, shuffle: bool, seed: int) -> np.ndarray:
-    """Global sample indices ``[first, first + count)`` of the (seeded, shuffled) order: the data cursor
-    counts samples, not steps, so a run resumed under a plan with another batch size continues exactly."""
-    ids = np.arange(first_sample, first_sample + count)
-    if shuffle:
-        ids = np.random.default_rng(seed).permutation(num_samples)[ids]
-    return ids
-
-
-def _micro_batches(plan: Plan, data: TokenFile, first_sample: int, config: TrainConfig, pipeline: int,
+def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
                    device: torch.device) -> list[torch.Tensor]:
-    ids = sample_ids(first_sample, plan.global_batch_size, data.num_samples(plan.seq_len), config.shuffle, config.seed)
+    """This pipeline's micro-batches of the step's global sample ids, under ``plan``'s split."""
     out = []
     for lo, hi in plan.microbatch_slices(pipeline):
         out.append(torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len)).to(device))
@@ -196,7 +209,7 @@ def _micro_batches(plan: Plan, data: TokenFile, first_sample: int, config: Train
 
 
 def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: torch.device | None = None,
-          init_method: str = "env://") -> list[dict[str, Any]]:
+          init_method: str = "env://", store: dist.Store | None = None) -> list[dict[str, Any]]:
     """Train on this rank; returns the per-step metric records on rank 0 ([] elsewhere).
 
     Initialises the default process group if none exists (and tears it down afterwards);
@@ -207,17 +220,32 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     owns_world = not dist.is_initialized()
     if owns_world:
         backend = dist.get_default_backend_for_device(device)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=config.timeout)
+        dist.init_process_group(backend, init_method=None if store is not None else init_method, store=store,
+                                rank=rank, world_size=world_size, timeout=config.timeout)
     try:
-        return _train_on_world(plan, config, spec, data, start, rank, device)
+        _check_same_plan(plan, device)
+        with Watchdog(rank, config.watchdog_limit_s) as watchdog:
+            return _train_on_world(plan, config, spec, data, start, rank, device, watchdog)
     finally:
         if owns_world:
             dist.destroy_process_group()
 
 
+def _check_same_plan(plan: Plan, device: torch.device) -> None:
+    """Every rank must run the same plan (each may have re-planned on its own, e.g. after a restart)."""
+    d = plan.to_dict()  # what execution depends on (not e.g. the planner's timing of itself)
+    key = json.dumps([d[k] for k in ("model", "global_batch_size", "seq_len", "pipelines", "blocks")] +
+                     [plan.extra.get("device_speeds")], sort_keys=True)
+    local = torch.tensor([zlib.crc32(key.encode())], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    if len({int(p) for p in parts}) > 1:
+        raise ValueError("the ranks were given different plans: give every rank the same --plan (or the same "
+                         "--replan-cluster, so they all plan alike)")
+
+
 def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
-                    rank: int, device: torch.device) -> list[dict[str, Any]]:
+                    rank: int, device: torch.device, watchdog: Watchdog) -> list[dict[str, Any]]:
     groups = build_groups(plan, rank, config.timeout)
     pos = groups.position
     pipe = plan.pipelines[pos.pipeline]
@@ -225,35 +253,53 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     first, last = pos.stage == 0, pos.stage == pipe.depth - 1
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute)
-    if config.init_from is not None:
+    if config.init_from is not None and start.step_dir is None:
         load_into(module, config.init_from)
     optimizer = make_optimizer(module, config)
     if start.step_dir is not None:
+        watchdog.beat(f"loading checkpoint {start.step_dir}")
         load_checkpoint(start, module, optimizer, device)
     blocks = params_by_block(plan, module)
     sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes)
     emulator: Emulator | None = make_emulator(plan, rank, config.slowdowns) if config.emulate else None
     io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len)
-    actions = one_f_one_b(pipe.depth, pos.stage, pipe.num_microbatches)
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
     autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
     timeline = Timeline(record=config.trace is not None)
-    writer = MetricsWriter(config.metrics, config.steps - start.step, config.progress) if rank == 0 else None
+    writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
+              if rank == 0 else None)
     num_samples = data.num_samples(plan.seq_len)
+    rebalancer = Rebalancer(plan, config.rebalance) if config.rebalance is not None else None
+    current = plan  # the split running now: the plan's, until a rebalance changes it (same stages and groups)
+    kill = kill_spec()
+    forward_kill = ForwardKill.arm(module, kill, rank)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
         for step in range(start.step, config.steps):
+            watchdog.beat(f"step {step}")
+            maybe_hang(rank, step)
+            cur_pipe = current.pipelines[pos.pipeline]
             first_sample = start.next_sample + (step - start.step) * plan.global_batch_size
             step_start = time.time()
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            batch = _micro_batches(plan, data, first_sample, config, pos.pipeline, device) if first or last else []
+            ids = sample_ids(first_sample, plan.global_batch_size, num_samples, config.shuffle, config.seed)
+            batch = _micro_batches(current, data, ids, pos.pipeline, device) if first or last else []
             inputs = [b[:, :-1].contiguous() for b in batch] if first else None
             targets = [b[:, 1:].contiguous() for b in batch] if last else None
             timeline.busy_s = timeline.phase_s = 0.0
-            loss = run_stage_step(module, actions, pipe.micro_batch_sizes, inputs, targets, io, loss_scale,
-                                  emulator, step, timeline, autocast_dtype, on_last_backward=sync.start)
+            actions = one_f_one_b(cur_pipe.depth, pos.stage, cur_pipe.num_microbatches)
+            if forward_kill is not None:
+                forward_kill.begin_step(step, cur_pipe.num_microbatches)
+
+            def start_sync(step: int = step) -> None:
+                sync.start()
+                maybe_kill(kill, rank, "allreduce", step)  # test hook: peers are inside the all-reduces
+
+            loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io, loss_scale,
+                                  emulator, step, timeline, autocast_dtype, on_last_backward=start_sync)
             sync_start = time.time()
             sync.finish(lambda b: timeline.add(f"allreduce block {b}", sync.started_s, time.time()))
             sync_exposed_s = time.time() - sync_start
@@ -267,17 +313,28 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             opt_start = time.time()
             optimizer.step()
             timeline.add("optimizer", opt_start, time.time())
+            extra: dict[str, Any] = {"samples": [first_sample, first_sample + plan.global_batch_size],
+                                     "split": list(split_of(current)), "restart": restart}
+            if config.log_sample_ids:
+                extra["sample_ids"] = [int(i) for i in ids]
+            if rebalancer is not None:
+                decision = rebalancer.observe(step, stats.rank_busy_s)  # same numbers on every rank
+                if decision is not None:
+                    extra["rebalance"] = decision.to_record()
+                current = rebalancer.plan  # applies from the next step on
             if writer is not None:
                 tokens = plan.global_batch_size * plan.seq_len
-                writer.write(step_record(step, stats, time.time() - step_start, tokens, lr))
+                writer.write(step_record(step, stats, time.time() - step_start, tokens, lr, extra))
             done = step + 1
             if config.checkpoint_dir is not None and (done == config.steps or
                                                       (config.save_every and done % config.save_every == 0)):
                 save_start = time.time()
+                watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
-                save_checkpoint(config.checkpoint_dir, done, module, optimizer, plan, spec, cursor, config.keep,
+                save_checkpoint(config.checkpoint_dir, done, module, optimizer, current, spec, cursor, config.keep,
                                 device)
                 timeline.add("checkpoint", save_start, time.time())
+        watchdog.beat("final save")
         if config.save_final is not None:
             state = gather_consolidated(module, pos.pipeline == 0)
             if state is not None:

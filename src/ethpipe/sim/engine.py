@@ -17,10 +17,10 @@ stage is one stream whose events carry all its ranks.
 
 from __future__ import annotations
 
+from ethpipe.cost.sync import holder_stages
 from ethpipe.plan import Plan
 from ethpipe.schedule import max_in_flight, pipeline_schedule
 from ethpipe.sim.report import RankStats, SimEvent, SimReport
-from ethpipe.sim.sync import block_sync_durations_s, holder_stages
 from ethpipe.sim.timing import TimingModel
 
 _NO_EVENT = -1
@@ -130,7 +130,7 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
     slowest = max(flush, key=lambda key: flush[key])
     comm_free = {key: (flush[slowest] if flat_sync else t) for key, t in flush.items()}
     comm_tail = {key: (tail[slowest] if flat_sync else ev) for key, ev in tail.items()}
-    for k, (holders, dur) in enumerate(zip(holder_stages(plan), block_sync_durations_s(plan, cost))):
+    for k, (holders, dur) in enumerate(zip(holder_stages(plan), cost.block_sync_s(plan))):
         if dur <= 0.0:
             continue
         binding = max(holders, key=lambda key: comm_free[key])

@@ -7,8 +7,6 @@ picture can be drawn for a prediction and for a real run.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
+from ethpipe.atomic import atomic_path
 from ethpipe.sim.trace import Trace, TraceEvent
 
 _COLOURS = {
@@ -112,15 +111,5 @@ def draw_timeline(trace: Trace, path: str | Path, title: str | None = None) -> N
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
     ax.set_axisbelow(True)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a picture should be readable like any file
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")

@@ -7,10 +7,9 @@ cost model (analytic or profile-backed) drives ``ethpipe simulate``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-from ethpipe.plan import Block, Stage
+from ethpipe.plan import Plan, Stage
 
 
 class TimingModel(Protocol):
@@ -22,12 +21,8 @@ class TimingModel(Protocol):
         """Seconds to send one micro-batch's activation (or its gradient) between two ranks."""
         ...
 
-    def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
-        """Seconds of one all-reduce of ``num_bytes`` over ``ranks`` (``nic_share`` collectives share a NIC)."""
-        ...
-
-    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
-        """Gradient bytes one holder of ``block`` contributes to the block's all-reduce."""
+    def block_sync_s(self, plan: Plan) -> list[float]:
+        """Seconds of each block's all-reduce (``CostModel.block_sync_s``: the planner prices sync the same way)."""
         ...
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:

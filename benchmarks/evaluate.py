@@ -1,0 +1,110 @@
+"""Evaluation suite: throughput, search time, ablations, CPU measurements and sensitivity of eth
+vs the layer-balanced and uniform baselines, written to docs/evaluation.md from its own JSON.
+
+    .venv/bin/python benchmarks/evaluate.py [--quick] [--budget-s 30] [--docs-dir docs]
+
+Writes docs/benchmarks/eval_{throughput,search,ablation,measured,sensitivity,summary}.json, the
+figures docs/figures/eval_*.png, and docs/evaluation.md rendered from those JSON files only.
+About 10-15 minutes on 2 cores; ``--quick`` (the CI smoke test) well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eval import ablation, figures, measured, search, sensitivity, throughput  # noqa: E402
+from eval.common import Job, machine, write_json  # noqa: E402
+from eval.render import SECTIONS, render  # noqa: E402
+from eval.scenarios import REPO  # noqa: E402
+from eval.summary import summarize  # noqa: E402
+
+QUICK_BUDGET_S = 2.0
+FULL_BUDGET_S = 30.0
+
+
+def _run_jobs(sections: dict[str, list[Job]], show: bool) -> dict[str, list[dict[str, Any]]]:
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in sections}
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, disable=not show) as progress:
+        task = progress.add_task("evaluation", total=sum(len(j) for j in sections.values()))
+        for name, jobs in sections.items():
+            for job in jobs:
+                progress.update(task, description=job.label)
+                rows[name].append(job.run())
+                progress.advance(task)
+    return rows
+
+
+def load_results(docs: Path) -> dict[str, dict[str, Any]]:
+    return {name: json.loads((docs / "benchmarks" / f"eval_{name}.json").read_text()) for name in SECTIONS}
+
+
+def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, command: str,
+             show_progress: bool = True) -> dict[str, dict[str, Any]]:
+    started, t0 = dt.datetime.now(dt.timezone.utc), time.perf_counter()
+    meta = {"command": command, "machine": machine(), "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+            "quick": quick}
+    rows = _run_jobs({"throughput": throughput.jobs(quick, budget_s), "search": search.jobs(quick, budget_s),
+                      "ablation": ablation.jobs(quick), "sensitivity": sensitivity.jobs(quick)}, show_progress)
+    results = {"throughput": throughput.finish(rows["throughput"]),
+               "search": search.finish(rows["search"], budget_s, quick),
+               "ablation": ablation.finish(rows["ablation"]),
+               "measured": measured.collect(measured_dir),
+               "sensitivity": sensitivity.finish(rows["sensitivity"])}
+    results["summary"] = {"section": "summary", **summarize(results["throughput"], results["search"])}
+    meta["duration_s"] = time.perf_counter() - t0
+    meta["load_average_end"] = os.getloadavg()[0]
+    for name, data in results.items():
+        write_json(docs / "benchmarks" / f"eval_{name}.json", {"meta": meta, **data})
+    return render_docs(docs)
+
+
+def render_docs(docs: Path) -> dict[str, dict[str, Any]]:
+    """Figures and evaluation.md from the JSON files on disk (never from memory), so they always match."""
+    written = load_results(docs)
+    figures.draw_all(written, docs)
+    out = docs / "evaluation.md"
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text(render(written))
+    tmp.replace(out)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small subset of every section (smoke test)")
+    parser.add_argument("--budget-s", type=float, default=None, help="time budget of each exhaustive search "
+                        f"(default {FULL_BUDGET_S:g}, quick {QUICK_BUDGET_S:g})")
+    parser.add_argument("--docs-dir", type=Path, default=REPO / "docs", help="where evaluation.md, benchmarks/ "
+                        "and figures/ are written")
+    parser.add_argument("--measured-dir", type=Path, default=REPO / "docs" / "benchmarks",
+                        help="where runtime_cpu.json and fidelity.json are read from")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--render-only", action="store_true",
+                        help="redraw the figures and evaluation.md from the existing eval_*.json (no runs)")
+    args = parser.parse_args()
+    if args.render_only:
+        render_docs(args.docs_dir)
+        print(f"rendered {args.docs_dir / 'evaluation.md'} from {args.docs_dir / 'benchmarks'}/eval_*.json")
+        return
+    budget_s = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
+    command = "python benchmarks/evaluate.py" + "".join(f" {a}" for a in sys.argv[1:])
+    results = evaluate(quick=args.quick, budget_s=budget_s, docs=args.docs_dir, measured_dir=args.measured_dir,
+                       command=command, show_progress=not args.no_progress)
+    print(f"wrote {args.docs_dir / 'evaluation.md'} in {results['summary']['meta']['duration_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`ethpipe replan`: a new plan for a changed cluster (node lost or joined), same model and batch.
+
+Checkpoints are keyed by global names and load under any plan, so a job continues on the new
+plan with `ethpipe train --plan NEW --checkpoint-dir DIR --resume`; under torchrun,
+`ethpipe train --replan-cluster CLUSTER --auto-resume` does it on every restart whose world
+differs from the plan's. This is CLI-layer code: the runtime never imports the planner.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
+from ethpipe.plan import Plan
+
+
+def replan(old: Plan, cluster: Cluster) -> Plan:
+    """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs)."""
+    from ethpipe.planner import METHODS, make_plan
+
+    method = old.method if old.method in METHODS else "eth"
+    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1)
+    emulation = old.extra.get("emulation")
+    if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
+        new = Plan(new.method, new.model, new.global_batch_size, new.seq_len, new.pipelines, new.blocks,
+                   new.model_spec, new.cluster, new.predicted, {**new.extra, "emulation": emulation}, new.version)
+    return new
+
+
+def first_devices(cluster: Cluster, world_size: int) -> Cluster:
+    """The cluster's first ``world_size`` devices in rank order (torchrun renumbers survivors densely;
+    give a cluster file whose device order puts the ones likely to leave last)."""
+    if not 1 <= world_size <= cluster.num_devices:
+        raise ValueError(f"the world has {world_size} ranks but the --replan-cluster has {cluster.num_devices} "
+                         "devices: describe at least the surviving devices")
+    source = dict(cluster.source)
+    left = world_size
+    groups: list[dict[str, Any]] = []
+    for group in source["nodes"]:
+        per_node = int(group["gpus_per_node"])
+        whole = min(int(group["num_nodes"]), left // per_node)
+        if whole:
+            groups.append({**group, "num_nodes": whole})
+            left -= whole * per_node
+        if left and whole < int(group["num_nodes"]) and left < per_node:
+            groups.append({**group, "num_nodes": 1, "gpus_per_node": left})
+            left = 0
+        if not left:
+            break
+    return cluster_from_dict({**source, "nodes": groups})
+
+
+def plan_for_world(old: Plan, cluster_path: Path, world_size: int) -> Plan:
+    """``old`` if it fits the world, else a fresh plan for the world's devices of ``cluster_path``."""
+    if world_size == old.world_size:
+        return old
+    return replan(old, first_devices(load_cluster(cluster_path), world_size))
+
+
+def _shape(plan: Plan) -> str:
+    parts = []
+    for pipe in plan.pipelines:
+        devices = "+".join(sorted({s.device for s in pipe.stages}))
+        layers = "/".join(str(s.num_layers) for s in pipe.stages)
+        parts.append(f"{devices}[{layers}]x{pipe.num_samples}")
+    return " ".join(parts)
+
+
+def describe_changes(old: Plan, new: Plan) -> list[str]:
+    """What a person needs to know: world, pipelines, split, predicted iteration time."""
+    lines = [f"world size {old.world_size} -> {new.world_size}, pipelines {len(old.pipelines)} -> {len(new.pipelines)}",
+             f"old: {_shape(old)}", f"new: {_shape(new)}  (device[layers per stage] x samples)"]
+    old_t = (old.predicted or {}).get("iteration_time_s")
+    new_t = (new.predicted or {}).get("iteration_time_s")
+    if new_t is not None:
+        before = f"{old_t:.4f} s -> " if old_t is not None else ""
+        lines.append(f"predicted iteration {before}{new_t:.4f} s")
+    return lines
+
+
+@app.command("replan")
+@user_errors
+def replan_cmd(
+    plan: Path = typer.Option(..., "--plan", help="The plan the job ran with (model, batch and seq_len are kept)."),
+    cluster: Path = typer.Option(..., "--cluster", help="The changed cluster (YAML or JSON)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the new plan here."),
+) -> None:
+    """Re-plan a job for a changed cluster and print what changed; resume with
+    `ethpipe train --plan NEW --checkpoint-dir DIR --resume` (checkpoints load under any plan)."""
+    old = Plan.load(plan)
+    clu = load_cluster(cluster)
+    start = time.perf_counter()
+    new = replan(old, clu)
+    took_s = time.perf_counter() - start
+    if out is not None:
+        new.save(out)
+    for line in describe_changes(old, new):
+        console.print(line, highlight=False)
+    console.print(f"planned in {took_s:.3f} s" + (f"; written to {out}" if out is not None else ""), highlight=False)

@@ -1,0 +1,137 @@
+"""Closed-form 1F1B timing of one pipeline: when each stage's last backward ends.
+
+A 1F1B iteration is a DAG of actions (``ethpipe.schedule``): ``F(i, j)`` after ``F(i-1, j)``,
+``B(i, j)`` after ``B(i+1, j)``, and each stage runs its action list in order; an action's
+weight is its receive plus its compute (receives occupy the receiver, as in the runtime). The
+simulator computes the longest path exactly in O(depth x micro-batches) events; here it is
+bounded from below by the longest of a family of paths, each O(1) from prefix sums:
+
+* micro-batch 0 reaches anchor stage ``a`` and ``a``'s first backward ends at ``E_a`` (exact:
+  the warm-up is a forward-only flow shop, then ``B(a, 0)`` waits for ``B(a+1, 0)``);
+* ``a`` runs its actions up to ``B(a, j)``; the last of them may instead wait for micro-batch
+  ``j``'s round trip below ``a`` (when the cooldown's backwards do not hide it);
+* micro-batch ``j``'s gradient climbs to stage ``k``, which runs the rest of its actions.
+
+With a bottleneck at the back this is the textbook ``S + (m-1) M``; with one at the front the
+cooldown hides the round trip (which ``S + (m-1) M`` overcharges); with a smaller last
+micro-batch the path may leave the anchor with the last full one (``j = m-2``). Checked
+against the simulator (tests/unit/test_pipeline_time.py): exact on equal stages, a few percent
+low at worst on strongly unequal ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _excl_cumsum(x: np.ndarray, axis: int = 0) -> np.ndarray:
+    """sum_{i<a} x_i along ``axis``."""
+    return np.cumsum(x, axis=axis) - x
+
+
+def _excl_suffix(x: np.ndarray, axis: int = 0) -> np.ndarray:
+    """sum_{i>a} x_i along ``axis``."""
+    return np.sum(x, axis=axis, keepdims=True) - np.cumsum(x, axis=axis)
+
+
+def _warmup(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact ends of the warm-up forwards ``F(a, j <= w_a)`` and of each first backward ``B(a, 0)``."""
+    depth, m = fwd.shape
+    end_f = np.zeros((depth, m))
+    k = min(depth, m)
+    if np.all(fwd[:, :k] == fwd[:, :1]):  # identical jobs: C(a, j) = sum_{i<=a} F_i + j max_{i<=a} F_i
+        end_f[:, :k] = np.cumsum(fwd[:, 0])[:, None] + np.arange(k)[None, :] * np.maximum.accumulate(fwd[:, 0])[:, None]
+        return end_f, _first_backward(end_f, bwd)
+    upstream = np.zeros(m)
+    for a in range(depth):
+        n = min(depth - 1 - a, m - 1) + 1
+        s = np.cumsum(fwd[a, :n])
+        end_f[a, :n] = np.maximum.accumulate(upstream[:n] - (s - fwd[a, :n])) + s  # x_j = max(x_{j-1}, u_j) + f_j
+        upstream = end_f[a]
+    return end_f, _first_backward(end_f, bwd)
+
+
+def _first_backward(end_f: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    depth, m = end_f.shape
+    first_b = np.empty(depth)
+    below = 0.0
+    for a in range(depth - 1, -1, -1):
+        below = max(below, end_f[a, min(depth - 1 - a, m - 1)]) + bwd[a, 0]
+        first_b[a] = below
+    return first_b
+
+
+def stage_finish_s(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+    """End of each stage's last backward; ``fwd[i, j]``/``bwd[i, j]``: stage i's action on micro-batch j."""
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    depth, m = fwd.shape
+    a = np.arange(depth)[:, None]
+    j = np.arange(m)[None, :]
+    w = depth - 1 - a
+    rows = np.broadcast_to(a, (depth, m))
+    cf = np.concatenate([np.zeros((depth, 1)), np.cumsum(fwd, axis=1)], axis=1)  # cf[i, j] = sum_{j'<j}
+    cb = np.concatenate([np.zeros((depth, 1)), np.cumsum(bwd, axis=1)], axis=1)
+    end_f, first_b = _warmup(fwd, bwd)
+    e = first_b[:, None]
+    k0 = np.minimum(w, m - 1) + 1  # forwards before B(a, 0)
+    steady = j >= w + 1  # F(a, j) runs after B(a, 0)
+    after_b0 = (cf[rows, np.minimum(j + w, m - 1) + 1] - cf[rows, k0]) + (cb[rows, j + 1] - cb[:, 1:2])
+    to_fj = np.where(steady, e + (cf[rows, j + 1] - cf[rows, k0]) + (cb[rows, np.clip(j - w, 1, m)] - cb[:, 1:2]),
+                     end_f)  # end of F(a, j)
+    v = np.maximum(e + after_b0, to_fj + _excl_suffix(fwd + bwd) + bwd)  # end of B(a, j)
+    rest = (cb[:, -1:] - cb[rows, j + 1]) + (cf[:, -1:] - cf[rows, np.minimum(j + w + 1, m)])  # after B(k, j)
+    pb = _excl_cumsum(bwd)
+    up = np.maximum.accumulate((v + pb)[::-1], axis=0)[::-1] - pb + rest
+    down = np.full((depth, m), -np.inf)
+    g = to_fj + _excl_suffix(fwd)
+    down[1:] = np.maximum.accumulate(g[:-1], axis=0) + np.cumsum(bwd[::-1], axis=0)[::-1][1:] + rest[1:]
+    return np.max(np.maximum(up, down), axis=1)
+
+
+def _waits(both, entry, exit_):
+    return np.where(both, entry + exit_, np.maximum(entry, exit_))
+
+
+def equal_sizes_makespans(f_full: np.ndarray, b_full: np.ndarray, f_last: np.ndarray, b_last: np.ndarray,
+                          m: np.ndarray) -> np.ndarray:
+    """Fast bound for ``m - 1`` full micro-batches then one last one (``m >= 2``), for the balancer.
+
+    Same paths as ``stage_finish_s`` with the entry priced by micro-batch 0's plain round trip
+    and exits by the last two micro-batches. ``f_full``/``b_full``: (depth,); ``f_last``/
+    ``b_last``: (R, depth) for R last sizes; ``m``: (M,). Returns (R, M).
+    """
+    depth = f_full.shape[-1]
+    w = depth - 1 - np.arange(depth)
+    mm = np.asarray(m, dtype=float)[None, :, None]
+    fl, bl = f_last[:, None, :], b_last[:, None, :]
+    t = f_full + b_full
+    k = np.minimum(w, mm - 1)
+    entry = np.maximum(_excl_suffix(t, -1) - np.where(k == mm - 1, (mm - 2) * f_full + fl, k * f_full), 0.0)
+    etop = _excl_cumsum(f_full, -1)
+    exit_last = np.maximum(_excl_suffix(fl + bl, -1) - k * b_full, 0.0)
+    last = etop + (mm - 1) * t + fl + bl + _waits(mm >= w + 2, entry, exit_last) + _excl_cumsum(bl, -1)
+    # leave the anchor with the last full micro-batch, then stage 0 runs the last one
+    tail_f = np.where(w >= 1, fl, 0.0)
+    k2 = np.minimum(w, np.maximum(mm - 2, 0))
+    exit_full = np.maximum(_excl_suffix(t, -1) - (tail_f + k2 * b_full), 0.0)
+    stage0 = b_last[:, None, :1] + (f_last[:, None, :1] if depth == 1 else 0.0)
+    full = (etop + (mm - 1) * t + tail_f + _waits(mm >= w + 3, entry, exit_full) + _excl_cumsum(b_full, -1)
+            + stage0)
+    return np.maximum(np.max(last, axis=-1), np.max(full, axis=-1))
+
+
+def steady_lines(f_full: np.ndarray, b_full: np.ndarray, f_last: np.ndarray, b_last: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """For ``m >= depth + 2`` ``equal_sizes_makespans`` is ``max_a (c[r, a] + m * slope[a])``: (c, slope)."""
+    depth = f_full.shape[-1]
+    w = depth - 1 - np.arange(depth)
+    t = f_full + b_full
+    entry = np.maximum(_excl_suffix(t, -1) - w * f_full, 0.0)
+    etop = _excl_cumsum(f_full, -1)
+    exit_last = np.maximum(_excl_suffix(f_last + b_last, -1) - w * b_full, 0.0)
+    c_last = etop - t + f_last + b_last + entry + exit_last + _excl_cumsum(b_last, -1)
+    tail_f = np.where(w >= 1, f_last, 0.0)
+    exit_full = np.maximum(_excl_suffix(t, -1) - (tail_f + w * b_full), 0.0)
+    stage0 = b_last[:, :1] + (f_last[:, :1] if depth == 1 else 0.0)
+    c_full = etop - t + tail_f + entry + exit_full + _excl_cumsum(b_full, -1) + stage0
+    return np.concatenate([c_last, c_full], axis=-1), np.concatenate([t, t])

@@ -1,0 +1,94 @@
+"""Block-wise gradient all-reduce pricing (DESIGN 2.2): the ONE place it is defined.
+
+The planner's estimate, its search (group level) and the simulator all price a block's
+all-reduce from a ``SyncShape``. One group per TP shard (the holder stages' shard ranks, one
+per pipeline), all shards in parallel, each syncing bytes / tp. Across nodes the collective is
+hierarchical (or a flat ring, whichever is cheaper, ``comm.allreduce_shape_s``) and shares each
+node's NIC: a stage syncs its blocks one after another, so a node runs one collective at a time
+per syncing (stage, shard) whose group crosses nodes, and the group's ranks on one node are
+reduced inside it first. On each node the collective gets ``nic / share`` with ``share`` = (the
+node's ranks in cross-node block groups / this group's ranks on that node); the ring runs at
+the slowest node's share.
+This is conservative (stages that finish at different times do not really contend), and it is
+why many small in-node pipelines are not free: every node then pushes a whole model replica's
+gradients through its NIC, while a pipeline spanning ``k`` nodes pushes ``1/k`` of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ethpipe.cluster import Cluster
+from ethpipe.cost import comm
+from ethpipe.plan import Block, Plan
+
+
+@dataclass(frozen=True)
+class SyncShape:
+    """One block's all-reduce (per TP shard) as the links see it."""
+
+    num_bytes: float
+    num_ranks: int
+    num_nodes: int
+    max_ranks_per_node: int
+    intra_gbps: float
+    nic_gbps: float  # min over its nodes of NIC / (collectives sharing that NIC)
+
+
+def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:
+    if shape.num_ranks <= 1 or shape.num_bytes <= 0:
+        return 0.0
+    return comm.allreduce_shape_s(
+        shape.num_bytes, num_ranks=shape.num_ranks, num_nodes=shape.num_nodes,
+        max_ranks_per_node=shape.max_ranks_per_node, intra_gbps=shape.intra_gbps,
+        inter_gbps=shape.nic_gbps, intra_latency_s=cluster.intra_node_latency_s,
+        inter_latency_s=cluster.inter_node_latency_s)
+
+
+def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
+    """Per block: the (pipeline, stage) holding it in every pipeline, in plan order."""
+    out = []
+    for block in plan.blocks:
+        lo = block.layers[0]
+        out.append([(p, next(i for i, st in enumerate(pipe.stages) if st.layers[0] <= lo < st.layers[1]))
+                    for p, pipe in enumerate(plan.pipelines)])
+    return out
+
+
+def block_sync_shapes(plan: Plan, cluster: Cluster, grad_bytes: Callable[[Block, bool, bool], float]
+                      ) -> list[SyncShape | None]:
+    """Per block its all-reduce shape, or None where one pipeline alone holds it."""
+    devices = cluster.devices
+    holders_of = holder_stages(plan)
+    syncing: dict[int, int] = {}  # node -> its ranks in cross-node block groups
+    crossing: list[bool] = []
+    counted: set[tuple[int, int]] = set()
+    for holders in holders_of:
+        stages = [plan.pipelines[p].stages[s] for p, s in holders]
+        cross = len(holders) > 1 and len({devices[st.ranks[0]].node for st in stages}) > 1
+        crossing.append(cross)
+        for key, st in zip(holders, stages):
+            if cross and key not in counted:
+                counted.add(key)
+                for r in st.ranks:
+                    syncing[devices[r].node] = syncing.get(devices[r].node, 0) + 1
+    out: list[SyncShape | None] = []
+    last = len(plan.blocks) - 1
+    for k, (block, holders, cross) in enumerate(zip(plan.blocks, holders_of, crossing)):
+        if len(holders) < 2:
+            out.append(None)
+            continue
+        stages = [plan.pipelines[p].stages[s] for p, s in holders]
+        heads = [devices[st.ranks[0]] for st in stages]
+        here: dict[int, int] = {}
+        nic: dict[int, float] = {}
+        for d in heads:
+            here[d.node] = here.get(d.node, 0) + 1
+            nic[d.node] = d.nic_gbps
+        out.append(SyncShape(
+            num_bytes=grad_bytes(block, k == 0, k == last) / min(st.tp for st in stages), num_ranks=len(heads),
+            num_nodes=len(here), max_ranks_per_node=max(here.values()),
+            intra_gbps=min(d.gpu.intra_node_gbps for d in heads),
+            nic_gbps=min(nic[n] / max(syncing[n] / c, 1.0) if cross else nic[n] for n, c in here.items())))
+    return out

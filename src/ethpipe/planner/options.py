@@ -1,0 +1,44 @@
+"""Planner options: the ETH ablation knobs (issue 6), recorded in every plan's ``search`` field."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+BALANCE_MODES = ("data+layers", "data", "layers")
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """What ETH may do. The defaults are ETH; each ``False`` / single mode removes one idea.
+
+    * ``fine_grained``: sample-level data balance (a smaller last micro-batch). False: every
+      pipeline's sample count is a whole number of its micro-batches, one micro-batch size for
+      the whole plan (so whole micro-batches can add up to the batch).
+    * ``block_sync``: block-wise gradient all-reduce overlapping the drain. False: flat sync
+      after the slowest pipeline flushes (DDP-style), priced that way.
+    * ``allow_mixed``: pipelines may mix GPU types where a type cannot hold a replica alone.
+      False: homogeneous pipelines only (an error if some type cannot hold a replica).
+    * ``balance``: ``data+layers`` (ETH), ``data`` (equal layers per stage, data balanced),
+      ``layers`` (layers balanced per pipeline, equal data per pipeline).
+    """
+
+    fine_grained: bool = True
+    block_sync: bool = True
+    allow_mixed: bool = True
+    balance: str = "data+layers"
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"PlannerOptions.balance '{self.balance}' is unknown: use one of {', '.join(BALANCE_MODES)}")
+
+    @property
+    def balance_layers(self) -> bool:
+        return self.balance != "data"
+
+    @property
+    def balance_data(self) -> bool:
+        return self.balance != "layers"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,71 @@
+"""Online rebalancing changes the split, never the training: the same samples form every global batch.
+
+One forked 3-rank world runs the same plan twice: statically, and with `rebalance every=1` while
+rank 0 is emulated 4x slower from step 1 on (so the measured rates call for a new split). Both
+runs must follow plain single-process PyTorch step by step (loss) and end at its parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ethpipe.runtime.data import prepare_tokens, step_sample_ids
+from ethpipe.runtime.emulate import Slowdown
+from ethpipe.runtime.rebalance import RebalanceConfig
+from ethpipe.runtime.train import TrainConfig, train
+
+from .harness import run_ranks
+from .plans import LLAMA_LIKE, make_plan
+from .reference import reference_train
+
+pytestmark = pytest.mark.dist
+
+STEPS, LR = 5, 1e-3
+PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 2, 2)), ([(2, (0, 6))], (3, 3))],
+                 extra={"device_speeds": {"cpu": 1.0}})
+
+
+def _worker(rank: int, world_size: int, runs: list[tuple[str, TrainConfig]], out_dir: str) -> None:
+    for name, config in runs:
+        records = train(PLAN, config, rank, world_size)
+        if rank == 0:
+            Path(out_dir, f"{name}.json").write_text(json.dumps(records))
+
+
+def test_rebalancing_keeps_the_loss_trajectory_and_final_params(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    data = str(tmp_path / "tokens.bin")
+    prepare_tokens([" ".join(rng.choice(["data", "moves", "not", "weights", "."], size=3000))], data)
+    common = dict(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, clip_grad=0.5, emulate=True,
+                  slowdowns=(Slowdown(0, 4.0, 1),), log_sample_ids=True)
+    runs = [("static", TrainConfig(**common, save_final=str(tmp_path / "static.safetensors"))),
+            ("rebalanced", TrainConfig(**common, rebalance=RebalanceConfig(every=1, threshold=0.05),
+                                       save_final=str(tmp_path / "rebalanced.safetensors")))]
+    run_ranks(3, _worker, (runs, str(tmp_path)), tmp_path)
+
+    ref = reference_train(LLAMA_LIKE, data, PLAN.global_batch_size, PLAN.seq_len, STEPS, LR, weight_decay=0.1,
+                          clip_grad=0.5, seed=0)
+    static = json.loads((tmp_path / "static.json").read_text())
+    balanced = json.loads((tmp_path / "rebalanced.json").read_text())
+    applied = [r for r in balanced if r.get("rebalance", {}).get("applied")]
+    assert applied, "the 4x straggler never triggered a rebalance: the test proves nothing"
+    first = applied[0]
+    assert first["rebalance"]["old_split"] == [6, 6] and first["rebalance"]["new_split"][0] < 6
+    assert balanced[first["step"] + 1]["split"] == first["rebalance"]["new_split"]  # applied at the next step
+    assert all(r["split"] == [6, 6] for r in static) and all("rebalance" not in r for r in static)
+    for records in (static, balanced):
+        np.testing.assert_allclose([r["loss"] for r in records], ref.losses, rtol=1e-5)
+        for r in records:  # the same samples, in the same global order, whatever the split
+            assert r["sample_ids"] == step_sample_ids(r["step"], 12, 10**9, False, 0).tolist()
+            assert r["samples"] == [12 * r["step"], 12 * r["step"] + 12]
+    np.testing.assert_allclose([r["loss"] for r in balanced], [r["loss"] for r in static], rtol=1e-6)
+    got_static, got_balanced = load_file(tmp_path / "static.safetensors"), load_file(tmp_path / "rebalanced.safetensors")
+    for key, want in ref.state.items():
+        torch.testing.assert_close(got_balanced[key], want, atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(got_balanced[key], got_static[key], atol=1e-6, rtol=0)

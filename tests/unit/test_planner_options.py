@@ -1,0 +1,74 @@
+"""ETH's ablation knobs (PlannerOptions) change the plan the way they say, and are recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.cost.model import CostModel
+from ethpipe.model_spec import load_model_spec
+from ethpipe.planner import PlannerOptions, estimate_plan, make_plan
+from ethpipe.planner.templates import equal_layers
+
+HETERO = cluster_from_dict({"nodes": [
+    {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 800},
+    {"gpu": "v100_32gb_sxm2", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 400}]})
+GPT = load_model_spec("gpt3-1.3b")
+
+
+def _plan(options: PlannerOptions | None = None, batch: int = 100):
+    return make_plan(HETERO, GPT, batch, 2048, options=options)
+
+
+def test_defaults_recorded_and_group_score_equals_estimate() -> None:
+    plan = _plan()
+    assert plan.extra["search"]["options"] == PlannerOptions().to_dict()
+    assert plan.extra["search"]["estimated_iteration_s"] == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-9)
+
+
+def test_whole_micro_batches_only() -> None:
+    plan = _plan(PlannerOptions(fine_grained=False))
+    assert plan.extra["search"]["options"]["fine_grained"] is False
+    sizes = {x for p in plan.pipelines for x in p.micro_batch_sizes}
+    assert len(sizes) == 1 and 100 % sizes.pop() == 0  # one size, whole micro-batches add up to the batch
+    assert sum(p.num_samples for p in plan.pipelines) == 100
+
+
+def test_flat_sync_is_priced_flat() -> None:
+    plan = _plan(PlannerOptions(block_sync=False))
+    cost = CostModel.for_plan(plan)
+    flat = estimate_plan(plan, cost, flat_sync=True).iteration_time_s
+    assert plan.predicted["iteration_time_s"] == pytest.approx(flat, rel=1e-12)
+    assert flat >= estimate_plan(plan, cost).iteration_time_s
+    assert _plan().predicted["iteration_time_s"] <= flat * (1 + 1e-9)
+
+
+def test_homogeneous_only() -> None:
+    cluster = cluster_from_dict({"nodes": [
+        {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800},
+        {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 100}]})
+    spec = load_model_spec("llama2-7b")
+    mixed = make_plan(cluster, spec, 64, 2048)
+    assert any(len({s.device for s in p.stages}) > 1 for p in mixed.pipelines)
+    with pytest.raises(ValueError, match="homogeneous pipelines of t4"):
+        make_plan(cluster, spec, 64, 2048, options=PlannerOptions(allow_mixed=False))
+    plan = _plan(PlannerOptions(allow_mixed=False))
+    assert all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
+
+
+def test_data_balance_alone_uses_equal_layers() -> None:
+    plan = _plan(PlannerOptions(balance="data"))
+    for p in plan.pipelines:
+        assert [s.num_layers for s in p.stages] == equal_layers(GPT.num_layers, p.depth)
+
+
+def test_layer_balance_alone_uses_equal_data() -> None:
+    plan = _plan(PlannerOptions(balance="layers"))
+    counts = [p.num_samples for p in plan.pipelines]
+    assert max(counts) - min(counts) <= 1
+    assert plan.extra["search"]["options"]["balance"] == "layers"
+
+
+def test_unknown_balance_mode() -> None:
+    with pytest.raises(ValueError, match="balance 'both' is unknown"):
+        PlannerOptions(balance="both")
