@@ -5,7 +5,8 @@ vs the layer-balanced and uniform baselines, written to docs/evaluation.md from 
 
 Writes docs/benchmarks/eval_{throughput,search,ablation,measured,sensitivity,summary}.json, the
 figures docs/figures/eval_*.png, and docs/evaluation.md rendered from those JSON files only.
-About 10-15 minutes on 2 cores; ``--quick`` (the CI smoke test) well under a minute.
+About 8-12 minutes on 2 cores (more when the machine is shared); ``--quick`` (the CI smoke test)
+under a minute. ``--render-only`` redraws the docs from the JSON without running anything.
 """
 
 from __future__ import annotations
@@ -71,8 +72,16 @@ def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, co
     return render_docs(docs)
 
 
-def render_docs(docs: Path) -> dict[str, dict[str, Any]]:
-    """Figures and evaluation.md from the JSON files on disk (never from memory), so they always match."""
+def render_docs(docs: Path, *, resummarize: bool = False) -> dict[str, dict[str, Any]]:
+    """Figures and evaluation.md from the JSON files on disk (never from memory), so they always match.
+
+    ``resummarize`` recomputes eval_summary.json from the section files first (it is derived from them).
+    """
+    if resummarize:
+        old = load_results(docs)
+        summary = {"meta": old["summary"]["meta"], "section": "summary",
+                   **summarize(old["throughput"], old["search"])}
+        write_json(docs / "benchmarks" / "eval_summary.json", summary)
     written = load_results(docs)
     figures.draw_all(written, docs)
     out = docs / "evaluation.md"
@@ -93,10 +102,11 @@ def main() -> None:
                         help="where runtime_cpu.json and fidelity.json are read from")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--render-only", action="store_true",
-                        help="redraw the figures and evaluation.md from the existing eval_*.json (no runs)")
+                        help="recompute the summary, redraw the figures and evaluation.md from the existing "
+                        "eval_*.json (no runs)")
     args = parser.parse_args()
     if args.render_only:
-        render_docs(args.docs_dir)
+        render_docs(args.docs_dir, resummarize=True)
         print(f"rendered {args.docs_dir / 'evaluation.md'} from {args.docs_dir / 'benchmarks'}/eval_*.json")
         return
     budget_s = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)

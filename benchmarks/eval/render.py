@@ -151,10 +151,6 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
     lines += fmt.table(["GPUs", "types", "eth s", "layer-bal. exhaustive s", "eth-space exhaustive s",
                         "eth vs layer-bal.", "eth quality"], body, "rrrllrr")
     lines += ["", f"![planning time]({sec['figure']})", ""]
-    finished = [r for r in sec["scale"] + sec["quality"]
-                if "exhaustive_eth" in r and r["exhaustive_eth"]["status"] == "finished"]
-    timeouts = [r for r in sec["scale"] + sec["quality"]
-                if "exhaustive_eth" in r and r["exhaustive_eth"]["timed_out"]]
     lines += ["Plan quality on the evaluation's small clusters (exhaustive search over eth's space, same budget):", ""]
     body = []
     for r in sec["quality"]:
@@ -165,16 +161,16 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
         body.append([r["cluster_label"], r["model"], fmt.sec(r["eth"]["planning_s"]),
                      f"{fmt.sec(ex['planning_s'])} ({ex['status']})", fmt.x(ex["eth_quality"])])
     lines += fmt.table(["cluster", "model", "eth s", "exhaustive s", "eth quality"], body, "llrll") + [""]
-    ratios = [r["exhaustive_eth"]["eth_quality"] for r in finished]
-    if ratios:
-        below = sum(1 for v in ratios if v < 1.0)
-        lines.append(f"Where the exhaustive search finished ({len(ratios)} cases), eth's plan is within "
-                     f"{fmt.x(min(ratios))} to {fmt.x(max(ratios))} of the optimum of its space; {below} of them "
-                     "leave throughput on the table.")
+    q = results["summary"]["plan_quality"]
+    if q["num_finished"]:
+        lines.append(f"Where the exhaustive search over eth's space finished ({q['num_finished']} cases), eth quality "
+                     f"ranges from {fmt.x(q['min'])} to {fmt.x(q['max'])}: below one in {q['num_below']} case(s) "
+                     f"(eth leaves throughput on the table), above one in {q['num_above']} (eth's plan beats the best "
+                     "plan of that space, so it lies outside it: the exhaustive search covers one template per pool).")
     else:
         lines.append("The exhaustive search over eth's space finished in no case within the budget.")
-    lines += [f"The exhaustive search over eth's space hit the budget in {len(timeouts)} case(s); those rows compare "
-              "eth with the best plan found so far, not with the optimum.", ""]
+    lines += [f"It hit the budget in {q['num_timed_out']} case(s); those rows compare eth with the best plan found "
+              "so far, not with the optimum.", ""]
     return lines
 
 

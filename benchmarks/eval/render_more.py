@@ -50,7 +50,7 @@ def ablation(results: dict[str, dict[str, Any]]) -> list[str]:
         lo, hi = fmt.x(min(v for _, v in rel)), fmt.x(max(v for _, v in rel))
         line = f"- {name}: {lo if lo == hi else f'{lo} to {hi}'} of full eth's throughput over {len(rel)} case(s)."
         if better:
-            line += (f" **Switching it off was faster** in {'; '.join(better)}: the full planner misses a plan in "
+            line += (f" **This restricted variant was faster** in {'; '.join(better)}: the full planner misses a plan in "
                      "this restricted space there.")
         lines.append(line)
     return lines + [""]
@@ -167,6 +167,9 @@ def where_eth_loses(results: dict[str, dict[str, Any]]) -> list[str]:
             if sp is not None and sp < 1.0:
                 items.append(f"- Throughput: {r['model']} on {r['cluster_label']}, {fmt.x(sp)} vs {baseline} "
                              "(reason in its cluster's section).")
+    for item in results["summary"]["plan_quality"]["below"]:
+        items.append(f"- Plan quality: eth reaches {fmt.x(item['value'])} of the exhaustive optimum of its own space "
+                     f"on {item['model']} ({item['cluster']}).")
     sens = results["sensitivity"]
     for sweep_name, sweep in sens["sweeps"].items():
         for baseline, a in sweep["analysis"].items():

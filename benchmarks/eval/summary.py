@@ -83,6 +83,22 @@ def losses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in rows for b, sp in r["speedup"].items() if sp is not None and sp < 1.0]
 
 
+def plan_quality(search: dict[str, Any]) -> dict[str, Any]:
+    """eth vs the exhaustive search over its own space, where that search finished within its budget.
+
+    Below one: eth left throughput on the table. Above one: eth's plan lies outside the exhaustive
+    search's one-template-per-pool space (e.g. mixed pipelines) and beats that space's optimum.
+    """
+    rows = [r for r in search["scale"] + search["quality"] if "exhaustive_eth" in r]
+    done = [r for r in rows if r["exhaustive_eth"]["status"] == "finished"]
+    ratios = [r["exhaustive_eth"]["eth_quality"] for r in done]
+    below = [{"cluster": r.get("cluster_label", f"the {r['gpus']}-GPU search cluster"), "model": r["model"],
+              "value": r["exhaustive_eth"]["eth_quality"]} for r in done if r["exhaustive_eth"]["eth_quality"] < 1.0]
+    return {"num_finished": len(done), "num_timed_out": sum(1 for r in rows if r["exhaustive_eth"]["timed_out"]),
+            "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
+            "num_below": len(below), "below": below, "num_above": sum(1 for v in ratios if v > 1.0)}
+
+
 def summarize(throughput: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]:
     rows = throughput["rows"]
     infeasible = [{"cluster": r["cluster"], "model": r["model"], "method": m, "error": r["methods"][m]["error"]}
@@ -94,4 +110,4 @@ def summarize(throughput: dict[str, Any], search: dict[str, Any]) -> dict[str, A
     return {"speedup": {b: speedup_stats(rows, b) for b in BASELINES}, "losses": lost, "loss_causes": causes,
             "balance_efficiency": {m: efficiency_range(rows, m) for m in METHODS},
             "estimate_vs_simulated": estimate_gap(rows),
-            "planning": planning_at(search["scale"]), "infeasible": infeasible}
+            "planning": planning_at(search["scale"]), "plan_quality": plan_quality(search), "infeasible": infeasible}

@@ -73,11 +73,27 @@ def test_causal() -> None:
 
 def test_tied_embeddings() -> None:
     spec = dataclasses.replace(GPT, tie_embeddings=True)
-    model = build_full_model(spec)
+    model = build_full_model(spec, seed=3)
     assert model.head.weight is model.tok_emb.weight
     assert sum(p.numel() for p in model.parameters()) == spec.num_params()
-    with pytest.raises(ValueError, match="tie"):
-        build_stage(spec, (0, 2), True, False)
+    full = model.state_dict()
+    assert "tok_emb.weight" in full and not any(k.startswith("head.") for k in full)
+    assert sum(math.prod(shape) for shape in state_dict_shapes(spec).values()) == spec.num_params()
+    first = build_stage(spec, (0, 2), True, False, seed=3)
+    last = build_stage(spec, (2, 4), False, True, seed=3)
+    # the last stage's head is its own copy of the embedding, named and initialised like it
+    assert next(n for n, _ in last.named_parameters()) == "tok_emb.weight" and not hasattr(last, "pos_emb")
+    assert last.head.weight is last.tok_emb.weight and last.tok_emb.weight is not first.tok_emb.weight
+    assert torch.equal(last.tok_emb.weight, full["tok_emb.weight"])
+    assert torch.equal(first.tok_emb.weight, full["tok_emb.weight"])
+    tokens = torch.randint(0, spec.vocab_size, (2, 8))
+    torch.testing.assert_close(last(first(tokens)), model(tokens), atol=1e-6, rtol=0)
+    # gradients of the two uses, summed over the copies, are the full model's gradient
+    last(first(tokens)).square().sum().backward()
+    model(tokens).square().sum().backward()
+    torch.testing.assert_close(first.tok_emb.weight.grad + last.tok_emb.weight.grad, model.tok_emb.weight.grad,
+                               atol=1e-6, rtol=0)
+    assert last.tok_emb.weight.grad.abs().sum() > 0 and first.tok_emb.weight.grad.abs().sum() > 0
 
 
 def test_too_long_sequence() -> None:

@@ -23,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape
 from ethpipe.plan import Stage
@@ -36,9 +38,16 @@ Found = tuple[float, list[Group], list[list[int]]]
 Layout = tuple[tuple[StageSlot, ...], ...]
 
 
-# (DP, TP, replica device sequences, first stages' head ranks, replicas on demand, and the first
-# replica's slots when every replica has the same structure, else None)
-LazyLayout = tuple[int, int, Counter, list[int], Callable[[], Layout], tuple[StageSlot, ...] | None]
+Structures = list[tuple[tuple[StageSlot, ...], int]]
+# (DP, TP, replica device sequences, first stages' head ranks, whether every block's all-reduce crosses
+# nodes, replicas on demand, one replica of each structure (devices, links) with its count, on demand)
+LazyLayout = tuple[int, int, Counter, list[int], bool, Callable[[], Layout], Callable[[], Structures]]
+
+
+def _disjoint(cost: CostModel, a: Sequence[int], b: Sequence[int]) -> bool:
+    """No node holds ranks of both: then every block's holders span nodes (the first and last replica)."""
+    devs = cost.cluster.devices
+    return not {devs[r].node for r in a} & {devs[r].node for r in b}
 
 
 def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator[LazyLayout]:
@@ -50,7 +59,7 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
     types = list(by_type)
     counts = [len(by_type[t]) for t in types]
     node_sizes = [p.gpus_per_node for p in pools]
-    type_node = {t: {p.gpus_per_node for p in pools if p.device == t} for t in types}
+    type_pools = {t: [p for p in pools if p.device == t] for t in types}
     for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
         for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)):
             if any((c // dp) % t for c in counts) or sum(c // dp for c in counts) // t > cost.model.num_layers:
@@ -58,18 +67,26 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
             for order in itertools.permutations(range(len(types))):
                 kinds = Counter({tuple(types[i] for i in order for _ in range(counts[i] // dp // t)): dp})
 
-                def build(dp: int = dp, t: int = t, order: tuple[int, ...] = order) -> Layout:
-                    return tuple(
-                        slots_for([(types[i], rank) for i in order
-                                   for rank in by_type[types[i]][r * counts[i] // dp:(r + 1) * counts[i] // dp]], t)
-                        for r in range(dp))
+                def replica(r: int, dp: int = dp, t: int = t, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:
+                    return slots_for([(types[i], rank) for i in order
+                                      for rank in by_type[types[i]][r * counts[i] // dp:(r + 1) * counts[i] // dp]], t)
+
+                def build(dp: int = dp, replica: Callable = replica) -> Layout:
+                    return tuple(replica(r) for r in range(dp))
+
+                def reps(dp: int = dp, replica: Callable = replica) -> Structures:
+                    # A replica's links depend only on where its slices start inside their nodes (one pool
+                    # per type: same NICs); types spread over several pools: every replica on its own.
+                    keys: dict[tuple, list] = {}
+                    for r in range(dp):
+                        key = tuple((r * counts[i] // dp) % type_pools[types[i]][0].gpus_per_node
+                                    if len(type_pools[types[i]]) == 1 else r for i in range(len(types)))
+                        keys.setdefault(key, [r, 0])[1] += 1
+                    return [(replica(r), c) for r, c in keys.values()]
                 heads = [by_type[types[order[0]]][r * counts[order[0]] // dp] for r in range(dp)]
-                # Slices of whole nodes, or inside one node each: every replica has the same links.
-                aligned = all(len(type_node[types[i]]) == 1 and (
-                    (counts[i] // dp) % min(type_node[types[i]]) == 0 or min(type_node[types[i]]) % (counts[i] // dp) == 0)
-                    for i in range(len(types)))
-                first = slots_for([(types[i], rank) for i in order for rank in by_type[types[i]][:counts[i] // dp]], t)
-                yield dp, t, kinds, heads, build, first if aligned else None
+                last = [r for i in order for r in by_type[types[i]][counts[i] - counts[i] // dp:]]
+                crossing = _disjoint(cost, [r for s in replica(0) for r in s.ranks], last)
+                yield dp, t, kinds, heads, crossing, build, reps
 
 
 def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator[LazyLayout]:
@@ -77,6 +94,8 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
     n = cost.cluster.num_devices
     node_sizes = {len(p.nodes[0]) for p in pools_of(cost)}
     ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
+    devs = cost.cluster.devices
+    nics = [d.nic_gbps for d in devs]
     for t in (t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)):
         for d in divisors(n // t):
             replicas = n // (d * t)
@@ -85,7 +104,17 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
 
                 def build(d: int = d, t: int = t, replicas: int = replicas) -> Layout:
                     return tuple(slots_for(ranked[i * d * t:(i + 1) * d * t], t) for i in range(replicas))
-                yield replicas, t, kinds, [i * d * t for i in range(replicas)], build, None
+
+                def reps(d: int = d, t: int = t, replicas: int = replicas) -> Structures:
+                    keys: dict[tuple, list] = {}
+                    for i in range(replicas):
+                        ranks = range(i * d * t, (i + 1) * d * t, t)
+                        key = (tuple(ranked[r][0] for r in ranks), tuple(devs[a].node == devs[b].node and
+                                                                          nics[a] == nics[b] for a, b in zip(ranks, ranks[1:])))
+                        keys.setdefault(key, [i, 0])[1] += 1
+                    return [(slots_for(ranked[i * d * t:(i + 1) * d * t], t), c) for i, c in keys.values()]
+                crossing = _disjoint(cost, range(d * t), range(n - d * t, n))
+                yield replicas, t, kinds, [i * d * t for i in range(replicas)], crossing, build, reps
 
 
 class _Bounds:
@@ -95,6 +124,7 @@ class _Bounds:
         self.cost = cost
         self._per_sample: dict[tuple[str, int, int], float] = {}
         self._memo: dict[tuple, float] = {}
+        self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
 
     def per_sample_s(self, device: str, tp: int, b: int) -> float:
         """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
@@ -103,9 +133,12 @@ class _Bounds:
             self._per_sample[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
         return self._per_sample[key]
 
-    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int) -> float:
-        """Whole layers, at least one per stage: the bottleneck stage's time per sample is at least the
-        L-th smallest ``k c_i`` and the slowest ``c_i`` (c_i: stage i's per-layer, per-sample time)."""
+    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None) -> float:
+        """The bottleneck stage's time per sample (c_i: stage i's per-layer, per-sample time). A given
+        split: max l_i c_i. Otherwise whole layers, at least one per stage: at least the L-th smallest
+        ``k c_i`` and the slowest ``c_i``."""
+        if layers is not None:
+            return max(k * self.per_sample_s(d, tp, b) for d, k in zip(devices, layers))
         key = ("bottleneck", tuple(sorted(Counter(devices).items())), tp, b)
         if key not in self._memo:
             per = [self.per_sample_s(d, tp, b) for d in devices]
@@ -114,44 +147,105 @@ class _Bounds:
             self._memo[key] = max(steps[-1], max(per))
         return self._memo[key]
 
-    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int) -> float:
+    def _position(self, device: str, tp: int, b: int, in_flight: int, first: bool, last: bool, recompute: str
+                  ) -> tuple[tuple[float, int], ...]:
+        """(per-sample per-layer seconds, layers that fit) of each recompute choice of a stage position."""
+        key = ("position", device, tp, b, in_flight, first, last, recompute)
+        if key not in self._memo:
+            usable = self.cost.usable_memory_bytes(device)
+            out = []
+            for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
+                per = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x for x in range(1, b + 1))
+                fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
+                out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
+            self._memo[key] = tuple(out)
+        return self._memo[key]
+
+    def memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
+        """Per-sample bottleneck of one device order with memory: each position holds at most what fits
+        (recomputing where that holds more); inf if the model cannot fit. Bisection on the threshold X:
+        feasible iff every position holds >= 1 layer within X and they hold >= L together."""
+        depth = len(devices)
+        return self._capped_bottleneck_s(
+            [self._position(d, tp, b, depth - i, i == 0, i == depth - 1, recompute) for i, d in enumerate(devices)])
+
+    def relaxed_memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
+        """The same for any order of these devices: each type's stages as if they were the last ones
+        (fewest activations in flight) and without embedding or head: memoised per multiset."""
+        key = ("relaxed", tuple(sorted(Counter(devices).items())), tp, b, recompute)
+        if key not in self._memo:
+            self._memo[key] = self._capped_bottleneck_s(
+                [self._position(d, tp, b, k, False, False, recompute)
+                 for d, n in Counter(devices).items() for k in range(1, n + 1)])
+        return self._memo[key]
+
+    def _capped_bottleneck_s(self, opts: Sequence[tuple[tuple[float, int], ...]]) -> float:
+        depth, num_layers = len(opts), self.cost.model.num_layers
+        per = np.array([[o[min(j, len(o) - 1)][0] for j in range(2)] for o in opts])
+        fit = np.array([[o[min(j, len(o) - 1)][1] for j in range(2)] for o in opts])
+
+        def feasible(x: float) -> bool:
+            held = np.minimum(np.floor(x / per), fit).max(axis=1)
+            return bool(held.min() >= 1 and held.sum() >= num_layers)
+        lo = float(per.min(axis=1).max()) * (1 - 1e-9)
+        hi = float(per.max()) * -(-num_layers // depth)
+        if not feasible(hi):
+            hi = float(per.max()) * num_layers
+            if not feasible(hi):
+                return math.inf
+        for _ in range(14):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        return lo
+
+    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None
+                ) -> float:
         """One micro-batch of x samples crosses every layer (at least one per stage), the embedding and head."""
         x = min(b, num_samples)
-        key = ("chain", tuple(sorted(Counter(devices).items())), devices[0], devices[-1], len(devices), tp, b, x)
+        key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
+               devices[0], devices[-1], len(devices), tp, b, x)
         if key not in self._memo:
             per = [self.per_sample_s(d, tp, b) for d in devices]
             ends = sum(self.cost.end_times_s(devices[0], x, tp, first=True, last=len(devices) == 1)) + (
                 sum(self.cost.end_times_s(devices[-1], x, tp, first=False, last=True)) if len(devices) > 1 else 0.0)
-            self._memo[key] = x * (sum(per) + (self.cost.model.num_layers - len(per)) * min(per)) + ends
+            work = sum(c * k for c, k in zip(per, layers)) if layers is not None else (
+                sum(per) + (self.cost.model.num_layers - len(per)) * min(per))
+            self._memo[key] = x * work + ends
         return self._memo[key]
 
-    def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int) -> float:
+    def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
+                   recompute: str | None = None) -> float:
         """Any split of the batch (equal or balanced): pipeline p needs >= n_p X_p, so the makespan is at
         least B / sum_p 1/X_p (one kind: ceil(B/P) X); and some pipeline runs a whole micro-batch."""
         num_pipes = sum(kinds.values())
-        x = {k: self.per_sample_bottleneck_s(k, tp, b) for k in kinds}
+        x = {k: self.per_sample_bottleneck_s(k, tp, b, layers) for k in kinds}
+        if layers is None and recompute is not None:
+            x = {k: max(v, self.relaxed_memory_bottleneck_s(k, tp, b, recompute)) for k, v in x.items()}
         if len(kinds) == 1:
             steady = -(-global_batch // num_pipes) * next(iter(x.values()))
         else:
             steady = global_batch / sum(c / x[k] for k, c in kinds.items())
         share = -(-global_batch // num_pipes)
-        return max(steady, min(self.chain_s(k, tp, b, share) for k in kinds))
+        return max(steady, min(self.chain_s(k, tp, b, share, layers) for k in kinds))
 
-    def first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, num_layers: int = 1) -> float:
-        """The first stages' blocks are all-reduced after the pipeline flushes: at least the embedding
-        and ``num_layers`` layers (the whole model at depth 1), at the NIC's full bandwidth (no sharing)."""
+    def first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, crossing: bool, num_layers: int = 1
+                           ) -> float:
+        """The first stages' blocks are all-reduced after the pipeline flushes: at least the embedding and
+        ``num_layers`` layers (the whole model at depth 1). A node's NIC is shared by its ranks in
+        cross-node groups: all of them when every block crosses (``crossing``), else at least the heads'."""
         if len(heads) < 2:
             return 0.0
         devs = self.cost.cluster.devices
         here: dict[int, int] = {}
-        nic: dict[int, float] = {}
         for r in heads:
             here[devs[r].node] = here.get(devs[r].node, 0) + 1
-            nic[devs[r].node] = devs[r].nic_gbps
         num_layers = num_layers if depth > 1 else self.cost.model.num_layers
         num_bytes = self.cost.stage_params(num_layers, first=True, last=depth == 1) * self.cost.dtype_bytes / tp
         intra = min(devs[r].gpu.intra_node_gbps for r in heads)
-        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, min(nic.values())))
+        first_rank = {devs[r].node: r for r in reversed(heads)}
+        nic = min(devs[first_rank[n]].nic_gbps / max((self._node_ranks[n] if crossing else c * tp) / c, 1.0)
+                  for n, c in here.items()) if len(here) > 1 else devs[heads[0]].nic_gbps
+        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic))
 
 
 def _links(cost: CostModel, slots: Sequence[StageSlot]) -> tuple[bool, ...]:
@@ -193,31 +287,30 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     heap: list[tuple[float, int, int, tuple]] = []
     counter = itertools.count()
     structures: dict[int, list[tuple[tuple[StageSlot, ...], Group]]] = {}
+    representatives: dict[int, Structures] = {}
     spaces: list[tuple[Iterator[LazyLayout], bool]] = [(uniform_layouts(cost, global_batch, max_tp), True)]
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
         spaces.append((layer_balanced_layouts(cost, global_batch, max_tp), False))
     for layouts, uniform in spaces:
-        for dp, t, kinds, heads, layout, first in layouts:
+        for dp, t, kinds, heads, crossing, layout, reps in layouts:
             share = -(-global_batch // dp)
             key = next(counter)
-            sync_s = bounds.first_stage_sync_s(heads, t, len(next(iter(kinds))))
+            depth = len(next(iter(kinds)))
+            layers = equal_layers(cost.model.num_layers, depth) if uniform else None
+            sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
             for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:
-                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch)
-                heapq.heappush(heap, (bound, next(counter), 0 if first is not None else 1,
-                                      (key, layout, first, heads, share, b, uniform)))
+                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute)
+                heapq.heappush(heap, (bound, next(counter), 0, (key, layout, reps, heads, crossing, share, b, uniform)))
     best, priced = incumbent, 0
     while heap:
         bound, _, stage, item = heapq.heappop(heap)
         if best is not None and bound >= best[0]:
             break
-        key, layout, first, heads, share, b, uniform = item
-        if stage == 0:  # refine: the exact pipeline time of the (single) replica structure, then its first stage's sync
-            tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)
-            if tpl is not None:
-                lo, hi = tpl.partition.ranges()[0]
-                stage0 = Stage(first[0].ranks, first[0].device, (lo, hi), first[0].tp, tpl.partition.recompute[0])
-                refined = (tpl.timing.time_s(share) + bounds.first_stage_sync_s(heads, first[0].tp, len(first), hi - lo)
-                           + cost.optimizer_s(stage0, first=True, last=len(first) == 1))
+        key, layout, reps, heads, crossing, share, b, uniform = item
+        if stage == 0:
+            refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute, options,
+                                     cache, representatives, math.inf if best is None else best[0])
+            if refined is not None:
                 heapq.heappush(heap, (max(bound, refined), next(counter), 1, item))
             continue
         for found in _pricer(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures)():
@@ -227,6 +320,48 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     return (None if best is incumbent else best), priced
 
 
+def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: PlannerOptions, cache: dict
+          ) -> Callable[[tuple[StageSlot, ...]], Template | None]:
+    """The template maker of a space: the uniform baseline's equal layers, else ETH's level 2."""
+    if uniform:
+        granularity = 1 if options.fine_grained else b
+        return lambda s: _equal_template(cost, s, b, recompute, granularity, cache)
+    return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
+
+
+def _refined_bound(cost: CostModel, bounds: _Bounds, key: int, reps: Callable[[], Structures], heads: Sequence[int],
+                   crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str, options: PlannerOptions,
+                   cache: dict, representatives: dict, cutoff_s: float) -> float | None:
+    """A bound from one replica per structure: first the memory-aware bottleneck (no templates), then the
+    exact flush at ceil(B/P) samples, the first stage's sync and its optimizer step. None: the layout
+    cannot hold the model or the batch."""
+    if key not in representatives:
+        representatives[key] = reps()
+    structures = representatives[key]
+    devices = {tuple(s.device for s in slots) for slots, _ in structures}
+    if len(devices) == 1 and not uniform:
+        per_sample = bounds.memory_bottleneck_s(next(iter(devices)), structures[0][0][0].tp, b, recompute)
+        if per_sample * -(-global_batch // sum(c for _, c in structures)) >= cutoff_s:
+            return per_sample * -(-global_batch // sum(c for _, c in structures))
+    make = _make(cost, uniform, b, recompute, options, cache)
+    templates = [make(slots) for slots, _ in structures]
+    if any(t is None for t in templates):
+        return None
+    num_pipes = sum(c for _, c in structures)
+    if global_batch < num_pipes:
+        return None
+    # Some pipeline runs >= ceil(B/P) samples, equal data or balanced; its flush (the estimator's exact
+    # formula, non-decreasing in the samples) is at least the fastest structure's at ceil(B/P).
+    makespan = min(float(t.timing.finish_s(-(-global_batch // num_pipes))[0]) for t in templates)
+    first_layers = min(t.partition.num_layers[0] for t in templates)
+    slot = templates[0].slots[0]
+    stage0 = Stage(slot.ranks, slot.device, (0, first_layers), slot.tp, True)
+    depth = templates[0].depth
+    return (makespan + bounds.first_stage_sync_s(heads, slot.tp, depth, crossing, first_layers)
+            + min(cost.optimizer_s(replace(stage0, device=t.slots[0].device), first=True, last=depth == 1)
+                  for t in templates))
+
+
 def _pricer(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: int, b: int, uniform: bool, recompute: str,
             options: PlannerOptions, cache: dict, structures: dict) -> Callable[[], list[Found]]:
     """Deferred pricing of one (layout, micro-batch size): balanced layers (and equal ones for uniform)."""
@@ -234,21 +369,14 @@ def _pricer(cost: CostModel, global_batch: int, layout: Callable[[], Layout], ke
     def price() -> list[Found]:
         if key not in structures:
             structures[key] = _structure(cost, layout())
-        granularity = 1 if options.fine_grained else b
-        makers = [lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)]
-        if uniform:
-            makers.append(lambda s: _equal_template(cost, s, b, recompute, granularity, cache))
-        out = []
-        for make in makers:
-            groups = []
-            for slots, group in structures[key]:
-                tpl = make(slots)
-                if tpl is None:
-                    break
-                groups.append(replace(group, template=tpl))
-            else:
-                out += _evaluations(cost, groups, global_batch, options, b)
-        return out
+        make = _make(cost, uniform, b, recompute, options, cache)
+        groups = []
+        for slots, group in structures[key]:
+            tpl = make(slots)
+            if tpl is None:
+                return []
+            groups.append(replace(group, template=tpl))
+        return _evaluations(cost, groups, global_batch, options, b)
 
     return price
 

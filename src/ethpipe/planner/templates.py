@@ -105,7 +105,7 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     key = (tuple((s.device, s.tp) for s in slots), links, micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
-            part = partition_layers(stage_options(cost, slots, micro_batch, recompute), cost.model.num_layers)
+            part = partition_layers(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers)
         else:
             part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute)
         granularity = 1 if options.fine_grained else micro_batch

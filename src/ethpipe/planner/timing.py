@@ -45,14 +45,22 @@ def _recv_bwd_s(cost: CostModel, slots: Sequence[StageSlot], i: int, x: int) -> 
     return cost.p2p_s(slots[i + 1].ranks[0], slots[i].ranks[0], x) if i < len(slots) - 1 else 0.0
 
 
-def stage_options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str
-                  ) -> list[list[StageOption]]:
-    """Time and memory options of every slot for ``micro_batch`` (recompute: auto|never|always)."""
+def stage_options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str,
+                  memo: dict | None = None) -> list[list[StageOption]]:
+    """Time and memory options of every slot for ``micro_batch`` (recompute: auto|never|always).
+
+    ``memo`` (optional) shares a slot's options between shapes: they depend only on its device, TP,
+    position from the end, ends and receive time."""
     depth, out = len(slots), []
     for i, slot in enumerate(slots):
         first, last = i == 0, i == depth - 1
+        p2p_s = p2p_in_s(cost, slots, i, micro_batch)
+        key = ("stage_options", slot.device, slot.tp, micro_batch, recompute, depth - i, first, last, p2p_s)
+        if memo is not None and key in memo:
+            out.append(memo[key])
+            continue
         ends = sum(cost.end_times_s(slot.device, micro_batch, slot.tp, first=first, last=last))
-        fixed_s = ends + p2p_in_s(cost, slots, i, micro_batch)
+        fixed_s = ends + p2p_s
         usable = cost.usable_memory_bytes(slot.device)
         flags = {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]
         options = []
@@ -63,6 +71,8 @@ def stage_options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int,
             max_layers = int((usable - mem_fixed) // mem_per_layer) if usable >= mem_fixed else 0
             options.append(StageOption(fixed_s, per_layer_s, max_layers, rc))
         out.append(options)
+        if memo is not None:
+            memo[key] = options
     return out
 
 

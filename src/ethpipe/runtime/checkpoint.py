@@ -83,9 +83,12 @@ def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
             torch.save(tensors, tmp)
 
 
-def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """Collect every parameter once (from pipeline 0's stages) on rank ``dst``; None elsewhere."""
-    local = {k: v.detach().to("cpu") for k, v in module.state_dict().items()} if in_pipeline_zero else {}
+def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0,
+                        skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor] | None:
+    """Collect every parameter once (from pipeline 0's stages) on rank ``dst``; None elsewhere.
+    ``skip``: names this stage leaves to another (a tied last stage's copy of ``tok_emb.weight``)."""
+    local = ({k: v.detach().to("cpu") for k, v in module.state_dict().items() if k not in skip}
+             if in_pipeline_zero else {})
     rank = dist.get_rank()
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if rank == dst else None
     dist.gather_object(local, gathered, dst=dst)

@@ -6,7 +6,9 @@ in ``build_full_model(spec).state_dict()`` (``layers.7.attn.wq.weight``), AdamW 
 hands DCP only what its stage holds; replicas in other pipelines present the same keys with
 identical values and DCP's save planner writes each key once (deduplicated, load-balanced over
 the holders). Loading asks for exactly the keys of the rank's stage under the *new* plan, so a
-checkpoint loads under any plan: other pipelines, depths and layer splits.
+checkpoint loads under any plan: other pipelines, depths and layer splits. A tied model's
+last-stage copy of the embedding is ``tok_emb.weight`` too (runtime/model.py): one more replica
+of that key (and of its AdamW state), so tied checkpoints reshard like any other.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ same tensor in every pipeline, and each parameter is initialised from a generato
 (seed, name): layer k is bit-identical whichever stage builds it, and the full model equals
 the union of the stages. Stages are built on the meta device and only their own parts are
 materialised, so a stage of a huge model never allocates the whole model.
+
+Tied embeddings (Megatron's scheme): the head multiplies by the token embedding matrix. A
+stage that is last but not first holds its own copy, registered under the same name
+``tok_emb.weight`` (so it is initialised from the same (seed, name) and every checkpoint key
+is the model's own); training keeps the copies equal by summing their gradients (grad_sync).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from ethpipe.model_spec import ModelSpec, load_model_spec
 
 INIT_STD = 0.02
+TIED_WEIGHT = "tok_emb.weight"  # with tie_embeddings: the embedding matrix, also the output head
 
 
 class RMSNorm(nn.Module):
@@ -111,6 +117,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class TiedHead(nn.Module):
+    """The output projection of a tied model: logits = x @ embedding.weight.T, with no parameter of its own.
+
+    The embedding is kept in a tuple, which ``nn.Module`` does not register, so the matrix has
+    one name (``tok_emb.weight``) in ``named_parameters`` and ``state_dict``.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding_ref = (embedding,)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.embedding_ref[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class Decoder(nn.Module):
     """Layers ``[start, end)`` of the model; ``first`` adds the embeddings, ``last`` the norm and head.
 
@@ -126,20 +151,16 @@ class Decoder(nn.Module):
             raise ValueError(f"layer range {list(layers)} is outside the model's [0, {spec.num_layers})")
         self.spec, self.layer_range, self.first, self.last = spec, layers, first, last
         self.recompute = recompute
-        if first:
+        tied = spec.tie_embeddings
+        if first or (last and tied):  # a tied last stage holds its copy of the embedding matrix
             self.tok_emb = nn.Embedding(spec.vocab_size, spec.hidden_size)
-            if spec.position == "learned":
-                self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden_size)
+        if first and spec.position == "learned":
+            self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden_size)
         self.layers = nn.ModuleDict({str(k): DecoderLayer(spec) for k in range(*layers)})
         if last:
             self.norm = make_norm(spec)
-            self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the head (re-done after ``to_empty``, which unties them)."""
-        if self.spec.tie_embeddings and self.first and self.last:
-            self.head.weight = self.tok_emb.weight
+            self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
+                                    nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1]
@@ -185,16 +206,10 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int) -
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
                 device: torch.device | str = "cpu", recompute: bool = False) -> Decoder:
     """One pipeline stage: built on meta, then only its own parameters are allocated and initialised."""
-    if spec.tie_embeddings and first != last:
-        raise ValueError(
-            f"model '{spec.name}' ties the embedding and the head, which a multi-stage pipeline does not support "
-            "yet: use a spec with tie_embeddings: false or a plan whose pipelines have one stage"
-        )
     with torch.device("meta"):
         module = Decoder(spec, layers, first, last, recompute=recompute)
     module = module.to_empty(device=device)
-    module.tie_weights()
-    for name, param in module.named_parameters():  # a tied weight is listed (and initialised) once
+    for name, param in module.named_parameters():  # a tied last stage's copy is `tok_emb.weight` too: same bits
         init_parameter(spec, name, param, seed)
     return module
 

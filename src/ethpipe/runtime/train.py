@@ -30,11 +30,11 @@ from ethpipe.runtime.emulate import Emulator, Slowdown, check_emulation, make_em
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill
 from ethpipe.runtime.grad_sync import (
-    BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients,
+    BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients, tied_parameters,
 )
 from ethpipe.runtime.groups import build_groups, destroy_groups
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
-from ethpipe.runtime.model import build_stage
+from ethpipe.runtime.model import TIED_WEIGHT, build_stage
 from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
 from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
@@ -150,11 +150,6 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
     spec = plan.resolve_model()
     if plan.seq_len > spec.max_seq_len:
         raise ValueError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
-    if spec.tie_embeddings and any(p.depth > 1 for p in plan.pipelines):
-        raise ValueError(
-            f"model '{spec.name}' ties embedding and head, which multi-stage pipelines do not support yet: "
-            "use an untied spec (tie_embeddings: false)"
-        )
     return spec
 
 
@@ -246,7 +241,8 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
 
 def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
                     rank: int, device: torch.device, watchdog: Watchdog) -> list[dict[str, Any]]:
-    groups = build_groups(plan, rank, config.timeout)
+    tied = spec.tie_embeddings
+    groups = build_groups(plan, rank, config.timeout, tied)
     pos = groups.position
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
@@ -259,8 +255,9 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     if start.step_dir is not None:
         watchdog.beat(f"loading checkpoint {start.step_dir}")
         load_checkpoint(start, module, optimizer, device)
-    blocks = params_by_block(plan, module)
-    sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes)
+    blocks = params_by_block(plan, module, tied)
+    tied_copy = tied_parameters(module, tied)
+    sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes, tied_copy, groups.tied_group)
     emulator: Emulator | None = make_emulator(plan, rank, config.slowdowns) if config.emulate else None
     io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len)
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
@@ -301,10 +298,10 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io, loss_scale,
                                   emulator, step, timeline, autocast_dtype, on_last_backward=start_sync)
             sync_start = time.time()
-            sync.finish(lambda b: timeline.add(f"allreduce block {b}", sync.started_s, time.time()))
+            sync.finish(lambda label: timeline.add(f"allreduce {label}", sync.started_s, time.time()))
             sync_exposed_s = time.time() - sync_start
             stats = gather_stats(plan, {
-                "loss_part": float(loss), "square_norm_part": owned_square_norm(plan, rank, blocks),
+                "loss_part": float(loss), "square_norm_part": owned_square_norm(plan, rank, blocks, tied_copy),
                 "busy_s": timeline.busy_s, "idle_s": max(0.0, timeline.phase_s - timeline.busy_s),
                 "sync_exposed_s": sync_exposed_s,
             }, device)
@@ -336,7 +333,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 timeline.add("checkpoint", save_start, time.time())
         watchdog.beat("final save")
         if config.save_final is not None:
-            state = gather_consolidated(module, pos.pipeline == 0)
+            skip = {TIED_WEIGHT} if tied and not first else set()  # the first stage sends the tied matrix
+            state = gather_consolidated(module, pos.pipeline == 0, skip=frozenset(skip))
             if state is not None:
                 save_atomic(state, config.save_final)
         if config.trace is not None:
