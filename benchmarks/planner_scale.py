@@ -148,6 +148,19 @@ def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path)
     lines += ["", "eth / exhaustive = exhaustive plan's iteration time / eth's (>= 0.98 is the target).", "",
               f"Summary: eth >= layer-balanced in {len(ok) - len(losses)} of {len(ok)} cases, >= uniform in "
               f"{len(ok) - len(uni_losses)} of {len(ok)}."]
+    if ok:
+        worst_lb = min(ok, key=lambda r: r["lb_iteration_s"] / r["eth_iteration_s"])
+        worst_uni = min(ok, key=lambda r: r["uniform_iteration_s"] / r["eth_iteration_s"])
+        lines += ["", (f"Worst eth vs layer-balanced: {worst_lb['lb_iteration_s'] / worst_lb['eth_iteration_s']:.3f}x "
+                       f"({worst_lb['cluster']}, {worst_lb['model']}, {worst_lb['batch']}); worst eth vs uniform: "
+                       f"{worst_uni['uniform_iteration_s'] / worst_uni['eth_iteration_s']:.3f}x "
+                       f"({worst_uni['cluster']}, {worst_uni['model']}, {worst_uni['batch']}).")]
+        by_size: dict[int, list[dict]] = {}
+        for r in ok:
+            by_size.setdefault(r["gpus"], []).append(r)
+        lines += ["", "Slowest eth planning per cluster size (eth s / layer-balanced s, same run): " + "; ".join(
+            f"{n} GPUs {max(r['eth_planning_s'] for r in rs):.3f} s / {max(r['lb_planning_s'] for r in rs):.1f} s"
+            for n, rs in sorted(by_size.items())) + "."]
     if losses:
         lines += ["", "Where eth loses to layer-balanced (predicted): " + "; ".join(
             f"{r['cluster']} {r['model']} {r['batch']} ({r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x, eth sync "

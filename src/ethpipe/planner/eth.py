@@ -12,8 +12,11 @@ replica alone are merged into pipelines over consecutive nodes; and a small type
 family (every pipeline takes an equal slice of every pool, a few pipeline counts / TP degrees
 by an analytic pre-score, four type orders) is tried too, because with few samples per GPU a
 slow type's own pipelines are either shallow (a whole replica of sync per node) or
-bubble-bound. Cost is a sum of small searches: templates are shared by all their pipelines
-and identical pipelines priced once.
+bubble-bound. Finally the replicated family (``replicated.py``): every layout of the
+layer-balanced and uniform baselines' spaces, searched best-first by lower bound against the
+best plan so far and priced with level-3 data balance too, so ETH is never predicted slower
+than either baseline. Cost is a sum of small searches: templates are shared by all their
+pipelines and identical pipelines priced once.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """ETH's replicated-shape family: the baselines' spaces, searched by branch and bound (DESIGN 2.1).
 
 A layout that replicates one shape (the layer-balanced space: every replica takes an equal
-share of every GPU type, any type order; the uniform space: replicas in rank order, equal or
-balanced layers) is also an ETH layout, and with few samples per GPU it is often the best one:
+share of every GPU type, in any type order; the uniform space: replicas in rank order with
+equal layers) is also an ETH layout, and with few samples per GPU it is often the best one:
 each node then holds ~1/depth of the model and syncs that much through its NIC. ETH searches
 the same (DP degree, TP degree, type order, micro-batch size) space as the exhaustive
-layer-balanced baseline, but prices a candidate only if a cheap lower bound on its pipeline
-time (no partition, no sync: ``n L / sum_i 1/c_i`` for the bottleneck stage, and one
-micro-batch's whole forward+backward chain) beats the best plan found so far. Candidates are
-visited in bound order, so the search stops at the first bound above the incumbent. Each
-priced candidate gets both equal data (the baseline's plan, so ETH never loses to it) and
-level-3 data balance. Partitions are memoised by shape (identical replicas share one), and a
-layout's node statistics are computed once for all its micro-batch sizes.
+baselines, best-first by a lower bound (``bounds.py``), in three steps per candidate: an
+analytic bound at enumeration (no partition, no replicas built), a refined one when popped
+(the memory-aware bottleneck of its type order, then one replica per structure partitioned and
+timed exactly, plus its first stage's sync), and exact pricing when popped again. The search
+stops at the first bound above the best plan found (the incumbent comes from ETH's other
+layouts). A priced candidate gets equal data (the baseline's own plan, so ETH never loses to
+it) and level-3 data balance. Templates and stage options are memoised by shape, and a
+layout's replicas and node statistics are built once for all its micro-batch sizes.
 """
 
 from __future__ import annotations
@@ -22,22 +23,27 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-
-import numpy as np
+from itertools import pairwise
 
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.sync import SyncShape
 from ethpipe.plan import Stage
+from ethpipe.planner.bounds import LowerBounds
 from ethpipe.planner.grouping import Group, evaluate_groups, make_group
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Template, build_template, divisors, equal_layers,
-                                       fixed_partition, pools_of, slots_for)
+from ethpipe.planner.templates import (
+    MICRO_BATCH_CANDIDATES,
+    Template,
+    build_template,
+    divisors,
+    equal_layers,
+    fixed_partition,
+    pools_of,
+    slots_for,
+)
 from ethpipe.planner.timing import StageSlot, timing_of_partition
 
 Found = tuple[float, list[Group], list[list[int]]]
 Layout = tuple[tuple[StageSlot, ...], ...]
-
-
 Structures = list[tuple[tuple[StageSlot, ...], int]]
 # (DP, TP, replica device sequences, first stages' head ranks, whether every block's all-reduce crosses
 # nodes, replicas on demand, one replica of each structure (devices, links) with its count, on demand)
@@ -109,148 +115,17 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                     keys: dict[tuple, list] = {}
                     for i in range(replicas):
                         ranks = range(i * d * t, (i + 1) * d * t, t)
-                        key = (tuple(ranked[r][0] for r in ranks), tuple(devs[a].node == devs[b].node and
-                                                                          nics[a] == nics[b] for a, b in zip(ranks, ranks[1:])))
+                        key = (tuple(ranked[r][0] for r in ranks),
+                               tuple(devs[a].node == devs[b].node and nics[a] == nics[b] for a, b in pairwise(ranks)))
                         keys.setdefault(key, [i, 0])[1] += 1
                     return [(slots_for(ranked[i * d * t:(i + 1) * d * t], t), c) for i, c in keys.values()]
                 crossing = _disjoint(cost, range(d * t), range(n - d * t, n))
                 yield replicas, t, kinds, [i * d * t for i in range(replicas)], crossing, build, reps
 
 
-class _Bounds:
-    """Order-free lower bounds on a replica's pipeline time (compute only, memoised per device)."""
-
-    def __init__(self, cost: CostModel) -> None:
-        self.cost = cost
-        self._per_sample: dict[tuple[str, int, int], float] = {}
-        self._memo: dict[tuple, float] = {}
-        self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
-
-    def per_sample_s(self, device: str, tp: int, b: int) -> float:
-        """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
-        key = (device, tp, b)
-        if key not in self._per_sample:
-            self._per_sample[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
-        return self._per_sample[key]
-
-    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None) -> float:
-        """The bottleneck stage's time per sample (c_i: stage i's per-layer, per-sample time). A given
-        split: max l_i c_i. Otherwise whole layers, at least one per stage: at least the L-th smallest
-        ``k c_i`` and the slowest ``c_i``."""
-        if layers is not None:
-            return max(k * self.per_sample_s(d, tp, b) for d, k in zip(devices, layers))
-        key = ("bottleneck", tuple(sorted(Counter(devices).items())), tp, b)
-        if key not in self._memo:
-            per = [self.per_sample_s(d, tp, b) for d in devices]
-            num_layers = self.cost.model.num_layers
-            steps = heapq.nsmallest(num_layers, (k * c for c in per for k in range(1, num_layers + 1)))
-            self._memo[key] = max(steps[-1], max(per))
-        return self._memo[key]
-
-    def _position(self, device: str, tp: int, b: int, in_flight: int, first: bool, last: bool, recompute: str
-                  ) -> tuple[tuple[float, int], ...]:
-        """(per-sample per-layer seconds, layers that fit) of each recompute choice of a stage position."""
-        key = ("position", device, tp, b, in_flight, first, last, recompute)
-        if key not in self._memo:
-            usable = self.cost.usable_memory_bytes(device)
-            out = []
-            for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
-                per = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x for x in range(1, b + 1))
-                fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
-                out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
-            self._memo[key] = tuple(out)
-        return self._memo[key]
-
-    def memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
-        """Per-sample bottleneck of one device order with memory: each position holds at most what fits
-        (recomputing where that holds more); inf if the model cannot fit. Bisection on the threshold X:
-        feasible iff every position holds >= 1 layer within X and they hold >= L together."""
-        depth = len(devices)
-        return self._capped_bottleneck_s(
-            [self._position(d, tp, b, depth - i, i == 0, i == depth - 1, recompute) for i, d in enumerate(devices)])
-
-    def relaxed_memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
-        """The same for any order of these devices: each type's stages as if they were the last ones
-        (fewest activations in flight) and without embedding or head: memoised per multiset."""
-        key = ("relaxed", tuple(sorted(Counter(devices).items())), tp, b, recompute)
-        if key not in self._memo:
-            self._memo[key] = self._capped_bottleneck_s(
-                [self._position(d, tp, b, k, False, False, recompute)
-                 for d, n in Counter(devices).items() for k in range(1, n + 1)])
-        return self._memo[key]
-
-    def _capped_bottleneck_s(self, opts: Sequence[tuple[tuple[float, int], ...]]) -> float:
-        depth, num_layers = len(opts), self.cost.model.num_layers
-        per = np.array([[o[min(j, len(o) - 1)][0] for j in range(2)] for o in opts])
-        fit = np.array([[o[min(j, len(o) - 1)][1] for j in range(2)] for o in opts])
-
-        def feasible(x: float) -> bool:
-            held = np.minimum(np.floor(x / per), fit).max(axis=1)
-            return bool(held.min() >= 1 and held.sum() >= num_layers)
-        lo = float(per.min(axis=1).max()) * (1 - 1e-9)
-        hi = float(per.max()) * -(-num_layers // depth)
-        if not feasible(hi):
-            hi = float(per.max()) * num_layers
-            if not feasible(hi):
-                return math.inf
-        for _ in range(14):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-        return lo
-
-    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None
-                ) -> float:
-        """One micro-batch of x samples crosses every layer (at least one per stage), the embedding and head."""
-        x = min(b, num_samples)
-        key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
-               devices[0], devices[-1], len(devices), tp, b, x)
-        if key not in self._memo:
-            per = [self.per_sample_s(d, tp, b) for d in devices]
-            ends = sum(self.cost.end_times_s(devices[0], x, tp, first=True, last=len(devices) == 1)) + (
-                sum(self.cost.end_times_s(devices[-1], x, tp, first=False, last=True)) if len(devices) > 1 else 0.0)
-            work = sum(c * k for c, k in zip(per, layers)) if layers is not None else (
-                sum(per) + (self.cost.model.num_layers - len(per)) * min(per))
-            self._memo[key] = x * work + ends
-        return self._memo[key]
-
-    def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
-                   recompute: str | None = None) -> float:
-        """Any split of the batch (equal or balanced): pipeline p needs >= n_p X_p, so the makespan is at
-        least B / sum_p 1/X_p (one kind: ceil(B/P) X); and some pipeline runs a whole micro-batch."""
-        num_pipes = sum(kinds.values())
-        x = {k: self.per_sample_bottleneck_s(k, tp, b, layers) for k in kinds}
-        if layers is None and recompute is not None:
-            x = {k: max(v, self.relaxed_memory_bottleneck_s(k, tp, b, recompute)) for k, v in x.items()}
-        if len(kinds) == 1:
-            steady = -(-global_batch // num_pipes) * next(iter(x.values()))
-        else:
-            steady = global_batch / sum(c / x[k] for k, c in kinds.items())
-        share = -(-global_batch // num_pipes)
-        return max(steady, min(self.chain_s(k, tp, b, share, layers) for k in kinds))
-
-    def first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, crossing: bool, num_layers: int = 1
-                           ) -> float:
-        """The first stages' blocks are all-reduced after the pipeline flushes: at least the embedding and
-        ``num_layers`` layers (the whole model at depth 1). A node's NIC is shared by its ranks in
-        cross-node groups: all of them when every block crosses (``crossing``), else at least the heads'."""
-        if len(heads) < 2:
-            return 0.0
-        devs = self.cost.cluster.devices
-        here: dict[int, int] = {}
-        for r in heads:
-            here[devs[r].node] = here.get(devs[r].node, 0) + 1
-        num_layers = num_layers if depth > 1 else self.cost.model.num_layers
-        num_bytes = self.cost.stage_params(num_layers, first=True, last=depth == 1) * self.cost.dtype_bytes / tp
-        intra = min(devs[r].gpu.intra_node_gbps for r in heads)
-        first_rank = {devs[r].node: r for r in reversed(heads)}
-        nic = min(devs[first_rank[n]].nic_gbps / max((self._node_ranks[n] if crossing else c * tp) / c, 1.0)
-                  for n, c in here.items()) if len(here) > 1 else devs[heads[0]].nic_gbps
-        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic))
-
-
 def _links(cost: CostModel, slots: Sequence[StageSlot]) -> tuple[bool, ...]:
     devs = cost.cluster.devices
-    return tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in zip(slots, slots[1:]))
+    return tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in pairwise(slots))
 
 
 def _structure(cost: CostModel, layout: Layout) -> list[tuple[tuple[StageSlot, ...], Group]]:
@@ -283,7 +158,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``.
 
     Returns (best found or None, candidates priced)."""
-    bounds = _Bounds(cost)
+    bounds = LowerBounds(cost)
     heap: list[tuple[float, int, int, tuple]] = []
     counter = itertools.count()
     structures: dict[int, list[tuple[tuple[StageSlot, ...], Group]]] = {}
@@ -308,12 +183,13 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             break
         key, layout, reps, heads, crossing, share, b, uniform = item
         if stage == 0:
-            refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute, options,
-                                     cache, representatives, math.inf if best is None else best[0])
+            cutoff_s = math.inf if best is None else best[0]
+            refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
+                                     options, cache, representatives, cutoff_s)
             if refined is not None:
                 heapq.heappush(heap, (max(bound, refined), next(counter), 1, item))
             continue
-        for found in _pricer(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures)():
+        for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
             priced += 1
             if best is None or found[0] < best[0]:
                 best = found
@@ -329,9 +205,9 @@ def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: Plann
     return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
 
 
-def _refined_bound(cost: CostModel, bounds: _Bounds, key: int, reps: Callable[[], Structures], heads: Sequence[int],
-                   crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str, options: PlannerOptions,
-                   cache: dict, representatives: dict, cutoff_s: float) -> float | None:
+def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
+                   heads: Sequence[int], crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str,
+                   options: PlannerOptions, cache: dict, representatives: dict, cutoff_s: float) -> float | None:
     """A bound from one replica per structure: first the memory-aware bottleneck (no templates), then the
     exact flush at ceil(B/P) samples, the first stage's sync and its optimizer step. None: the layout
     cannot hold the model or the batch."""
@@ -362,23 +238,20 @@ def _refined_bound(cost: CostModel, bounds: _Bounds, key: int, reps: Callable[[]
                   for t in templates))
 
 
-def _pricer(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: int, b: int, uniform: bool, recompute: str,
-            options: PlannerOptions, cache: dict, structures: dict) -> Callable[[], list[Found]]:
-    """Deferred pricing of one (layout, micro-batch size): balanced layers (and equal ones for uniform)."""
-
-    def price() -> list[Found]:
-        if key not in structures:
-            structures[key] = _structure(cost, layout())
-        make = _make(cost, uniform, b, recompute, options, cache)
-        groups = []
-        for slots, group in structures[key]:
-            tpl = make(slots)
-            if tpl is None:
-                return []
-            groups.append(replace(group, template=tpl))
-        return _evaluations(cost, groups, global_batch, options, b)
-
-    return price
+def _price(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: int, b: int, uniform: bool,
+           recompute: str, options: PlannerOptions, cache: dict, structures: dict) -> list[Found]:
+    """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
+    computed once per layout."""
+    if key not in structures:
+        structures[key] = _structure(cost, layout())
+    make = _make(cost, uniform, b, recompute, options, cache)
+    groups = []
+    for slots, group in structures[key]:
+        tpl = make(slots)
+        if tpl is None:
+            return []
+        groups.append(replace(group, template=tpl))
+    return _evaluations(cost, groups, global_batch, options, b)
 
 
 def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, options: PlannerOptions, b: int

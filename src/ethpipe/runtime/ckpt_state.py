@@ -106,14 +106,35 @@ class _Writer(FileSystemWriter):
         return written
 
 
-def _root_cause(err: BaseException) -> str:
-    """One line for a DCP failure: the first rank's underlying exception (e.g. ENOSPC), not the wrapper."""
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return out
+
+
+def _disk_full(directory: Path) -> bool:
+    try:
+        return shutil.disk_usage(directory).free < 1 << 20
+    except OSError:
+        return False
+
+
+def _root_cause(err: BaseException, directory: Path) -> str:
+    """One line for a DCP failure: prefer a rank's OSError (ENOSPC, EIO) over wrappers such as
+    torch.save's zip-writer RuntimeError, which hide the errno; say 'No space left on device'
+    when the disk is full even if no rank's exception carries the errno."""
     failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        inner = getattr(wrapped, "exception", wrapped)
-        return f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    ranked = sorted(failures.items()) if isinstance(failures, dict) and failures else [(None, err)]
+    # DCP keeps each rank's failure as (exception, traceback summary).
+    chains = [(rank, _chain(exc[0] if isinstance(exc, tuple) else exc)) for rank, exc in ranked]
+    where = next(((r, e) for r, chain in chains for e in chain if isinstance(e, OSError) and e.errno), None)
+    rank, inner = where if where is not None else (chains[0][0], chains[0][1][0])
+    text = str(inner).splitlines()[0] if str(inner) else ""
+    if _disk_full(directory) and "No space left on device" not in text:
+        text = f"No space left on device ({text})" if text else "No space left on device"
+    return f"{'' if rank is None else f'rank {rank}: '}{type(inner).__name__}: {text}"
 
 
 def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
@@ -133,7 +154,7 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - (DCP's is a BaseException)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial save took
-        raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({_root_cause(err)}); "
+        raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({_root_cause(err, root)}); "
                                    "the previous checkpoint is intact: free space or fix the disk, then resume"
                                    ) from None
     names = sorted(p.name for p in tmp.iterdir() if p.is_file())

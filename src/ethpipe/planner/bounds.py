@@ -1,0 +1,208 @@
+"""Lower bounds on a replicated layout's iteration time, for ``replicated.py``'s branch and bound.
+
+Every bound here must never exceed what ``grouping.group_iteration_s`` prices for any plan of
+the layout (equal or balanced data), or the search could skip the best candidate. They use
+only per-device facts (memoised): per-sample layer times (the cheapest over micro-batches up
+to b), the embedding and head, which layers fit in memory at each pipeline position (with or
+without recomputation), and the first stages' gradient all-reduce after the flush.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.sync import SyncShape
+
+
+class LowerBounds:
+    """Order-free lower bounds on a replica's pipeline time (compute only, memoised per device)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._per_sample: dict[tuple[str, int, int], float] = {}
+        self._memo: dict[tuple, float] = {}
+        self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
+
+    def per_sample_s(self, device: str, tp: int, b: int) -> float:
+        """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
+        key = (device, tp, b)
+        if key not in self._per_sample:
+            self._per_sample[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
+        return self._per_sample[key]
+
+    def ends_per_sample_s(self, device: str, tp: int, b: int, first: bool, last: bool) -> float:
+        """Cheapest embedding and/or head seconds per sample over micro-batches of at most b samples."""
+        if not (first or last):
+            return 0.0
+        key = ("ends", device, tp, b, first, last)
+        if key not in self._memo:
+            self._memo[key] = min(sum(self.cost.end_times_s(device, x, tp, first=first, last=last)) / x
+                                  for x in range(1, b + 1))
+        return self._memo[key]
+
+    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None) -> float:
+        """The bottleneck stage's time per sample (c_i: stage i's per-layer, per-sample time, e_i its
+        embedding / head time). A given split: max e_i + l_i c_i. Otherwise whole layers, at least one
+        per stage: at least the L-th smallest ``e_i + k c_i`` and every ``e_i + c_i``."""
+        depth = len(devices)
+        ends = [self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1) for i, d in enumerate(devices)]
+        if layers is not None:
+            return max(e + k * self.per_sample_s(d, tp, b) for d, k, e in zip(devices, layers, ends))
+        key = ("bottleneck", tuple(sorted(Counter(devices).items())), devices[0], devices[-1], tp, b)
+        if key not in self._memo:
+            groups = Counter((self.per_sample_s(d, tp, b), e) for d, e in zip(devices, ends))
+            num_layers = self.cost.model.num_layers
+
+            def held(x: float) -> int:
+                return sum(n * math.floor((x - e) / c * (1 + 1e-12)) for (c, e), n in groups.items())
+            lo = max(e + c for c, e in groups)
+            if held(lo) < num_layers:
+                hi = max(e for _, e in groups) + num_layers * max(c for c, _ in groups)
+                for _ in range(40):
+                    mid = (lo + hi) / 2
+                    lo, hi = (lo, mid) if held(mid) >= num_layers else (mid, hi)
+            self._memo[key] = lo
+        return self._memo[key]
+
+    def _position(self, device: str, tp: int, b: int, in_flight: int, first: bool, last: bool, recompute: str
+                  ) -> tuple[tuple[float, int], ...]:
+        """(per-sample per-layer seconds, layers that fit) of each recompute choice of a stage position."""
+        key = ("position", device, tp, b, in_flight, first, last, recompute)
+        if key not in self._memo:
+            usable = self.cost.usable_memory_bytes(device)
+            out = []
+            for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
+                per = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x for x in range(1, b + 1))
+                fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
+                out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
+            self._memo[key] = tuple(out)
+        return self._memo[key]
+
+    def memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
+        """Per-sample bottleneck of one device order with memory: each position holds at most what fits
+        (recomputing where that holds more); inf if the model cannot fit. Bisection on the threshold X:
+        feasible iff every position holds >= 1 layer within X and they hold >= L together."""
+        depth = len(devices)
+        return self._capped_bottleneck_s(
+            [self._position(d, tp, b, depth - i, i == 0, i == depth - 1, recompute) for i, d in enumerate(devices)])
+
+    def relaxed_memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
+        """The same for any order of these devices: each type's stages as if they were the last ones
+        (fewest activations in flight) and without embedding or head: memoised per multiset."""
+        key = ("relaxed", tuple(sorted(Counter(devices).items())), tp, b, recompute)
+        if key not in self._memo:
+            self._memo[key] = self._capped_bottleneck_s(
+                [self._position(d, tp, b, k, False, False, recompute)
+                 for d, n in Counter(devices).items() for k in range(1, n + 1)])
+        return self._memo[key]
+
+    def _capped_bottleneck_s(self, opts: Sequence[tuple[tuple[float, int], ...]]) -> float:
+        depth, num_layers = len(opts), self.cost.model.num_layers
+        per = np.array([[o[min(j, len(o) - 1)][0] for j in range(2)] for o in opts])
+        fit = np.array([[o[min(j, len(o) - 1)][1] for j in range(2)] for o in opts])
+
+        def feasible(x: float) -> bool:
+            held = np.minimum(np.floor(x / per), fit).max(axis=1)
+            return bool(held.min() >= 1 and held.sum() >= num_layers)
+        lo = float(per.min(axis=1).max()) * (1 - 1e-9)
+        hi = float(per.max()) * -(-num_layers // depth)
+        if not feasible(hi):
+            hi = float(per.max()) * num_layers
+            if not feasible(hi):
+                return math.inf
+        for _ in range(14):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+        return lo
+
+    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None
+                ) -> float:
+        """One micro-batch of x samples crosses every layer (at least one per stage), the embedding and head."""
+        x = min(b, num_samples)
+        key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
+               devices[0], devices[-1], len(devices), tp, b, x)
+        if key not in self._memo:
+            per = [self.per_sample_s(d, tp, b) for d in devices]
+            ends = sum(self.cost.end_times_s(devices[0], x, tp, first=True, last=len(devices) == 1)) + (
+                sum(self.cost.end_times_s(devices[-1], x, tp, first=False, last=True)) if len(devices) > 1 else 0.0)
+            work = sum(c * k for c, k in zip(per, layers)) if layers is not None else (
+                sum(per) + (self.cost.model.num_layers - len(per)) * min(per))
+            self._memo[key] = x * work + ends
+        return self._memo[key]
+
+    def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
+                   recompute: str | None = None) -> float:
+        """Any split of the batch (equal or balanced): pipeline p needs >= n_p X_p, so the makespan is at
+        least B / sum_p 1/X_p (one kind: ceil(B/P) X); and some pipeline runs a whole micro-batch."""
+        num_pipes = sum(kinds.values())
+        if layers is None and len(kinds) == 1:  # the layer-balanced space: the same for every type order
+            (kind,) = kinds
+            key = ("makespan", tuple(sorted(Counter(kind).items())), kind[0], kind[-1], tp, b, global_batch, num_pipes,
+                   recompute)
+            if key not in self._memo:
+                self._memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
+            return self._memo[key]
+        return self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
+
+    def _makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
+                    recompute: str | None) -> float:
+        num_pipes = sum(kinds.values())
+        x = {k: self.per_sample_bottleneck_s(k, tp, b, layers) for k in kinds}
+        if layers is None and recompute is not None:
+            x = {k: max(v, self.relaxed_memory_bottleneck_s(k, tp, b, recompute)) for k, v in x.items()}
+        share = -(-global_batch // num_pipes)
+        if len(kinds) == 1:
+            (kind,) = kinds
+            last_micro_batch = share - (-(-share // b) - 1) * b
+            slope, offset = self.fill_line_s(kind, tp, b, last_micro_batch, layers)
+            steady = max(share * x[kind], slope * share + offset)
+        else:
+            steady = global_batch / sum(c / x[k] for k, c in kinds.items())
+            lines = {k: self.fill_line_s(k, tp, b, 1, layers) for k in kinds}
+            filled = (global_batch + sum(c * lines[k][1] / lines[k][0] for k, c in kinds.items())) / sum(
+                c / lines[k][0] for k, c in kinds.items())
+            steady = max(steady, filled, max(a + o for a, o in lines.values()))
+        return max(steady, min(self.chain_s(k, tp, b, share, layers) for k in kinds))
+
+    def fill_line_s(self, devices: Sequence[str], tp: int, b: int, x: int, layers: Sequence[int] | None
+                    ) -> tuple[float, float]:
+        """T(n) >= slope n + offset, with the fill and drain: stage k cannot start before micro-batch 1
+        crossed the stages before it, nor finish before the last one's backward crosses them back, so
+        T >= sum_{j<k} l_j c_j x + n l_k c_k for every k (x: the smallest micro-batch); averaged over k
+        and minimised over whole-layer splits and device orders (or for the given split and order)."""
+        per = [self.per_sample_s(d, tp, b) for d in devices]
+        depth = len(per)
+        slopes = [c / depth for c in per]
+        if layers is not None:
+            offsets = [c * (depth - 1 - j) * x / depth for j, c in enumerate(per)]
+            return sum(k * a for k, a in zip(layers, slopes)), sum(k * o for k, o in zip(layers, offsets))
+        # Any order of these devices: the fastest on the most-weighted positions (rearrangement inequality).
+        offsets = [c * (depth - 1 - j) * x / depth for j, c in enumerate(sorted(per))]
+        # One layer each, the rest on the position with the smallest coefficient (at the given n: the bound's
+        # own minimiser depends on n, so use the cheapest coefficient of each part separately).
+        spare = self.cost.model.num_layers - depth
+        return sum(slopes) + spare * min(slopes), sum(offsets) + spare * min(offsets)
+
+    def first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, crossing: bool, num_layers: int = 1
+                           ) -> float:
+        """The first stages' blocks are all-reduced after the pipeline flushes: at least the embedding and
+        ``num_layers`` layers (the whole model at depth 1). A node's NIC is shared by its ranks in
+        cross-node groups: all of them when every block crosses (``crossing``), else at least the heads'."""
+        if len(heads) < 2:
+            return 0.0
+        devs = self.cost.cluster.devices
+        here: dict[int, int] = {}
+        for r in heads:
+            here[devs[r].node] = here.get(devs[r].node, 0) + 1
+        num_layers = num_layers if depth > 1 else self.cost.model.num_layers
+        num_bytes = self.cost.stage_params(num_layers, first=True, last=depth == 1) * self.cost.dtype_bytes / tp
+        intra = min(devs[r].gpu.intra_node_gbps for r in heads)
+        first_rank = {devs[r].node: r for r in reversed(heads)}
+        nic = min(devs[first_rank[n]].nic_gbps / max((self._node_ranks[n] if crossing else c * tp) / c, 1.0)
+                  for n, c in here.items()) if len(here) > 1 else devs[heads[0]].nic_gbps
+        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic))
