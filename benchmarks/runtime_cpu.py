@@ -1,11 +1,13 @@
-"""Runtime on CPU: measured step time of eth vs uniform vs layer-balanced plans under --emulate
-(6 ranks, 2 emulated "fast" + 4 "slow" devices, tiny model), and our 1F1B executor vs
+"""Runtime on CPU: measured step time of the eth, uniform and layer-balanced plans under --emulate
+(6 ranks: 2 emulated "fast" + 4 "slow" devices, tiny model), and our 1F1B executor vs
 torch.distributed.pipelining.Schedule1F1B on one homogeneous pipeline (overhead ratio).
 
-The three plans are written by hand after each method's definition (DESIGN 2.1), so the
-benchmark measures the runtime, not the planner. Results: docs/benchmarks/runtime_cpu.{md,json}.
+The main table runs the plans the planner makes for each method, with exactly the profile, emulated
+cost, plans and pacing targets of ``ethpipe demo`` (``ethpipe.demo``). A second table runs plans
+written by hand after each method's definition (DESIGN 2.1), paced by the same cost model, for
+reference. Results: docs/benchmarks/runtime_cpu.{md,json}.
 
-    .venv/bin/python benchmarks/runtime_cpu.py [--steps 12]
+    .venv/bin/python benchmarks/runtime_cpu.py [--steps 12] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -19,49 +21,56 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-import torch.optim  # noqa: F401  (imported before fork)
+import torch.optim  # imported before the workers fork
+import yaml
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from ethpipe.model_spec import model_presets
+from ethpipe import demo
+from ethpipe.cli.demo_cmd import GLOBAL_BATCH, MODEL, PROFILE_SIZES, SEQ_LEN
+from ethpipe.cost.model import CostModel
+from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe import demo
-from ethpipe.runtime.emulate import emulation_time_scale, local_cores, with_emulation
+from ethpipe.runtime.emulate import local_cores, with_emulation
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.launch import die_with_parent, run_local
 from ethpipe.runtime.model import build_stage
 from ethpipe.runtime.train import TrainConfig
+from ethpipe.schedule import max_in_flight, one_f_one_b
 from ethpipe.sim import simulate
-from ethpipe.schedule import one_f_one_b
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-SPEEDS = {"fast": 1.0, "slow": 0.25}
+SPEEDS = {"fast": 1.0, "slow": 0.25}  # the demo cluster's device speeds, which the hand-written plans assume
+PROFILE_ROUNDS, PROFILE_REPEATS = 2, 5  # as `ethpipe demo` (not --quick)
+WARMUP_STEPS = 2  # steps left out of each run's median step time
+ORDER = ("uniform", "layer-balanced", "eth")
 EMULATION_TEXT = {
-    "paced": "every forward/backward lasts its stage's time from a profile of this CPU (fastest of 3 runs) "
-             "x time_scale / speed, independent of the machine's load",
+    "paced": "every forward/backward lasts its stage's time in the emulated cost model (this CPU's profile, "
+             f"fastest of {PROFILE_ROUNDS} runs, x time_scale / speed), independent of the machine's load",
     "scaled": "every forward/backward lasts its real CPU time x time_scale / speed",
 }
-IDEAL_UNITS = {"uniform": 192, "layer-balanced": 96, "eth": 80}  # ideal 1F1B makespans, fast-layer-sample units
-BATCH, SEQ = 24, 128
+IDEAL_UNITS = {"uniform": 192, "layer-balanced": 96, "eth": 80}  # hand-written plans' ideal 1F1B makespans
 
 
 def _plan(method: str, pipelines: list[tuple[list[tuple[int, str, tuple[int, int]]], list[int]]]) -> Plan:
     pipes = tuple(Pipeline(tuple(Stage((r,), d, lay) for r, d, lay in stages), tuple(mbs)) for stages, mbs in pipelines)
-    return Plan(method, "tiny", BATCH, SEQ, pipes, compute_blocks(pipes), model_presets()["tiny"],
+    return Plan(method, MODEL, GLOBAL_BATCH, SEQ_LEN, pipes, compute_blocks(pipes), load_model_spec(MODEL),
                 extra={"device_speeds": SPEEDS})
 
 
-def three_plans() -> dict[str, Plan]:
-    """Ranks 0-1 fast, 2-5 slow (speed 0.25); tiny has 8 layers; global batch 24 x 128 tokens."""
+def hand_written_plans() -> dict[str, Plan]:
+    """Ranks 0-1 fast, 2-5 slow (speed 0.25); tiny has 8 layers; global batch 24."""
+    assert load_model_spec(MODEL).num_layers == 8 and GLOBAL_BATCH == 24, "the hand-written plans assume these"
     mixed = [(0, "fast"), (2, "slow"), (3, "slow")], [(1, "fast"), (4, "slow"), (5, "slow")]
     uniform = [([(r, d, lay) for (r, d), lay in zip(m, [(0, 3), (3, 6), (6, 8)])], [2] * 6) for m in mixed]
     balanced = [([(r, d, lay) for (r, d), lay in zip(m, [(0, 6), (6, 7), (7, 8)])], [2] * 6) for m in mixed]
@@ -72,37 +81,74 @@ def three_plans() -> dict[str, Plan]:
             "eth": _plan("eth", eth)}
 
 
-def paced(plans: dict[str, Plan]) -> tuple[dict[str, Plan], float, dict[str, float]]:
-    """The plans with pacing targets from a profile of this CPU (the demo cluster has the same ranks and
-    speeds: 0-1 fast, 2-5 slow at 1/4), and the time scale."""
-    cluster, spec = demo.demo_cluster(), model_presets()["tiny"]
-    speeds = demo.cluster_speeds(cluster, spec, SEQ)
-    assert speeds == SPEEDS
+@dataclass(frozen=True)
+class Setup:
+    plans: dict[str, dict[str, Plan]]  # table -> method -> plan carrying its emulation settings
+    simulated_s: dict[str, dict[str, float]]
+    time_scale: float
+    profile_device: str
+    block_sample_s: dict[int, float]  # one decoder block's fwd+bwd per sample at micro-batch 1 and 2 (profiled)
+    memory_use: dict[str, dict[str, float]]  # table -> method -> peak stage memory / usable device memory
+
+
+def memory_use(plan: Plan, cost: CostModel) -> float:
+    """Worst stage's peak memory (1F1B in-flight activations) over its device's usable memory, as the
+    planner checks it: the runtime on CPU does not enforce the emulated devices' memory."""
+    worst = 0.0
+    for pipe in plan.pipelines:
+        for s, stage in enumerate(pipe.stages):
+            in_flight = max_in_flight(one_f_one_b(pipe.depth, s, pipe.num_microbatches))
+            peak = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=s == 0,
+                                           last=s == pipe.depth - 1)
+            worst = max(worst, peak / cost.usable_memory_bytes(stage.device))
+    return worst
+
+
+def build(paced: bool) -> Setup:
+    """The demo's profile, emulated cost, plans and pacing (``ethpipe.demo``), plus the hand-written
+    plans paced by the same cost model; both priced by the simulator with that cost model."""
+    spec, cluster = load_model_spec(MODEL), demo.demo_cluster()
+    speeds = demo.cluster_speeds(cluster, spec, SEQ_LEN)
+    assert speeds == SPEEDS, f"demo cluster speeds changed: {speeds}"
     scale = demo.cluster_time_scale(cluster, speeds)
-    profiles = demo.emulated_profiles(demo.measure_profile(spec, SEQ, (1, 2), rounds=3), speeds, scale)
-    cost = demo.emulated_cost(cluster, spec, SEQ, profiles)
+    profile = demo.measure_profile(spec, SEQ_LEN, PROFILE_SIZES, rounds=PROFILE_ROUNDS, repeats=PROFILE_REPEATS)
+    profiles = demo.emulated_profiles(profile, speeds, scale)
+    cost = demo.emulated_cost(cluster, spec, SEQ_LEN, profiles)
+    made = demo.make_plans(cluster, spec, GLOBAL_BATCH, SEQ_LEN, profiles, scale, paced=paced)
     cluster_dict = yaml.safe_load(demo.demo_cluster_path().read_text())
-    out = {n: with_emulation(p, scale, demo.pacing_targets(p, cost)) for n, p in plans.items()}
-    simulated = {n: simulate(dataclasses.replace(p, cluster=cluster_dict), cost).iteration_time_s for n, p in out.items()}
-    return out, scale, simulated
+    hand = {n: with_emulation(dataclasses.replace(p, cluster=cluster_dict), scale,
+                              demo.pacing_targets(p, cost) if paced else None)
+            for n, p in hand_written_plans().items()}
+    plans = {"planner": {n: made[n] for n in ORDER}, "hand_written": {n: hand[n] for n in ORDER}}
+    simulated = {t: {n: simulate(p, cost).iteration_time_s for n, p in ps.items()} for t, ps in plans.items()}
+    block = profile.layers["block"]
+    planner_cost = CostModel(cluster, spec, SEQ_LEN, profiles=profiles)  # as make_plan builds it
+    return Setup(plans, simulated, scale, profile.device_name,
+                 {b: (block[b].fwd_s + block[b].bwd_s) / b for b in (1, 2)},
+                 {t: {n: memory_use(p, planner_cost) for n, p in ps.items()} for t, ps in plans.items()})
 
 
-def bench_plans(plans: dict[str, Plan], data: str, steps: int, repeats: int) -> dict[str, dict[str, Any]]:
-    """Each plan ``repeats`` times, interleaved (load drift hits all plans alike); median of run medians."""
-    runs: dict[str, list[float]] = {name: [] for name in plans}
-    final_loss: dict[str, float] = {}
+def bench_plans(plans: dict[str, dict[str, Plan]], data: str, steps: int,
+                repeats: int) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every plan ``repeats`` times, interleaved (order reversed every other round, so load drift hits
+    all plans alike); median of the runs' median step times."""
+    runs: dict[tuple[str, str], list[float]] = {}
+    final_loss: dict[tuple[str, str], float] = {}
+    flat = [((t, n), p) for t, ps in plans.items() for n, p in ps.items()]
     for r in range(repeats):
-        for name, plan in plans.items():
+        order: Iterable[tuple[tuple[str, str], Plan]] = flat if r % 2 == 0 else reversed(flat)
+        for key, plan in order:
             config = TrainConfig(data=data, steps=steps, emulate=True, progress=False, timeout_s=120.0, device="cpu")
             records = run_local(plan, config)
-            runs[name].append(statistics.median(x["iteration_time_s"] for x in records[2:]))
-            final_loss[name] = records[-1]["loss"]
-            print(f"{name:15s} run {r}: {runs[name][-1] * 1e3:8.1f} ms/step", flush=True)
-    out = {}
-    for name, times in runs.items():
+            runs.setdefault(key, []).append(demo.measured_step_s(records, warmup=WARMUP_STEPS))
+            final_loss[key] = float(records[-1]["loss"])
+            print(f"{key[0]:12s} {key[1]:15s} run {r}: {runs[key][-1] * 1e3:8.1f} ms/step", flush=True)
+    out: dict[str, dict[str, dict[str, Any]]] = {t: {} for t in plans}
+    for (t, n), times in runs.items():
         median = statistics.median(times)
-        out[name] = {"median_step_s": median, "tokens_per_s": BATCH * SEQ / median, "runs_s": times,
-                     "spread": (max(times) - min(times)) / median, "final_loss": final_loss[name]}
+        out[t][n] = {"plan": demo.plan_shape(plans[t][n]), "median_step_s": median,
+                     "tokens_per_s": GLOBAL_BATCH * SEQ_LEN / median, "runs_s": times,
+                     "spread": (max(times) - min(times)) / median, "final_loss": final_loss[(t, n)]}
     return out
 
 
@@ -112,16 +158,16 @@ def _pipeline_worker(rank: int, world: int, store: str, num_mb: int, iters: int,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    spec = model_presets()["tiny"]
+    spec = load_model_spec(MODEL)
     per = spec.num_layers // world
     layers = (rank * per, (rank + 1) * per)
     first, last = rank == 0, rank == world - 1
     module = build_stage(spec, layers, first, last)
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=120))
     mb = 2
-    tokens = torch.randint(0, spec.vocab_size, (num_mb * mb, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, spec.vocab_size, (num_mb * mb, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    io = StageIO(group, rank - 1 if not first else None, rank + 1 if not last else None, spec.hidden_size, SEQ)
+    io = StageIO(group, rank - 1 if not first else None, rank + 1 if not last else None, spec.hidden_size, SEQ_LEN)
     actions = one_f_one_b(world, rank, num_mb)
 
     def ours() -> None:
@@ -168,72 +214,131 @@ def bench_schedules(world: int = 4, num_mb: int = 8, iters: int = 15) -> dict[st
     return {"stages": world, "microbatches": num_mb, "micro_batch_size": 2, **out}
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+def _over_memory(plans: dict[str, dict[str, Any]]) -> str:
+    over = [n for n, v in plans.items() if v["memory_use"] > 1.0]
+    return ", ".join(over) if over else "none"
+
+
+def render(res: dict[str, Any]) -> str:
+    """The markdown report, every number read from (or computed from) the results JSON."""
+    main, hand, sched = res["plans"], res["hand_written_plans"], res["schedule"]
+    base, eth = main["uniform"]["median_step_s"], main["eth"]["median_step_s"]
+    rows = "\n".join(
+        f"| {n} | {v['plan']} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | "
+        f"{_ratio(base, v['median_step_s'])} | {_ratio(v['median_step_s'], eth)} | {v['simulated_s'] * 1e3:.1f} | "
+        f"{(v['simulated_s'] - v['median_step_s']) / v['median_step_s'] * 100:+.1f}% | {v['spread'] * 100:.1f}% | "
+        f"{v['memory_use'] * 100:.0f}% | {v['final_loss']:.4f} |" for n, v in main.items())
+    hbase = hand["uniform"]["median_step_s"]
+    hrows = "\n".join(
+        f"| {n} | {v['plan']} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | "
+        f"{_ratio(hbase, v['median_step_s'])} | {v['ideal_units']} | {v['simulated_s'] * 1e3:.1f} | "
+        f"{v['spread'] * 100:.1f}% | {v['memory_use'] * 100:.0f}% |" for n, v in hand.items())
+    lb, hlb, heth = main["layer-balanced"], hand["layer-balanced"], hand["eth"]
+    per_sample = {int(b): s for b, s in res["block_sample_s"].items()}
+    best = min(main, key=lambda n: main[n]["median_step_s"])
+    return f"""# Runtime on CPU (measured)
+
+Command: `{res['command']}`
+Machine: {res['machine']}; load average (1 min) {res['load_average_before'][0]:.1f} before, {res['load_average_after'][0]:.1f} after (shared with other jobs while it ran)
+
+6 ranks emulate the demo cluster (`ethpipe/data/cpu_demo.yaml`): ranks 0-1 "fast" (speed 1.0), 2-5 "slow"
+(speed 0.25); {res['model']} model, global batch {res['global_batch']} x {res['seq_len']} tokens.
+Emulation ({res['emulation']}; docs/runtime.md, "Emulation model"): {EMULATION_TEXT[res['emulation']]};
+time scale {res['time_scale']:.1f} by the default rule (all ranks' real compute within a quarter of the
+{res['cores']} cores), so every rank, the fast ones too, sleeps most of each action.
+Each plan ran {res['repeats']} times, all plans interleaved (order reversed every other round); a run's step time is the
+median of steps {WARMUP_STEPS}..{res['steps'] - 1}, the table shows the median over runs; spread = (max - min) / median.
+"simulated ms" = `ethpipe.sim.simulate` of the plan priced by the same emulated cost model as the pacing;
+sim error = (simulated - measured) / measured. "memory" = the worst stage's peak memory (1F1B in-flight
+activations) over its emulated device's usable memory as `make_plan` checks it (its own cost model); the runtime
+on CPU does not enforce it, so a plan over 100% runs here but would not fit the devices it emulates.
+
+## Plans made by the planner (what `ethpipe demo` runs)
+
+`ethpipe.demo.make_plans` (`make_plan(..., method, max_tp=1, profiles=...)`) with this run's profile of this CPU
+({res['profile_device']}) mapped onto the emulated devices, pacing targets from the same cost model
+(`ethpipe.demo.pacing_targets`). Plan: one `device:layers samples/micro-batches(b=sizes)` entry per pipeline.
+
+| method | plan | ms/step | tokens/s | speed-up vs uniform | eth's speed-up over it | simulated ms | sim error | run spread | memory | final loss |
+|---|---|---|---|---|---|---|---|---|---|---|
+{rows}
+
+eth / layer-balanced: measured **{_ratio(lb['median_step_s'], eth)}**, simulated {_ratio(lb['simulated_s'], main['eth']['simulated_s'])};
+eth / uniform: measured **{_ratio(base, eth)}**, simulated {_ratio(main['uniform']['simulated_s'], main['eth']['simulated_s'])}.
+
+## Hand-written plans, for reference
+
+Written after each method's definition (DESIGN 2.1), not by the planner, paced by the same cost model:
+uniform = one mixed shape (fast, slow, slow) x 2, layers 3/3/2, equal data; layer-balanced = same shape,
+layers 6/1/1, equal data; eth = three homogeneous 2-stage pipelines (fast; slow; slow), layers 4/4, data by
+speed with micro-batches of 2 on the fast pipeline and 1 on the slow ones. "ideal units" = ideal 1F1B makespan in
+fast-layer-sample units, assuming a sample costs the same in any micro-batch size. `make_plan` rejects plans
+over 100% memory; hand-written plans over it: {_over_memory(hand)}.
+
+| method | plan | ms/step | tokens/s | speed-up vs uniform | ideal units | simulated ms | run spread | memory |
+|---|---|---|---|---|---|---|---|---|
+{hrows}
+
+Hand-written eth / layer-balanced: measured **{_ratio(hlb['median_step_s'], heth['median_step_s'])}**, simulated
+{_ratio(hlb['simulated_s'], heth['simulated_s'])}, ideal {_ratio(hlb['ideal_units'], heth['ideal_units'])}. The ideal leaves out that on this CPU one decoder
+block's forward+backward costs {per_sample[1] * 1e3:.2f} ms per sample at micro-batch 1 and {per_sample[2] * 1e3:.2f} ms at 2
+(profiled: {_ratio(per_sample[1], per_sample[2])} as much per sample at 1), and the hand-written eth's slow pipelines use micro-batches of 1.
+The hand-written layer-balanced plan measured {hlb['median_step_s'] * 1e3:.1f} ms/step against the fastest planner plan's
+{main[best]['median_step_s'] * 1e3:.1f} ms ({best}), but needs {hlb['memory_use'] * 100:.0f}% of its devices' memory (the planner's layer-balanced
+plan {lb['memory_use'] * 100:.0f}%).
+Planner's eth over hand-written eth (hand-written step time / planner's): measured {_ratio(heth['median_step_s'], eth)},
+simulated {_ratio(heth['simulated_s'], main['eth']['simulated_s'])}.
+
+## Our 1F1B vs `torch.distributed.pipelining.Schedule1F1B` (one homogeneous pipeline)
+
+{sched['stages']} stages of {res['model']}, {sched['microbatches']} micro-batches of {sched['micro_batch_size']} x {res['seq_len']}, forward+backward
+only, no emulation, median of interleaved runs: ours {sched['ours'] * 1e3:.1f} ms, torch {sched['torch'] * 1e3:.1f} ms,
+ratio ours/torch = **{sched['ratio_ours_over_torch']:.3f}**. ({sched['stages']} processes share {res['cores']} cores here, so both
+include the same contention.)
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--emulation", choices=("paced", "scaled"), default="paced",
-                        help="paced: targets from a profile of this CPU (deterministic); scaled: CPU time x scale / speed")
+                        help="paced: targets from the emulated cost model (as `ethpipe demo`); scaled: CPU time x scale / speed")
     args = parser.parse_args()
-    plans_in = three_plans()
-    simulated: dict[str, float] = {}
-    if args.emulation == "paced":
-        plans_in, scale, simulated = paced(plans_in)
-    else:
-        scale = emulation_time_scale(plans_in["eth"])
+    if args.steps <= WARMUP_STEPS or args.repeats < 1:
+        raise SystemExit(f"--steps must exceed {WARMUP_STEPS} and --repeats be at least 1")
+    command = (f".venv/bin/python benchmarks/runtime_cpu.py --steps {args.steps} --repeats {args.repeats} "
+               f"--emulation {args.emulation}")
     load_before = os.getloadavg()
+    setup = build(args.emulation == "paced")
     with tempfile.TemporaryDirectory() as tmp:
         data = f"{tmp}/tokens.bin"
         prepare_tokens(builtin_text(2_000_000), data)
-        plans = bench_plans(plans_in, data, args.steps, args.repeats)
-    for name, sim_s in simulated.items():
-        plans[name]["simulated_s"] = sim_s
+        measured = bench_plans(setup.plans, data, args.steps, args.repeats)
+    for table, methods in measured.items():
+        for name, rec in methods.items():
+            rec["simulated_s"] = setup.simulated_s[table][name]
+            rec["memory_use"] = setup.memory_use[table][name]
+            if table == "hand_written":
+                rec["ideal_units"] = IDEAL_UNITS[name]
     sched = bench_schedules()
+    load_after = os.getloadavg()
     machine = f"{platform.platform()}, {platform.processor() or platform.machine()}, {local_cores()} cores, " \
-              f"torch {torch.__version__}; load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
+              f"torch {torch.__version__}"
+    result = {"command": command, "machine": machine, "cores": local_cores(), "load_average_before": load_before,
+              "load_average_after": load_after, "emulation": args.emulation, "time_scale": setup.time_scale,
+              "steps": args.steps, "repeats": args.repeats, "model": MODEL, "global_batch": GLOBAL_BATCH,
+              "seq_len": SEQ_LEN, "profile_device": setup.profile_device,
+              "block_sample_s": {str(b): s for b, s in setup.block_sample_s.items()},
+              "plans": measured["planner"], "hand_written_plans": measured["hand_written"], "schedule": sched}
+    markdown = render(result)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "runtime_cpu.json").write_text(json.dumps({"machine": machine, "emulation": args.emulation,
-                                                      "time_scale": scale, "plans": plans,
-                                                      "schedule": sched}, indent=2) + "\n")
-    base = plans["uniform"]["median_step_s"]
-    rows = "\n".join(f"| {n} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | {base / v['median_step_s']:.2f}x "
-                     f"| {IDEAL_UNITS[n]} | {v.get('simulated_s', float('nan')) * 1e3:.1f} | {v['spread'] * 100:.1f}% |"
-                     for n, v in plans.items())
-    (OUT / "runtime_cpu.md").write_text(f"""# Runtime on CPU (measured)
-
-Command: `.venv/bin/python benchmarks/runtime_cpu.py --steps {args.steps} --repeats {args.repeats} --emulation {args.emulation}`
-Machine: {machine} (shared with other jobs while it ran)
-
-## Plans under `--emulate` (6 ranks: 2 "fast" at speed 1.0, 4 "slow" at 0.25; tiny model, batch {BATCH} x {SEQ})
-
-Hand-written after each method's definition: uniform = one mixed shape (fast, slow, slow) x 2, layers 3/3/2,
-equal data (6 micro-batches of 2 each); layer-balanced = same shape, layers 6/1/1, equal data; eth = three
-homogeneous 2-stage pipelines (fast; slow; slow), layers 4/4, with 16/4/4 samples (8 x 2; 4 x 1; 4 x 1).
-Ideal 1F1B makespans in fast-layer-sample units (below) assume a sample costs the same in any micro-batch:
-eth would beat layer-balanced by 96/80 = 1.2x. On this CPU a sample costs more in a micro-batch of 1 than of
-2 (eth's slow pipelines use 1), which the simulator, priced with the same profile as the pacing, accounts for
-("simulated ms"; `ethpipe.sim.simulate` on the plan with the demo cluster's links).
-Emulation ({args.emulation}; docs/runtime.md, "Emulation model"): {EMULATION_TEXT[args.emulation]}, time scale
-{scale:.1f} by the default rule (all ranks' real compute within a quarter of the {local_cores()} cores), so every rank,
-the fast ones too, sleeps most of each action.
-Median over {args.repeats} interleaved runs of each run's median step time (steps 2..{args.steps - 1}); spread = (max - min) / median.
-
-| plan | ms/step | tokens/s | speed-up vs uniform | ideal units | simulated ms | run spread |
-|---|---|---|---|---|---|---|
-{rows}
-
-With the old emulation (sleep `measured x (1/speed - 1)`, fast ranks never slept) eth measured 860.9 ms against
-layer-balanced 662.7 ms (eth 0.77x of layer-balanced): eth's fast pipeline does 2/3 of the real work on 2
-processes and was CPU-bound. Now eth / layer-balanced = **{plans['layer-balanced']['median_step_s'] / plans['eth']['median_step_s']:.2f}x**
-(ideal 1.20x; simulated {plans['layer-balanced'].get('simulated_s', float('nan')) / plans['eth'].get('simulated_s', float('nan')):.2f}x).
-
-## Our 1F1B vs `torch.distributed.pipelining.Schedule1F1B` (one homogeneous pipeline)
-
-{sched['stages']} stages of tiny, {sched['microbatches']} micro-batches of {sched['micro_batch_size']} x {SEQ}, forward+backward
-only, no emulation, median of interleaved runs: ours {sched['ours'] * 1e3:.1f} ms, torch {sched['torch'] * 1e3:.1f} ms,
-ratio ours/torch = **{sched['ratio_ours_over_torch']:.3f}**. ({sched['stages']} processes share {local_cores()} cores here, so both
-include the same contention.)
-""")
+    (OUT / "runtime_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    (OUT / "runtime_cpu.md").write_text(markdown)
 
 
 if __name__ == "__main__":
