@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -16,8 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.optim  # noqa: F401  (imported before fork so children do not pay for it)
+from torch.distributed.checkpoint import FileSystemReader
 
 from ethpipe.runtime.launch import die_with_parent
 
@@ -57,3 +60,13 @@ def run_ranks(world_size: int, fn: Callable[..., None], args: tuple[Any, ...], t
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def load_everything(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (model and optimizer; not RNG), in this process."""
+    meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if not k.startswith("rng.")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    return state

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from typer.testing import CliRunner
@@ -36,7 +34,7 @@ from ethpipe.runtime.ckpt_layout import FAIL_SAVE_ENV, InjectedSaveFailure, comp
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
-from .harness import run_ranks
+from .harness import load_everything, run_ranks
 from .plans import GPT_LIKE, LLAMA_LIKE, make_plan
 from .reference import reference_train
 
@@ -116,16 +114,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run_ranks(4, _run_plans, ([("second-half", p2.plan_b, _config(data, tmp / "r2", STEPS, p2.options,
                                                                      resume=True))], str(tmp)), _fresh(tmp / "w4"))
     return {"tmp": tmp, "data": data, "after_crash": json.loads((tmp / "after-crash.json").read_text())}
-
-
-def load_everything(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (model and optimizer; not RNG), in this process."""
-    meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if not k.startswith("rng.")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    return state
 
 
 def _kind(key: str) -> str:

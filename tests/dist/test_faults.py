@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,9 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from torch.distributed.checkpoint import FileSystemReader
 from typer.testing import CliRunner
 
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
@@ -82,15 +79,6 @@ def _fail(config: TrainConfig, var: str, value: str) -> tuple[str, float]:
     message = str(info.value)
     assert len(message.splitlines()) == 1, message
     return message, time.monotonic() - start
-
-
-def _ckpt_state(step_dir: Path) -> dict[str, torch.Tensor]:
-    meta = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items() if not k.startswith("rng.")}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    return state
 
 
 def _resume_and_check(env: dict[str, Any], ckpt: Path, from_step: int) -> tuple[float, float]:
