@@ -125,7 +125,7 @@ def make_plans(cluster: Cluster, model: ModelSpec, global_batch: int, seq_len: i
     cost = emulated_cost(cluster, model, seq_len, profiles)
     plans = {}
     for method in methods:
-        plan = make_plan(cluster, model, global_batch, seq_len, method, max_tp=1, profiles=profiles)
+        plan = make_plan(cluster, model, global_batch, seq_len, method, max_tp=1, profiles=profiles, dtype="fp32")
         plans[method] = with_emulation(plan, time_scale, pacing_targets(plan, cost) if paced else None)
     return plans
 

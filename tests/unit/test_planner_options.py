@@ -72,3 +72,18 @@ def test_layer_balance_alone_uses_equal_data() -> None:
 def test_unknown_balance_mode() -> None:
     with pytest.raises(ValueError, match="balance 'both' is unknown"):
         PlannerOptions(balance="both")
+
+
+def test_dtype_is_priced_and_recorded() -> None:
+    """fp32 doubles activation bytes: the plan records its dtype and the simulator's cost model reads it."""
+    cluster = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4,
+                                            "nic_gbit_s": 200}]})
+    spec = load_model_spec("gpt3-1.3b")
+    half = make_plan(cluster, spec, 16, 2048, "eth", max_tp=1)
+    full = make_plan(cluster, spec, 16, 2048, "eth", max_tp=1, dtype="fp32")
+    assert half.extra["dtype"] == "bf16" and full.extra["dtype"] == "fp32"
+    assert CostModel.for_plan(full).dtype_bytes == 4 and CostModel.for_plan(half).dtype_bytes == 2
+    peak = [max(d["memory_bytes"] for d in p.predicted["devices"]) for p in (half, full)]
+    assert peak[1] > peak[0]
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        make_plan(cluster, spec, 16, 2048, "eth", max_tp=1, dtype="fp8")

@@ -18,6 +18,8 @@ BatchOpt = Annotated[int, typer.Option("--global-batch", help="Samples per itera
 SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
 TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree (1 = what the runtime runs).")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: bf16 | fp16 | fp32 "
+                                                   "(match `ethpipe train --dtype`).")]
 ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Measured profile (repeatable).")]
 ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]
 GIB = 2**30
@@ -64,6 +66,7 @@ def _metrics_line(plan: Any) -> str:
 def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
          method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
          max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
+         dtype: DtypeOpt = "bf16",
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          ) -> None:
@@ -71,7 +74,8 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
     from ethpipe.planner import make_plan
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
-    result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute)
+    result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
+                       dtype=dtype)
     if out is not None:
         result.save(out)
     if as_json:
@@ -87,6 +91,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
 @user_errors
 def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
             recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
+            dtype: DtypeOpt = "bf16",
             out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
             plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
             ) -> None:
@@ -97,7 +102,8 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ValueError(f"--plot '{plot}' must end in .png, .svg or .pdf")
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
-    plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute)
+    plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute,
+                          dtype=dtype)
              for m in METHODS}
     eth_time = plans["eth"].predicted["iteration_time_s"]
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",

@@ -24,7 +24,8 @@ def replan(old: Plan, cluster: Cluster) -> Plan:
     from ethpipe.planner import METHODS, make_plan
 
     method = old.method if old.method in METHODS else "eth"
-    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1)
+    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1,
+                    dtype=str(old.extra.get("dtype", "bf16")))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
         new = Plan(new.method, new.model, new.global_batch_size, new.seq_len, new.pipelines, new.blocks,

@@ -41,6 +41,16 @@ def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
     return types
 
 
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of an activation / gradient element for a training precision name."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
 @dataclass(frozen=True)
 class CostModel:
     cluster: Cluster
@@ -75,7 +85,8 @@ class CostModel:
     def for_plan(cls, plan: Plan, profiles: Mapping[str, MeasuredProfile] | None = None) -> CostModel:
         if plan.cluster is None:
             raise ValueError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
-        return cls(cluster_from_dict(plan.cluster), plan.resolve_model(), plan.seq_len, profiles=profiles)
+        return cls(cluster_from_dict(plan.cluster), plan.resolve_model(), plan.seq_len,
+                   dtype_bytes=dtype_bytes(str(plan.extra.get("dtype", "bf16"))), profiles=profiles)
 
     # -- device facts ------------------------------------------------------------------
 
