@@ -44,8 +44,14 @@ def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -
     return groups
 
 
-def _evaluate_equal(cost: CostModel, groups: list[Group], global_batch: int) -> tuple[float, list[list[int]]]:
-    return evaluate_groups(cost, groups, global_batch, equal_data=True)
+def _better(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make,  # type: ignore[no-untyped-def]
+            global_batch: int, best):
+    """Price one replicated layout with equal data; return it if it beats ``best`` (else ``best``)."""
+    groups = _groups(cost, instances, make)
+    if groups is None:
+        return best
+    score, samples = evaluate_groups(cost, groups, global_batch, equal_data=True)
+    return (score, groups, samples) if best is None or score < best[0] else best
 
 
 def _finish(method: str, cost: CostModel, global_batch: int, best, started: float, search: dict) -> Plan:
@@ -76,13 +82,8 @@ def plan_uniform(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompu
                     part = fixed_partition(cost, slots, layers, b, recompute)
                     return None if part is None else Template(-1, len(slots), t, b, 1, slots, part,
                                                               timing_of_partition(cost, slots, part, b))
-                groups = _groups(cost, instances, make)
+                best = _better(cost, instances, make, global_batch, best)
                 evaluated += 1
-                if groups is None:
-                    continue
-                score, samples = _evaluate_equal(cost, groups, global_batch)
-                if best is None or score < best[0]:
-                    best = (score, groups, samples)
     search = {"candidates_evaluated": evaluated, "recompute": recompute}
     return _finish("uniform", cost, global_batch, best, started, search)
 
@@ -123,13 +124,8 @@ def plan_layer_balanced(cost: CostModel, global_batch: int, *, max_tp: int = 8, 
                             cache[key] = None if part is None else Template(
                                 -1, len(slots), t, b, 1, slots, part, timing_of_partition(cost, slots, part, b))
                         return cache[key]
-                    groups = _groups(cost, instances, make)
+                    best = _better(cost, instances, make, global_batch, best)
                     evaluated += 1
-                    if groups is None:
-                        continue
-                    score, samples = _evaluate_equal(cost, groups, global_batch)
-                    if best is None or score < best[0]:
-                        best = (score, groups, samples)
                 if timed_out:
                     break
             if timed_out:
