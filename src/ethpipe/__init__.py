@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,3 @@ def build_model(model: str, seed: int = 0) -> "torch.nn.Module":
     from ethpipe.runtime.model import build_full_model
 
     return build_full_model(model, seed=seed)
-
-
-def __getattr__(name: str) -> Any:
-    raise AttributeError(f"module 'ethpipe' has no attribute {name!r}")
