@@ -6,7 +6,8 @@ vs the layer-balanced and uniform baselines, written to docs/evaluation.md from 
 Writes docs/benchmarks/eval_{throughput,search,ablation,measured,sensitivity,summary}.json, the
 figures docs/figures/eval_*.png, and docs/evaluation.md rendered from those JSON files only.
 About 8-12 minutes on 2 cores (more when the machine is shared); ``--quick`` (the CI smoke test)
-under a minute. ``--render-only`` redraws the docs from the JSON without running anything.
+under a minute. ``--render-only`` redraws the docs from the JSON without running anything; with
+``--measured-dir docs/benchmarks`` it first re-copies the runtime and fidelity benchmarks' JSON.
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, co
     return render_docs(docs)
 
 
-def render_docs(docs: Path, *, resummarize: bool = False) -> dict[str, dict[str, Any]]:
+def render_docs(docs: Path, *, resummarize: bool = False,
+                measured_dir: Path | None = None) -> dict[str, dict[str, Any]]:
     """Figures and evaluation.md from the JSON files on disk (never from memory), so they always match.
 
-    ``resummarize`` recomputes eval_summary.json from the section files first (it is derived from them).
+    ``resummarize`` recomputes eval_summary.json from the section files first (it is derived from them);
+    ``measured_dir`` re-copies the measured section from the runtime and fidelity benchmarks' JSON there
+    (a copy, nothing is run), so a re-run of those benchmarks reaches the docs without the whole suite.
     """
+    if measured_dir is not None:
+        meta = load_results(docs)["measured"]["meta"]
+        write_json(docs / "benchmarks" / "eval_measured.json", {"meta": meta, **measured.collect(measured_dir)})
     if resummarize:
         old = load_results(docs)
         summary = {"meta": old["summary"]["meta"], "section": "summary",
@@ -98,20 +105,22 @@ def main() -> None:
                         f"(default {FULL_BUDGET_S:g}, quick {QUICK_BUDGET_S:g})")
     parser.add_argument("--docs-dir", type=Path, default=REPO / "docs", help="where evaluation.md, benchmarks/ "
                         "and figures/ are written")
-    parser.add_argument("--measured-dir", type=Path, default=REPO / "docs" / "benchmarks",
-                        help="where runtime_cpu.json and fidelity.json are read from")
+    parser.add_argument("--measured-dir", type=Path, default=None,
+                        help="where runtime_cpu.json and fidelity.json are read from (default docs/benchmarks; "
+                        "with --render-only, only if given)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--render-only", action="store_true",
                         help="recompute the summary, redraw the figures and evaluation.md from the existing "
-                        "eval_*.json (no runs)")
+                        "JSON (no runs); with --measured-dir, re-copy the measured section from there first")
     args = parser.parse_args()
     if args.render_only:
-        render_docs(args.docs_dir, resummarize=True)
+        render_docs(args.docs_dir, resummarize=True, measured_dir=args.measured_dir)
         print(f"rendered {args.docs_dir / 'evaluation.md'} from {args.docs_dir / 'benchmarks'}/eval_*.json")
         return
     budget_s = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else FULL_BUDGET_S)
     command = "python benchmarks/evaluate.py" + "".join(f" {a}" for a in sys.argv[1:])
-    results = evaluate(quick=args.quick, budget_s=budget_s, docs=args.docs_dir, measured_dir=args.measured_dir,
+    measured_dir = args.measured_dir or REPO / "docs" / "benchmarks"
+    results = evaluate(quick=args.quick, budget_s=budget_s, docs=args.docs_dir, measured_dir=measured_dir,
                        command=command, show_progress=not args.no_progress)
     print(f"wrote {args.docs_dir / 'evaluation.md'} in {results['summary']['meta']['duration_s']:.0f} s")
 

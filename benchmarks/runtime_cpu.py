@@ -4,7 +4,7 @@ torch.distributed.pipelining.Schedule1F1B on one homogeneous pipeline (overhead 
 
 The main table runs the plans the planner makes for each method, with exactly the profile, emulated
 cost, plans and pacing targets of ``ethpipe demo`` (``ethpipe.demo``). A second table runs plans
-written by hand after each method's definition (DESIGN 2.1), paced by the same cost model, for
+written by hand after each method's definition (docs/design.md §2.1), paced by the same cost model, for
 reference. Results: docs/benchmarks/runtime_cpu.{md,json}.
 
     .venv/bin/python benchmarks/runtime_cpu.py [--steps 12] [--repeats 2]
@@ -57,7 +57,14 @@ ORDER = ("uniform", "layer-balanced", "eth")
 EMULATION_TEXT = {
     "paced": "every forward/backward lasts its stage's time in the emulated cost model (this CPU's profile, "
              f"fastest of {PROFILE_ROUNDS} runs, x time_scale / speed), independent of the machine's load",
-    "scaled": "every forward/backward lasts its real CPU time x time_scale / speed",
+    "measured": "every forward/backward lasts its real CPU time x time_scale / speed",
+}
+EMULATION_NOTE = {  # what the measured step times and speed-ups are evidence of, per emulation mode
+    "paced": "These measured numbers are paced: every forward/backward lasted the cost model's own predicted time, "
+             "so they confirm the schedule, the communication and the runtime overheads of each plan, **not the "
+             "compute model**; `docs/benchmarks/fidelity.md` also runs the measured mode, where compute is real.",
+    "measured": "These measured numbers scale each forward/backward's real CPU time, so they include the compute "
+                "model's error (the prediction comes from a per-layer profile of this CPU).",
 }
 IDEAL_UNITS = {"uniform": 192, "layer-balanced": 96, "eth": 80}  # hand-written plans' ideal 1F1B makespans
 
@@ -269,10 +276,11 @@ on CPU does not enforce it, so a plan over 100% runs here but would not fit the 
 
 eth / layer-balanced: measured **{_ratio(lb['median_step_s'], eth)}**, simulated {_ratio(lb['simulated_s'], main['eth']['simulated_s'])};
 eth / uniform: measured **{_ratio(base, eth)}**, simulated {_ratio(main['uniform']['simulated_s'], main['eth']['simulated_s'])}.
+{EMULATION_NOTE[res['emulation']]}
 
 ## Hand-written plans, for reference
 
-Written after each method's definition (DESIGN 2.1), not by the planner, paced by the same cost model:
+Written after each method's definition (docs/design.md §2.1), not by the planner, paced by the same cost model:
 uniform = one mixed shape (fast, slow, slow) x 2, layers 3/3/2, equal data; layer-balanced = same shape,
 layers 6/1/1, equal data; eth = three homogeneous 2-stage pipelines (fast; slow; slow), layers 4/4, data by
 speed with micro-batches of 2 on the fast pipeline and 1 on the slow ones. "ideal units" = ideal 1F1B makespan in
@@ -306,8 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--emulation", choices=("paced", "scaled"), default="paced",
-                        help="paced: targets from the emulated cost model (as `ethpipe demo`); scaled: CPU time x scale / speed")
+    parser.add_argument("--emulation", choices=("paced", "measured"), default="paced",
+                        help="paced: targets from the emulated cost model (as `ethpipe demo`); measured: CPU time x "
+                        "scale / speed")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS or args.repeats < 1:
         raise SystemExit(f"--steps must exceed {WARMUP_STEPS} and --repeats be at least 1")

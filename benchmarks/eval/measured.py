@@ -70,21 +70,31 @@ def derived(name: str, data: Any) -> list[str]:
             if other != "eth" and rec.get("tokens_per_s"):
                 ratio = plans["eth"]["tokens_per_s"] / rec["tokens_per_s"]
                 verdict = "faster" if ratio > 1.0 else "slower"
-                out.append(f"measured eth / {other}: {ratio:.2f}x (eth {verdict} on this machine)")
+                paced = "; paced emulation: confirms schedule and overheads, not the compute model" \
+                    if data.get("emulation") == "paced" else ""
+                out.append(f"measured eth / {other}: {ratio:.2f}x (eth {verdict} on this machine{paced})")
     rows = [r for r in _records(data) if {"measured_s", "simulated_s"} <= r.keys()]
-    if name == "fidelity" and rows:
-        errors = [abs(r["simulated_s"] - r["measured_s"]) / r["measured_s"] for r in rows]
-        out.append(f"simulated vs measured iteration time: median |error| {statistics.median(errors) * 100:.1f}%, "
-                   f"worst {max(errors) * 100:.1f}% over {len(rows)} runs")
-        for model in dict.fromkeys(r.get("model") for r in rows):
-            sub = [r for r in rows if r.get("model") == model and "method" in r]
+    for mode in dict.fromkeys(r.get("mode", "unrecorded") for r in rows) if name == "fidelity" else ():
+        in_mode = [r for r in rows if r.get("mode", "unrecorded") == mode]
+        errors = [abs(r["simulated_s"] - r["measured_s"]) / r["measured_s"] for r in in_mode]
+        out.append(f"{mode} emulation, simulated vs measured iteration time: median |error| "
+                   f"{statistics.median(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}% over {len(in_mode)} plans")
+        for model in dict.fromkeys(r.get("model") for r in in_mode):
+            sub = [r for r in in_mode if r.get("model") == model and "method" in r]
             if len(sub) > 1:
                 sim = [r["method"] for r in sorted(sub, key=lambda r: r["simulated_s"])]
                 real = [r["method"] for r in sorted(sub, key=lambda r: r["measured_s"])]
                 same = "the same" if sim == real else "DIFFERENT"
-                out.append(f"{model}: ranking by simulation {' < '.join(sim)}, by measurement "
+                out.append(f"{mode} emulation, {model}: ranking by simulation {' < '.join(sim)}, by measurement "
                            f"{' < '.join(real)}: {same}")
     return out
+
+
+def emulation_modes(data: Any) -> list[str]:
+    """The ``--emulate`` modes a source's runs used: its ``emulation`` field, else its rows' ``mode``."""
+    if isinstance(data, dict) and isinstance(data.get("emulation"), str):
+        return [data["emulation"]]
+    return list(dict.fromkeys(str(r["mode"]) for r in _records(data) if "mode" in r))
 
 
 def collect(bench_dir: Path) -> dict[str, Any]:
@@ -92,4 +102,5 @@ def collect(bench_dir: Path) -> dict[str, Any]:
     for src in sources:
         if src["exists"]:
             src["derived"] = derived(src["name"], src["data"])
+            src["emulation_modes"] = emulation_modes(src["data"])
     return {"section": "measured", "sources": sources}

@@ -93,8 +93,8 @@ def throughput(results: dict[str, dict[str, Any]]) -> list[str]:
     causes = {(x["cluster"], x["model"], x["baseline"]): x["cause"] for x in results["summary"]["losses"]}
     lines = ["## Throughput on realistic clusters", "",
              "Per cluster and model: simulated thousands of tokens/s of each method, eth's speedup over each "
-             "baseline, balance efficiency (physical limit / simulated iteration time, see *The physical limit* "
-             "in DESIGN.md) of eth / layer-balanced / uniform, eth's smallest per-device memory headroom (share "
+             "baseline, balance efficiency (physical limit / simulated iteration time, see docs/design.md §4, "
+             "*The physical limit*) of eth / layer-balanced / uniform, eth's smallest per-device memory headroom (share "
              "of the device's memory left free at the simulated peak, and GiB), and eth's pipelines (count x "
              "device types, depth d, tensor-parallel degree tp). Global batch x sequence length follow each "
              "model's published recipe, raised to one sample per GPU where the cluster has more GPUs than "
@@ -131,6 +131,14 @@ def throughput(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _above_one(q: dict[str, Any]) -> str:
+    """Where eth quality exceeds one and why, from the summary's counts over the searches."""
+    return (f"in {q['num_above']} of the {q['num_finished']} finished searches, because eth's plan lies outside "
+            f"that space, which holds one template per pool; in {q['num_above_timed_out']} of the "
+            f"{q['num_timed_out_with_plan']} searches that timed out with a plan, because the search had not yet "
+            "reached one as good as eth's")
+
+
 def search(results: dict[str, dict[str, Any]]) -> list[str]:
     sec = results["search"]
     lines = ["## Search time", "",
@@ -138,9 +146,9 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
              f"{sec['eth_runs']} run(s) after a warm-up; each exhaustive search runs once under a budget of "
              f"{fmt.sec(sec['budget_s'])} s and keeps its best plan so far when the budget runs out. "
              "\"eth vs layer-bal.\" is the exhaustive layer-balanced plan's estimated iteration time over eth's; "
-             "\"eth quality\" the exhaustive eth-space plan's over eth's (a ratio of one means eth found the "
-             "optimum of its own space; above one only when the exhaustive search timed out before reaching "
-             "eth's plan).", ""]
+             "\"eth quality\" the exhaustive eth-space plan's over eth's: one means eth found the best plan "
+             "of that space, below one that eth left throughput on the table, above one that eth's plan beats "
+             f"every plan the exhaustive search evaluated: {_above_one(results['summary']['plan_quality'])}.", ""]
     body = []
     for r in sec["scale"]:
         lb, ex = r["layer_balanced"], r["exhaustive_eth"]

@@ -95,11 +95,22 @@ def _foreign_table(data: Any, title: str) -> list[str]:
     return out
 
 
+def _emulation_note(sources: list[dict[str, Any]]) -> str:
+    """What the runs' emulation mode makes their numbers evidence of (docs/runtime.md, "Emulation model")."""
+    modes = {src["name"]: src.get("emulation_modes", []) for src in sources if src["exists"]}
+    listed = "; ".join(f"{name}: {', '.join(m) or 'not recorded'}" for name, m in modes.items())
+    return ("In *paced* emulation every forward/backward sleeps to the cost model's own predicted compute time "
+            "(this CPU's profile x time_scale / speed), so paced figures confirm the schedule, the communication "
+            "and the runtime overheads, not the compute model; in *measured* emulation each action lasts its real "
+            "CPU time x time_scale / speed, and the prediction from this CPU's profile is tested on compute too. "
+            f"Modes of the runs below: {listed}.")
+
+
 def measured(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["## Measured on this machine", "",
-             "Real runs of the runtime on CPU processes under `--emulate` (slow device types sleep to run at their "
-             "relative speed), written by the runtime and fidelity benchmarks and copied here verbatim with their "
-             "provenance; this suite does not re-run them.", ""]
+             "Real runs of the runtime on CPU processes under `--emulate`, written by the runtime and fidelity "
+             "benchmarks and copied here verbatim with their provenance; this suite does not re-run them. "
+             f"{_emulation_note(results['measured']['sources'])}", ""]
     for src in results["measured"]["sources"]:
         lines += [f"### {src['name']}", ""]
         if not src["exists"]:

@@ -88,15 +88,20 @@ def plan_quality(search: dict[str, Any]) -> dict[str, Any]:
 
     Below one: eth left throughput on the table. Above one: eth's plan lies outside the exhaustive
     search's one-template-per-pool space (e.g. mixed pipelines) and beats that space's optimum.
+    Timed-out searches are counted apart: above one there only says the search had not yet
+    reached a plan as good as eth's.
     """
     rows = [r for r in search["scale"] + search["quality"] if "exhaustive_eth" in r]
     done = [r for r in rows if r["exhaustive_eth"]["status"] == "finished"]
     ratios = [r["exhaustive_eth"]["eth_quality"] for r in done]
     below = [{"cluster": r.get("cluster_label", f"the {r['gpus']}-GPU search cluster"), "model": r["model"],
               "value": r["exhaustive_eth"]["eth_quality"]} for r in done if r["exhaustive_eth"]["eth_quality"] < 1.0]
+    cut = [r["exhaustive_eth"]["eth_quality"] for r in rows
+           if r["exhaustive_eth"]["timed_out"] and r["exhaustive_eth"]["eth_quality"] is not None]
     return {"num_finished": len(done), "num_timed_out": sum(1 for r in rows if r["exhaustive_eth"]["timed_out"]),
             "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
-            "num_below": len(below), "below": below, "num_above": sum(1 for v in ratios if v > 1.0)}
+            "num_below": len(below), "below": below, "num_above": sum(1 for v in ratios if v > 1.0),
+            "num_timed_out_with_plan": len(cut), "num_above_timed_out": sum(1 for v in cut if v > 1.0)}
 
 
 def summarize(throughput: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]:

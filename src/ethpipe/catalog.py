@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from ethpipe.errors import UserError
+
 # Fraction of dense 16-bit peak a well-tuned transformer layer reaches. Hopper/Ampere/Ada:
 # ~0.5 (Megatron-class MFU 40-56%, reference/formulas.md section 6). Older generations land
 # lower: Sailor's measured A100:V100 ratio is 3.0-5.5x against a 2.5x peak ratio
@@ -44,6 +46,14 @@ class GpuSpec:
     intra_node_gbps: float  # per-direction GB/s of the intra-node link (half the bidirectional figure)
     efficiency: float  # achievable fraction of peak_tflops
     bf16_supported: bool = True
+    architecture: str = ""  # the catalog's architecture text, e.g. "Ampere (GA100)"; "" for inline GPUs
+    peak_fp32_tflops: float = 0.0  # CUDA-core fp32 peak (0 = unknown)
+    tf32_tflops: float = 0.0  # dense TF32 tensor-core peak (0 = the chip has none)
+
+    @property
+    def arch(self) -> str:
+        """Architecture family key of the calibration constants ('ampere', 'hopper', ...; '' if unknown)."""
+        return arch_family(self.architecture)
 
     @property
     def achievable_flops(self) -> float:
@@ -52,6 +62,12 @@ class GpuSpec:
     @property
     def memory_gib(self) -> float:
         return self.memory_bytes / 2**30
+
+
+def arch_family(architecture: str) -> str:
+    """'Ampere (GA100, 108 SMs)' -> 'ampere'; '' when the text names no known family."""
+    text = architecture.lower()
+    return next((key for key in _EFFICIENCY_BY_ARCH if key in text), "")
 
 
 def _efficiency_for(arch: str) -> float:
@@ -94,6 +110,9 @@ def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuS
         intra_node_gbps=float(bidir) / 2.0,
         efficiency=_efficiency_for(str(entry.get("architecture", ""))),
         bf16_supported=bool(entry.get("bf16_supported", True)),
+        architecture=str(entry.get("architecture", "")),
+        peak_fp32_tflops=float(_scalar(entry.get("peak_fp32_tflops"), variant) or 0.0),
+        tf32_tflops=float(_scalar(entry.get("tf32_dense_tflops"), variant) or 0.0),
     )
 
 
@@ -110,5 +129,5 @@ def get_gpu(gpu_id: str) -> GpuSpec:
     catalog = gpu_catalog()
     if gpu_id not in catalog:
         known = ", ".join(sorted(catalog))
-        raise ValueError(f"unknown GPU id '{gpu_id}': use one of {known}, or give an inline spec")
+        raise UserError(f"unknown GPU id '{gpu_id}': use one of {known}, or give an inline spec")
     return catalog[gpu_id]

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ethpipe.catalog import GpuSpec, get_gpu
+from ethpipe.errors import UserError
 
 
 class InlineGpu(BaseModel):
@@ -28,6 +29,7 @@ class InlineGpu(BaseModel):
     intra_node_gbps: float = Field(default=16.0, gt=0)
     efficiency: float = Field(default=0.4, gt=0, le=1)
     memory_bandwidth_gbps: float = Field(default=0.0, ge=0)
+    bf16_supported: bool = True  # false for a device without bf16 (V100-, T4-like): plans refuse --dtype bf16
 
 
 class NodeGroup(BaseModel):
@@ -97,6 +99,7 @@ def _resolve_gpu(group: NodeGroup) -> GpuSpec:
             memory_bandwidth_gbps=g.memory_bandwidth_gbps,
             intra_node_gbps=g.intra_node_gbps,
             efficiency=g.efficiency,
+            bf16_supported=g.bf16_supported,
         )
     else:
         spec = get_gpu(group.gpu)
@@ -117,18 +120,18 @@ def _first_error(err: ValidationError) -> str:
 
 
 def cluster_from_dict(data: Any) -> Cluster:
-    """Validate a parsed cluster spec; raises ValueError with a one-line message."""
+    """Validate a parsed cluster spec; raises UserError with a one-line message."""
     try:
         model = ClusterModel.model_validate(data)
     except ValidationError as err:
-        raise ValueError(_first_error(err)) from None
+        raise UserError(_first_error(err)) from None
     devices: list[Device] = []
     node = 0
     for index, group in enumerate(model.nodes):
         try:
             gpu = _resolve_gpu(group)
-        except ValueError as err:
-            raise ValueError(f"cluster spec field 'nodes.{index}.gpu': {err}") from None
+        except UserError as err:
+            raise UserError(f"cluster spec field 'nodes.{index}.gpu': {err}") from None
         for _ in range(group.num_nodes):
             for local in range(group.gpus_per_node):
                 devices.append(Device(len(devices), node, local, gpu, group.nic_gbit_s / 8.0))
@@ -144,10 +147,10 @@ def cluster_from_dict(data: Any) -> Cluster:
 def load_cluster(path: str | Path) -> Cluster:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"cluster file '{path}' not found: pass --cluster with a YAML or JSON file")
+        raise UserError(f"cluster file '{path}' not found: pass --cluster with a YAML or JSON file")
     try:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise ValueError(f"cluster file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cluster file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
     return cluster_from_dict(data)

@@ -22,6 +22,7 @@ from typing import Any
 from ethpipe.cluster import Cluster, load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.runtime.emulate import auto_time_scale, local_cores, with_emulation
@@ -134,7 +135,7 @@ def measured_step_s(records: Sequence[Mapping[str, Any]], warmup: int = WARMUP_S
     """Median iteration time, leaving out the first ``warmup`` steps (when there are enough)."""
     times = [float(r["iteration_time_s"]) for r in records]
     if not times:
-        raise ValueError("no steps were measured: run at least one step")
+        raise UserError("no steps were measured: run at least one step")
     return statistics.median(times[warmup:] if len(times) > warmup else times)
 
 

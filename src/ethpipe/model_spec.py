@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import yaml
 
+from ethpipe.errors import UserError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -27,7 +29,7 @@ class ModelSpec:
     vocab_size: int
     max_seq_len: int
     head_dim: int = 0  # 0 means hidden_size // num_heads
-    activation: Literal["gelu", "swiglu"] = "swiglu"
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "swiglu"  # gelu_tanh: GPT-2's tanh approximation
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     position: Literal["learned", "rope"] = "rope"
     tie_embeddings: bool = False
@@ -36,6 +38,13 @@ class ModelSpec:
     mlp_bias: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE frequency scaling as in HF rope_scaling: "linear" divides by rope_factor; "llama3" scales
+    # low frequencies by rope_factor and interpolates between the two wavelength thresholds.
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
 
     def __post_init__(self) -> None:
         checks = {
@@ -49,18 +58,22 @@ class ModelSpec:
         }
         for key, value in checks.items():
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model spec field '{key}' must be a positive integer, got {value!r}")
+                raise UserError(f"model spec field '{key}' must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"model spec field 'num_kv_heads' ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
             )
         if self.head_dim == 0 and self.hidden_size % self.num_heads:
-            raise ValueError(
+            raise UserError(
                 f"model spec field 'head_dim' is needed: hidden_size {self.hidden_size} "
                 f"is not divisible by num_heads {self.num_heads}"
             )
         if self.position == "rope" and self.head_dim_resolved % 2:
-            raise ValueError(f"model spec field 'head_dim' must be even for RoPE, got {self.head_dim_resolved}")
+            raise UserError(f"model spec field 'head_dim' must be even for RoPE, got {self.head_dim_resolved}")
+        if self.activation not in ("gelu", "gelu_tanh", "swiglu"):
+            raise UserError(f"model spec field 'activation' must be gelu, gelu_tanh or swiglu, got {self.activation!r}")
+        if self.rope_scaling not in ("none", "linear", "llama3"):
+            raise UserError(f"model spec field 'rope_scaling' must be none, linear or llama3, got {self.rope_scaling!r}")
 
     @property
     def head_dim_resolved(self) -> int:
@@ -112,24 +125,40 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this model cannot be split over ``tp`` tensor-parallel ranks (None: it can).
+
+        Heads, KV heads (GQA: each rank needs whole KV heads), the MLP's hidden size and the
+        vocabulary are split evenly.
+        """
+        if tp == 1:
+            return None
+        if self.num_kv_heads < tp:
+            return f"it has {self.num_kv_heads} KV heads, fewer than tp={tp} (each rank needs whole KV heads)"
+        for what, size in (("attention heads", self.num_heads), ("KV heads", self.num_kv_heads),
+                           ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)):
+            if size % tp:
+                return f"its {what} ({size}) do not divide by tp={tp}"
+        return None
+
 
 _SPEC_FIELDS = {f.name for f in fields(ModelSpec)}
 
 
 def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
     if not isinstance(data, dict):
-        raise ValueError("model spec must be a mapping of field names to values")
+        raise UserError("model spec must be a mapping of field names to values")
     unknown = sorted(set(data) - _SPEC_FIELDS)
     if unknown:
-        raise ValueError(f"model spec field '{unknown[0]}' is unknown: known fields are {', '.join(sorted(_SPEC_FIELDS))}")
+        raise UserError(f"model spec field '{unknown[0]}' is unknown: known fields are {', '.join(sorted(_SPEC_FIELDS))}")
     missing = sorted({"num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"} - set(data))
     if missing:
-        raise ValueError(f"model spec field '{missing[0]}' is missing")
+        raise UserError(f"model spec field '{missing[0]}' is missing")
     data = {"name": "custom", "num_kv_heads": data["num_heads"], "max_seq_len": 2048, **data}
     try:
         return ModelSpec(**data)
     except TypeError as err:
-        raise ValueError(f"model spec is invalid: {err}") from None
+        raise UserError(f"model spec is invalid: {err}") from None
 
 
 # -- presets ---------------------------------------------------------------------------
@@ -223,30 +252,10 @@ def published_param_counts() -> dict[str, float]:
 
 
 def spec_from_hf_config(config: dict[str, Any], name: str = "hf") -> ModelSpec:
-    """Map a Hugging Face ``config.json`` (Llama/Mistral/Qwen2 or GPT-2 style) to a spec."""
-    if "n_layer" in config:  # GPT-2 style
-        h = config["n_embd"]
-        return ModelSpec(
-            name=name, num_layers=config["n_layer"], hidden_size=h, num_heads=config["n_head"],
-            num_kv_heads=config["n_head"], ffn_hidden_size=config.get("n_inner") or 4 * h,
-            vocab_size=config["vocab_size"], max_seq_len=config.get("n_positions", 1024), activation="gelu",
-            norm="layernorm", position="learned", tie_embeddings=config.get("tie_word_embeddings", True),
-            attention_bias=True, mlp_bias=True, norm_eps=config.get("layer_norm_epsilon", 1e-5),
-        )
-    try:
-        heads = config["num_attention_heads"]
-        return ModelSpec(
-            name=name, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-            num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or 0, ffn_hidden_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"], max_seq_len=config.get("max_position_embeddings", 4096),
-            activation="swiglu" if config.get("hidden_act", "silu") == "silu" else "gelu",
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-            norm_eps=float(config.get("rms_norm_eps", 1e-5)), rope_theta=float(config.get("rope_theta", 10000.0)),
-        )
-    except KeyError as err:
-        raise ValueError(f"HF config field {err} is missing: is this a decoder-only LM config.json?") from None
+    """Map a Hugging Face ``config.json`` (Llama/Mistral/Qwen2 or GPT-2) to a spec (see ``ethpipe.hf.config``)."""
+    from ethpipe.hf.config import spec_from_hf
+
+    return spec_from_hf(config, name=name)
 
 
 def load_model_spec(model: str) -> ModelSpec:
@@ -255,14 +264,18 @@ def load_model_spec(model: str) -> ModelSpec:
     if model.lower() in presets:
         return presets[model.lower()]
     path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face model directory
+        from ethpipe.hf.config import read_config
+
+        return spec_from_hf_config(read_config(path), name=path.resolve().name)
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"unknown model '{model}': use a preset ({', '.join(sorted(presets))}), a spec YAML, or a config.json path"
         )
     try:
         data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
     except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise ValueError(f"model file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise UserError(f"model file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
     if isinstance(data, dict) and ("num_hidden_layers" in data or "n_layer" in data):
-        return spec_from_hf_config(data, name=path.stem)
+        return spec_from_hf_config(data, name=path.resolve().parent.name if path.stem == "config" else path.stem)
     return spec_from_dict({"name": path.stem, **data} if isinstance(data, dict) else data)

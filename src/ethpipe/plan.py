@@ -1,4 +1,4 @@
-"""The Plan: the one contract between planner, simulator and runtime (DESIGN section 3).
+"""The Plan: the one contract between planner, simulator and runtime (docs/design.md §3).
 
 A plan is plain data (frozen dataclasses <-> versioned JSON). ``Plan.load`` validates the
 whole structure so that a hand-edited, inconsistent plan is rejected before any process
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ethpipe.atomic import write_text_atomic
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict
 
 PLAN_VERSION = 1
@@ -60,7 +61,7 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class Block:
-    """A maximal run of layers lying inside one stage of every pipeline (DESIGN 2.2)."""
+    """A maximal run of layers lying inside one stage of every pipeline (docs/design.md §2.2)."""
 
     layers: tuple[int, int]
     ranks: tuple[int, ...]  # the holding stage's ranks, pipeline by pipeline
@@ -178,11 +179,11 @@ class Plan:
     def load(path: str | Path) -> Plan:
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"plan file '{path}' not found: make one with `ethpipe plan ... --out {path}`")
+            raise UserError(f"plan file '{path}' not found: make one with `ethpipe plan ... --out {path}`")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"plan file '{path}' is not valid JSON: {err}") from None
+            raise UserError(f"plan file '{path}' is not valid JSON: {err}") from None
         return Plan.from_dict(data)
 
 

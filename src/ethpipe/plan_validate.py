@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import PLAN_VERSION, Block, Pipeline, Plan, Stage, compute_blocks
 
@@ -17,49 +18,49 @@ _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelin
 
 def _req(data: dict[str, Any], key: str, where: str) -> Any:
     if key not in data:
-        raise ValueError(f"plan field '{where}{key}' is missing")
+        raise UserError(f"plan field '{where}{key}' is missing")
     return data[key]
 
 
 def _pos_int(value: Any, where: str, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         kind = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"plan field '{where}' must be {kind} integer, got {value!r}")
+        raise UserError(f"plan field '{where}' must be {kind} integer, got {value!r}")
     return value
 
 
 def _stage(data: Any, where: str) -> Stage:
     if not isinstance(data, dict):
-        raise ValueError(f"plan field '{where}' must be an object with ranks, device, layers")
+        raise UserError(f"plan field '{where}' must be an object with ranks, device, layers")
     ranks = _req(data, "ranks", where + ".")
     if not isinstance(ranks, list) or not ranks:
-        raise ValueError(f"plan field '{where}.ranks' must be a non-empty list of ranks")
+        raise UserError(f"plan field '{where}.ranks' must be a non-empty list of ranks")
     ranks_t = tuple(_pos_int(r, f"{where}.ranks", allow_zero=True) for r in ranks)
     layers = _req(data, "layers", where + ".")
     if not (isinstance(layers, list) and len(layers) == 2):
-        raise ValueError(f"plan field '{where}.layers' must be [start, end)")
+        raise UserError(f"plan field '{where}.layers' must be [start, end)")
     lo, hi = (_pos_int(x, f"{where}.layers", allow_zero=True) for x in layers)
     if hi <= lo:
-        raise ValueError(f"plan field '{where}.layers' is empty ([{lo}, {hi})): every stage needs at least one layer")
+        raise UserError(f"plan field '{where}.layers' is empty ([{lo}, {hi})): every stage needs at least one layer")
     tp = _pos_int(data.get("tp", 1), f"{where}.tp")
     if tp != len(ranks_t):
-        raise ValueError(f"plan field '{where}.tp' is {tp} but the stage lists {len(ranks_t)} ranks: they must match")
+        raise UserError(f"plan field '{where}.tp' is {tp} but the stage lists {len(ranks_t)} ranks: they must match")
     device = data.get("device", "cpu")
     if not isinstance(device, str):
-        raise ValueError(f"plan field '{where}.device' must be a GPU type id string")
+        raise UserError(f"plan field '{where}.device' must be a GPU type id string")
     return Stage(ranks_t, device, (lo, hi), tp, bool(data.get("recompute", False)))
 
 
 def _pipeline(data: Any, where: str) -> Pipeline:
     if not isinstance(data, dict):
-        raise ValueError(f"plan field '{where}' must be an object with stages and micro_batch_sizes")
+        raise UserError(f"plan field '{where}' must be an object with stages and micro_batch_sizes")
     stages = _req(data, "stages", where + ".")
     if not isinstance(stages, list) or not stages:
-        raise ValueError(f"plan field '{where}.stages' must be a non-empty list")
+        raise UserError(f"plan field '{where}.stages' must be a non-empty list")
     parsed = tuple(_stage(s, f"{where}.stages[{i}]") for i, s in enumerate(stages))
     mbs = _req(data, "micro_batch_sizes", where + ".")
     if not isinstance(mbs, list) or not mbs:
-        raise ValueError(f"plan field '{where}.micro_batch_sizes' must be a non-empty list of sizes")
+        raise UserError(f"plan field '{where}.micro_batch_sizes' must be a non-empty list of sizes")
     sizes = tuple(_pos_int(b, f"{where}.micro_batch_sizes") for b in mbs)
     return Pipeline(parsed, sizes)
 
@@ -69,13 +70,13 @@ def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int) -> None:
         expect = 0
         for s_idx, stage in enumerate(pipe.stages):
             if stage.layers[0] != expect:
-                raise ValueError(
+                raise UserError(
                     f"plan field 'pipelines[{p_idx}].stages[{s_idx}].layers' starts at {stage.layers[0]}, "
                     f"expected {expect}: stages must tile [0, {num_layers}) without gaps or overlaps"
                 )
             expect = stage.layers[1]
         if expect != num_layers:
-            raise ValueError(
+            raise UserError(
                 f"plan field 'pipelines[{p_idx}]' covers layers [0, {expect}) but the model has {num_layers} layers"
             )
 
@@ -87,23 +88,33 @@ def _check_ranks(pipes: tuple[Pipeline, ...]) -> None:
             for r in stage.ranks:
                 here = f"pipelines[{p_idx}].stages[{s_idx}]"
                 if r in seen:
-                    raise ValueError(f"plan rank {r} appears in both {seen[r]} and {here}: each rank runs one stage")
+                    raise UserError(f"plan rank {r} appears in both {seen[r]} and {here}: each rank runs one stage")
                 seen[r] = here
     world = len(seen)
     missing = sorted(set(range(world)) - set(seen))
     if missing:
-        raise ValueError(f"plan ranks must be 0..{world - 1} with no gaps: rank {missing[0]} is missing")
+        raise UserError(f"plan ranks must be 0..{world - 1} with no gaps: rank {missing[0]} is missing")
+
+
+def check_tp(pipes: tuple[Pipeline, ...], spec: ModelSpec) -> None:
+    """Every stage's tensor-parallel degree must split the model evenly (the planner emits no other)."""
+    for p_idx, pipe in enumerate(pipes):
+        for s_idx, stage in enumerate(pipe.stages):
+            problem = spec.tp_problem(stage.tp)
+            if problem is not None:
+                raise UserError(f"plan field 'pipelines[{p_idx}].stages[{s_idx}].tp' is {stage.tp} but model "
+                                f"'{spec.name}' cannot be split so: {problem}; use a smaller tp")
 
 
 def plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
-        raise ValueError("plan must be a JSON object")
+        raise UserError("plan must be a JSON object")
     version = _req(data, "version", "")
     if version != PLAN_VERSION:
-        raise ValueError(f"plan field 'version' is {version!r}; this ethpipe reads version {PLAN_VERSION}")
+        raise UserError(f"plan field 'version' is {version!r}; this ethpipe reads version {PLAN_VERSION}")
     model = _req(data, "model", "")
     if not isinstance(model, str):
-        raise ValueError("plan field 'model' must be a preset name or a spec path")
+        raise UserError("plan field 'model' must be a preset name or a spec path")
     spec: ModelSpec | None = None
     if "model_spec" in data:
         spec = spec_from_dict(data["model_spec"])
@@ -111,7 +122,7 @@ def plan_from_dict(data: Any) -> Plan:
     seq_len = _pos_int(_req(data, "seq_len", ""), "seq_len")
     raw_pipes = _req(data, "pipelines", "")
     if not isinstance(raw_pipes, list) or not raw_pipes:
-        raise ValueError("plan field 'pipelines' must be a non-empty list")
+        raise UserError("plan field 'pipelines' must be a non-empty list")
     pipes = tuple(_pipeline(p, f"pipelines[{i}]") for i, p in enumerate(raw_pipes))
     num_layers = pipes[0].stages[-1].layers[1]
     if spec is None:
@@ -119,15 +130,17 @@ def plan_from_dict(data: Any) -> Plan:
             from ethpipe.model_spec import load_model_spec
 
             num_layers = load_model_spec(model).num_layers
-        except ValueError:
+        except UserError:
             pass  # model resolved later by whoever needs it; layer tiling is still checked
     else:
         num_layers = spec.num_layers
     _check_layers(pipes, num_layers)
     _check_ranks(pipes)
+    if spec is not None:
+        check_tp(pipes, spec)
     total = sum(p.num_samples for p in pipes)
     if total != batch:
-        raise ValueError(
+        raise UserError(
             f"plan micro_batch_sizes sum to {total} samples but global_batch_size is {batch}: they must be equal"
         )
     expected = compute_blocks(pipes)
@@ -135,10 +148,10 @@ def plan_from_dict(data: Any) -> Plan:
     try:
         blocks = tuple(Block(tuple(b["layers"]), tuple(b["ranks"])) for b in raw_blocks)
     except (TypeError, KeyError):
-        raise ValueError("plan field 'blocks' must be a list of {layers: [lo, hi], ranks: [...]}") from None
+        raise UserError("plan field 'blocks' must be a list of {layers: [lo, hi], ranks: [...]}") from None
     if blocks != expected:
         want = [list(b.layers) for b in expected]
-        raise ValueError(
+        raise UserError(
             f"plan field 'blocks' is not the common refinement of the stage boundaries: expected layer ranges {want} "
             "with one holder per pipeline (regenerate with `ethpipe plan`)"
         )

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ethpipe.cost.profile import LAYER_KINDS, LayerTiming, MeasuredProfile
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import Decoder, build_stage, rope_tables
 
@@ -40,19 +41,19 @@ class ProfileSettings:
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
-            raise ValueError(f"--seq-len must be positive, got {self.seq_len}")
+            raise UserError(f"--seq-len must be positive, got {self.seq_len}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
-            raise ValueError("--micro-batch-sizes must be a comma-separated list of positive integers, e.g. 1,2,4")
+            raise UserError("--micro-batch-sizes must be a comma-separated list of positive integers, e.g. 1,2,4")
         if self.repeats < 1 or self.warmup < 0:
-            raise ValueError("--repeats must be >= 1 (and warm-up >= 0)")
+            raise UserError("--repeats must be >= 1 (and warm-up >= 0)")
         if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
         if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda, got '{self.device}'")
+            raise UserError(f"--device must be cpu or cuda, got '{self.device}'")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but torch sees no CUDA device: use --device cpu")
+            raise UserError("--device cuda requested but torch sees no CUDA device: use --device cpu")
         if self.num_threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.num_threads}")
+            raise UserError(f"--threads must be >= 1, got {self.num_threads}")
 
 
 def device_name(device: str) -> str:
@@ -188,7 +189,7 @@ def _optimizer_s_per_param(module: Decoder, settings: ProfileSettings, device: t
 def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile:
     """Time every layer kind at every micro-batch size on ``settings.device``."""
     if settings.seq_len > spec.max_seq_len:
-        raise ValueError(f"--seq-len {settings.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
+        raise UserError(f"--seq-len {settings.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(settings.num_threads)
     try:

@@ -27,9 +27,18 @@ class ReferenceRun:
 def reference_train(spec: ModelSpec, data_path: str, global_batch: int, seq_len: int, steps: int, lr: float,
                     weight_decay: float, clip_grad: float, seed: int, shuffle: bool = False,
                     warmup_steps: int = 0, cosine: bool = False, min_lr_ratio: float = 0.1,
-                    init_seed: int | None = None) -> ReferenceRun:
-    """``seed`` orders the data (shuffle); ``init_seed`` (default: seed) initialises the model."""
-    model = build_full_model(spec, seed=seed if init_seed is None else init_seed)
+                    init_seed: int | None = None, dtype: torch.dtype = torch.float64,
+                    per_sample: bool = False, autocast: torch.dtype | None = None,
+                    skip_steps: frozenset[int] = frozenset()) -> ReferenceRun:
+    """``seed`` orders the data (shuffle); ``init_seed`` (default: seed) initialises the model.
+
+    ``dtype`` float64 by default: the comparisons in tests/dist/exactness.py are made there.
+    ``per_sample`` accumulates the batch one sample at a time (another summation order, same
+    maths): the reference's own order-noise floor. ``autocast``: bf16/fp16 autocast over the
+    model (fp32 weights). ``skip_steps``: steps whose optimizer update is skipped (as an fp16
+    overflow does), data and learning rate advancing as usual.
+    """
+    model = build_full_model(spec, seed=seed if init_seed is None else init_seed, dtype=dtype)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}],
@@ -48,12 +57,19 @@ def reference_train(spec: ModelSpec, data_path: str, global_batch: int, seq_len:
             group["lr"] = step_lr
         ids = step_sample_ids(step, global_batch, data.num_samples(seq_len), shuffle, seed)
         batch = torch.from_numpy(gather_samples(data, ids, seq_len))
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss.backward()
+        chunks = batch.split(1) if per_sample else (batch,)
+        loss = torch.zeros((), dtype=dtype)
+        for chunk in chunks:
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                logits = model(chunk[:, :-1]).to(dtype)
+            part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1),
+                                   reduction="sum") / batch[:, 1:].numel()
+            part.backward()
+            loss += part.detach()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad if clip_grad > 0 else math.inf)
         losses.append(loss.item())
         norms.append(float(norm))
-        opt.step()
+        if step not in skip_steps:
+            opt.step()
         opt.zero_grad(set_to_none=True)
     return ReferenceRun({k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms)

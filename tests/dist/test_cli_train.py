@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ethpipe.cli.app import app
+from ethpipe.errors import CRASH_DIR_ENV
 from ethpipe.runtime import launch, train as train_module
 from ethpipe.runtime.checkpoint import save_atomic
 from ethpipe.runtime.data import prepare_tokens
@@ -86,29 +87,36 @@ def test_bad_inputs_give_one_line_and_touch_nothing(files: dict[str, Path], monk
     save_atomic(build_full_model(GPT_LIKE).state_dict(), d / "other.safetensors")
     assert "--init-from" in _bad(files, ["--steps", "1", "--init-from", str(d / "other.safetensors")])
     tp_plan = json.loads(files["plan"].read_text())
-    tp_plan["pipelines"][0]["stages"][1].update(ranks=[1, 2], tp=2)
-    tp_plan["blocks"][1]["ranks"] = [1, 2]
+    tp_plan["pipelines"][0]["stages"][1].update(ranks=[1, 2, 3, 4], tp=4)  # GQA: 2 KV heads cannot split 4 ways
+    tp_plan["blocks"][1]["ranks"] = [1, 2, 3, 4]
     (d / "tp.json").write_text(json.dumps(tp_plan))
-    assert "re-plan with --max-tp 1" in _bad(files, ["--steps", "1"], plan=d / "tp.json")
+    assert "has 2 KV heads, fewer than tp=4" in _bad(files, ["--steps", "1"], plan=d / "tp.json")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert "needs 2 ranks but the world has 3" in _bad(files, ["--steps", "1"])
 
 
 @pytest.mark.timeout(120)  # a hang (ranks left waiting on the failed one) fails here
-def test_error_on_one_rank_ends_every_rank(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_on_one_rank_ends_every_rank_and_keeps_its_traceback(files: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     real_build = train_module.build_stage
 
     def failing_build(spec, layers, first, last, **kw):  # type: ignore[no-untyped-def]
         if not first:
-            raise ValueError("injected failure on the last stage")
+            raise RuntimeError("injected failure on the last stage")
         return real_build(spec, layers, first, last, **kw)
 
     monkeypatch.setattr(train_module, "build_stage", failing_build)  # inherited by the forked ranks
+    monkeypatch.setenv(CRASH_DIR_ENV, str(files["dir"] / "crashes"))
     plan = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1))])
     config = TrainConfig(data=str(files["data"]), steps=1, progress=False, timeout_s=600.0)
-    with pytest.raises(ValueError, match="injected failure"):
+    with pytest.raises(launch.TrainingFailed) as info:
         launch.run_local(plan, config)  # returns long before the 600 s collective timeout: the launcher ends rank 0
+    message, report = str(info.value), info.value.report
+    assert len(message.splitlines()) == 1 and "rank 1" in message and "injected failure" in message, message
+    assert report is not None and str(report) in message and report.parent == files["dir"] / "crashes"
+    kept = report.read_text()  # outlives the run's temporary directory
+    assert "Traceback" in kept and "in failing_build" in kept and "RuntimeError: injected failure" in kept
 
 
 def test_torchrun_launch_bf16(files: dict[str, Path]) -> None:

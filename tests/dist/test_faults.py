@@ -34,10 +34,11 @@ from ethpipe.runtime.launch import TrainingFailed, run_local
 from ethpipe.runtime.train import TrainConfig
 
 from . import fault_table
+from .exactness import PARAM_ATOL, assert_matches_reference
 from .plans import LLAMA_LIKE, make_plan
 from .reference import ReferenceRun, reference_train
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 STEPS, LR, BATCH = 4, 1e-3, 6
 PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1)), ([(2, (0, 6))], (2, 1))])
@@ -58,7 +59,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 def _config(env: dict[str, Any], ckpt: Path, **kw: Any) -> TrainConfig:
     base: dict[str, Any] = dict(data=env["data"], steps=STEPS, lr=LR, progress=False, timeout_s=30.0,
-                                checkpoint_dir=str(ckpt), save_every=1, keep=10)
+                                checkpoint_dir=str(ckpt), save_every=1, keep=10, dtype="fp64")
     return TrainConfig(**{**base, **kw})
 
 
@@ -91,12 +92,9 @@ def _resume_and_check(env: dict[str, Any], ckpt: Path, from_step: int) -> tuple[
     ref: ReferenceRun = env["ref"]
     assert [r["step"] for r in records] == list(range(from_step, STEPS))
     assert [r["samples"] for r in records] == [[BATCH * s, BATCH * (s + 1)] for s in range(from_step, STEPS)]
-    np.testing.assert_allclose([r["loss"] for r in records], ref.losses[from_step:STEPS], rtol=1e-5)
-    got = load_file(final)
-    ref_state = reference_train(LLAMA_LIKE, env["data"], BATCH, PLAN.seq_len, STEPS, LR, weight_decay=0.1,
-                                clip_grad=0.0, seed=0).state
-    for key, want in ref_state.items():
-        torch.testing.assert_close(got[key], want, atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    ref_end = reference_train(LLAMA_LIKE, env["data"], BATCH, PLAN.seq_len, STEPS, LR, weight_decay=0.1,
+                              clip_grad=0.0, seed=0)
+    assert_matches_reference(f"resumed from step {from_step}", load_file(final), records, ref_end, from_step)
     worst = max(abs(r["loss"] - want) for r, want in zip(records, ref.losses[from_step:STEPS]))
     return took_s, worst
 
@@ -104,7 +102,7 @@ def _resume_and_check(env: dict[str, Any], ckpt: Path, from_step: int) -> tuple[
 def _row(fault: str, how: str, outcome: str, message: str, failed_s: float, resume_s: float | None,
          from_step: int | None, worst: float | None) -> None:
     reproduced = (f"steps {from_step}..{STEPS - 1} from step-{from_step}: max |loss - PyTorch| {worst:.1e}; "
-                  "final params equal (atol 1e-6)") if worst is not None else "n/a"
+                  f"final params equal (fp64, atol {PARAM_ATOL:.0e})") if worst is not None else "n/a"
     ROWS.append({"fault": fault, "injected by": how, "outcome": outcome, "error line / recovery": message,
                  "detected after s": f"{failed_s:.1f}" + (f" (resume run {resume_s:.1f} s)" if resume_s else ""),
                  "next steps reproduced": reproduced})
@@ -200,7 +198,7 @@ def test_watchdog_ends_a_job_whose_ranks_all_hang(env: dict[str, Any]) -> None:
 def _torchrun(env: dict[str, Any], nproc: int, args: list[str], extra_env: dict[str, str]) -> tuple[int, str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--max-restarts", "1", "-m", "ethpipe", "train", "--data", env["data"], "--no-progress",
-           "--timeout-s", "30", "--lr", str(LR), *args]
+           "--timeout-s", "30", "--lr", str(LR), "--dtype", "fp64", *args]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env})
@@ -239,10 +237,8 @@ def test_torchrun_restarts_after_sigkill_then_replans_for_a_smaller_world(env: d
     redone = sorted({r["step"] for r in lines if r["restart"] == 1})
     assert redone and redone[0] == 2  # resumed at the last checkpoint (step 2), not later
     ref: ReferenceRun = env["ref"]
-    np.testing.assert_allclose([committed[s]["loss"] for s in range(STEPS + 2)], ref.losses, rtol=1e-5)
-    got = load_file(tmp / "elastic.safetensors")
-    for key, want in ref.state.items():
-        torch.testing.assert_close(got[key], want, atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+    assert_matches_reference("elastic", load_file(tmp / "elastic.safetensors"),
+                             [committed[s] for s in range(STEPS + 2)], ref)
     manifest = json.loads((complete_checkpoints(ckpt)[-1][1] / "ethpipe.json").read_text())
     assert sum(len(s["ranks"]) for p in manifest["plan"]["pipelines"] for s in p["stages"]) == 2  # re-planned
     worst = max(abs(committed[s]["loss"] - ref.losses[s]) for s in range(STEPS + 2))

@@ -20,11 +20,12 @@ from ethpipe.runtime.emulate import Slowdown
 from ethpipe.runtime.rebalance import RebalanceConfig
 from ethpipe.runtime.train import TrainConfig, train
 
+from .exactness import assert_matches_reference, assert_params_match
 from .harness import run_ranks
 from .plans import LLAMA_LIKE, make_plan
 from .reference import reference_train
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 STEPS, LR = 5, 1e-3
 PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 2, 2)), ([(2, (0, 6))], (3, 3))],
@@ -43,7 +44,7 @@ def test_rebalancing_keeps_the_loss_trajectory_and_final_params(tmp_path: Path) 
     data = str(tmp_path / "tokens.bin")
     prepare_tokens([" ".join(rng.choice(["data", "moves", "not", "weights", "."], size=3000))], data)
     common = dict(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, clip_grad=0.5, emulate=True,
-                  slowdowns=(Slowdown(0, 4.0, 1),), log_sample_ids=True)
+                  slowdowns=(Slowdown(0, 4.0, 1),), log_sample_ids=True, dtype="fp64")
     runs = [("static", TrainConfig(**common, save_final=str(tmp_path / "static.safetensors"))),
             ("rebalanced", TrainConfig(**common, rebalance=RebalanceConfig(every=1, threshold=0.05),
                                        save_final=str(tmp_path / "rebalanced.safetensors")))]
@@ -59,13 +60,10 @@ def test_rebalancing_keeps_the_loss_trajectory_and_final_params(tmp_path: Path) 
     assert first["rebalance"]["old_split"] == [6, 6] and first["rebalance"]["new_split"][0] < 6
     assert balanced[first["step"] + 1]["split"] == first["rebalance"]["new_split"]  # applied at the next step
     assert all(r["split"] == [6, 6] for r in static) and all("rebalance" not in r for r in static)
-    for records in (static, balanced):
-        np.testing.assert_allclose([r["loss"] for r in records], ref.losses, rtol=1e-5)
+    got_static, got_balanced = load_file(tmp_path / "static.safetensors"), load_file(tmp_path / "rebalanced.safetensors")
+    for label, records, got in (("static", static, got_static), ("rebalanced", balanced, got_balanced)):
+        assert_matches_reference(label, got, records, ref)
         for r in records:  # the same samples, in the same global order, whatever the split
             assert r["sample_ids"] == step_sample_ids(r["step"], 12, 10**9, False, 0).tolist()
             assert r["samples"] == [12 * r["step"], 12 * r["step"] + 12]
-    np.testing.assert_allclose([r["loss"] for r in balanced], [r["loss"] for r in static], rtol=1e-6)
-    got_static, got_balanced = load_file(tmp_path / "static.safetensors"), load_file(tmp_path / "rebalanced.safetensors")
-    for key, want in ref.state.items():
-        torch.testing.assert_close(got_balanced[key], want, atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
-        torch.testing.assert_close(got_balanced[key], got_static[key], atol=1e-6, rtol=0)
+    assert_params_match("rebalanced vs static", got_balanced, got_static)

@@ -33,11 +33,12 @@ from ethpipe.runtime.groups import tied_ranks
 from ethpipe.runtime.model import TIED_WEIGHT, build_full_model
 from ethpipe.runtime.train import TrainConfig, train
 
+from .exactness import assert_params_match, assert_stats_match
 from .harness import run_ranks
 from .plans import make_plan
 from .reference import ReferenceRun, reference_train
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 SPEC = dataclasses.replace(model_presets()["tiny-gpt"], tie_embeddings=True)
 LR = 1e-3
@@ -84,17 +85,12 @@ def _check_run(tmp: Path, name: str, plan: Plan, ref: ReferenceRun, first_step: 
         got = torch.load(tmp / f"{name}-rank{rank}.pt", weights_only=True)
         assert (TIED_WEIGHT in got) == (rank in tied_ranks(plan)), (name, rank)
         assert not any(k.startswith("head.") for k in got), (name, rank)
-        for key, value in got.items():
-            torch.testing.assert_close(value, ref.state[key], atol=1e-6, rtol=0,
-                                       msg=lambda m, k=key, r=rank: f"{name} rank {r} {k}: {m}")
+        assert_params_match(f"{name} rank {rank}", got, {k: ref.state[k] for k in got})
         if TIED_WEIGHT in got:
             copies.append(got[TIED_WEIGHT])
     assert len(copies) == len(tied_ranks(plan)) >= 2
     assert all(torch.equal(c, copies[0]) for c in copies), f"{name}: the tied copies diverged"
-    records = json.loads((tmp / f"{name}.json").read_text())
-    np.testing.assert_allclose([r["loss"] for r in records], ref.losses[first_step:], rtol=1e-5, err_msg=name)
-    np.testing.assert_allclose([r["grad_norm"] for r in records], ref.grad_norms[first_step:], rtol=1e-5,
-                               err_msg=name)
+    assert_stats_match(name, json.loads((tmp / f"{name}.json").read_text()), ref, first_step)
 
 
 def test_tied_embeddings_match_single_process_adamw(tmp_path: Path) -> None:
@@ -102,7 +98,8 @@ def test_tied_embeddings_match_single_process_adamw(tmp_path: Path) -> None:
     words = ["tied", "weights", "stay", "equal", "when", "every", "copy", "sums", "the", "gradients", "."]
     data = str(tmp_path / "tokens.bin")
     prepare_tokens([" ".join(rng.choice(words, size=2000))], data)
-    common: dict[str, Any] = {"data": data, "lr": LR, "clip_grad": CLIP, "progress": False, "timeout_s": 60.0}
+    common: dict[str, Any] = {"data": data, "lr": LR, "clip_grad": CLIP, "progress": False, "timeout_s": 60.0,
+                              "dtype": "fp64"}
     ckpt = str(tmp_path / "ckpt")
     init = str(tmp_path / "init.safetensors")  # --init-from fills every tied copy with the file's tok_emb.weight
     save_atomic(build_full_model(SPEC, seed=7).state_dict(), init)
@@ -131,9 +128,7 @@ def test_tied_embeddings_match_single_process_adamw(tmp_path: Path) -> None:
         model = build_full_model(SPEC)
         model.load_state_dict(state)  # strict: exactly the model's keys
         assert model.head.weight is model.tok_emb.weight
-        for key, want in ref.state.items():
-            torch.testing.assert_close(state[key], want, atol=1e-6, rtol=0,
-                                       msg=lambda m, k=key, f=file_name: f"{f} {k}: {m}")
+        assert_params_match(file_name, state, ref.state)
 
     trace = json.loads((tmp_path / "a.trace.json").read_text())["traceEvents"]
     slices = {(e["tid"], e["name"]) for e in trace if e["ph"] == "X"}

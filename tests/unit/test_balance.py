@@ -62,3 +62,16 @@ def test_faster_pipeline_gets_more_samples() -> None:
     fast = PipelineTiming(1, lambda x: (np.array([x * 0.5]), np.array([x * 0.5])))
     slow = PipelineTiming(1, lambda x: (np.array([x * 1.5]), np.array([x * 1.5])))
     assert balance_samples([fast, slow], [1, 1], 40) == [[30], [10]]
+
+
+def test_whole_micro_batches_that_cannot_make_the_batch_are_infeasible() -> None:
+    # Found by tests/unit/test_bounds.py: one pipeline of 2-sample micro-batches and a batch of 3 was
+    # "balanced" to 2 samples, and the planner priced a plan that drops a sample.
+    from ethpipe.errors import Infeasible
+
+    timing = PipelineTiming(2, lambda x: (np.array([0.1 * x]), np.array([0.2 * x])), 2)
+    with pytest.raises(Infeasible, match="not a whole number of micro-batches of 2 samples"):
+        balance_samples([timing], [1], 3)
+    with pytest.raises(Infeasible, match="micro-batches of 2 samples"):
+        balance_samples([timing], [2], 5)
+    assert balance_samples([timing], [2], 6) in ([[4, 2]], [[2, 4]])

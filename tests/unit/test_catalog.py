@@ -14,3 +14,19 @@ def test_catalog_dense_peaks_and_memory() -> None:
 def test_unknown_gpu_lists_known_ids() -> None:
     with pytest.raises(ValueError, match="a100_80gb_sxm"):
         get_gpu("a1000")
+
+
+def test_catalog_cli_prints_every_key_in_full_at_80_columns() -> None:
+    from typer.testing import CliRunner
+
+    from ethpipe.cli import commands  # noqa: F401  (registers the commands)
+    from ethpipe.cli.app import app
+    from ethpipe.model_spec import model_presets
+
+    res = CliRunner().invoke(app, ["catalog"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    first_cells = {line.split("│")[1].strip() for line in res.output.splitlines() if line.startswith("│")}
+    assert set(gpu_catalog()) <= first_cells
+    assert set(model_presets()) <= first_cells
+    assert "…" not in "".join(first_cells)

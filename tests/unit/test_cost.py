@@ -29,13 +29,16 @@ def test_compute_scales_with_batch_tp_and_recompute(cost: CostModel) -> None:
     st = Stage((0,), "a100_80gb_sxm", (0, 8))
     f1, b1 = cost.stage_compute_s(st, 1, first=False, last=False)
     f2, b2 = cost.stage_compute_s(st, 2, first=False, last=False)
-    assert b1 == pytest.approx(2 * f1, rel=0.01) and f2 == pytest.approx(2 * f1, rel=0.01)
+    # Backward: twice the GEMM FLOPs plus more elementwise traffic; per-layer overheads are tiny at 7B.
+    # Fixed per-kernel costs (launches, weight reads) make two samples cost less than twice one.
+    assert 2 * f1 <= b1 < 2.5 * f1 and 1.8 * f1 < f2 < 2 * f1
     _, brc = cost.stage_compute_s(Stage((0,), "a100_80gb_sxm", (0, 8), recompute=True), 1, first=False, last=False)
     assert brc == pytest.approx(b1 + f1)
     ftp, _ = cost.stage_compute_s(Stage((0, 1), "a100_80gb_sxm", (0, 8), tp=2), 1, first=False, last=False)
     assert f1 / 2 < ftp < f1  # half the math plus Megatron all-reduces
     fv, _ = cost.stage_compute_s(Stage((8,), "v100_32gb_sxm2", (0, 8)), 1, first=False, last=False)
-    assert fv / f1 == pytest.approx(1 / cost.device_speed("v100_32gb_sxm2"), rel=0.01)
+    # device_speed is the marginal whole-model rate; one 8-layer stage at b=1 tracks it closely.
+    assert fv / f1 == pytest.approx(1 / cost.device_speed("v100_32gb_sxm2"), rel=0.15)
     assert cost.device_speed("a100_80gb_sxm") == 1.0
 
 

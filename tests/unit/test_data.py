@@ -1,4 +1,4 @@
-"""Token files and the global data order (DESIGN 3)."""
+"""Token files and the global data order (docs/design.md §3)."""
 
 from __future__ import annotations
 

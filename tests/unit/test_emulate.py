@@ -1,4 +1,4 @@
-"""Relative speeds, time scale, pacing arithmetic (scaled and paced targets) and slowdowns of --emulate."""
+"""Relative speeds, time scale, pacing arithmetic (paced and measured modes) and slowdowns of --emulate."""
 
 from __future__ import annotations
 
@@ -113,3 +113,40 @@ def test_parse_slowdown() -> None:
     assert make_emulator(plan, 0, (Slowdown(0, 2.0), Slowdown(1, 3.0))).slowdowns == (Slowdown(0, 2.0),)
     with pytest.raises(ValueError, match="slowdown rank 5 is not in the plan"):
         make_emulator(plan, 0, (Slowdown(5, 3.0),))
+
+
+def test_measured_mode_scales_real_compute_and_ignores_paced_targets() -> None:
+    plan = _plan(["fast", "slow"], {"device_speeds": {"fast": 4.0, "slow": 1.0}})
+    paced = with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}, 1: {1: (0.02, 0.04)}})
+    assert make_emulator(paced, 1).paced == ((1, 0.02, 0.04),)  # default mode: the plan's targets
+    em = make_emulator(paced, 1, mode="measured", slowdowns=(Slowdown(1, 2.0, from_step=2),))
+    assert (em.speed, em.time_scale, em.paced) == (0.25, 3.0, ())
+    # 5 ms of real compute on a quarter-speed device at scale 3 lasts 5 * 3 / 0.25 = 60 ms, twice that once slowed.
+    assert em.target_s("F", 1, 0.005, 0) == pytest.approx(0.060)
+    assert em.target_s("B", 1, 0.005, 2) == pytest.approx(0.120)
+    assert em.sleep_s("F", 1, 0.005, 0.007, 0) == pytest.approx(0.053)  # wall time already spent counts
+    fast = make_emulator(paced, 0, mode="measured")
+    assert fast.target_s("F", 1, 0.005, 0) == pytest.approx(0.015)  # the fastest device is slowed by the scale only
+    with pytest.raises(ValueError, match="--emulate-mode must be paced or measured"):
+        make_emulator(paced, 0, mode="fast")  # type: ignore[arg-type]
+
+
+def test_train_config_checks_the_emulate_mode() -> None:
+    from ethpipe.runtime.train import TrainConfig
+
+    assert TrainConfig(data="x.bin", steps=1).emulate_mode == "paced"
+    assert TrainConfig(data="x.bin", steps=1, emulate=True, emulate_mode="measured").emulate_mode == "measured"
+    with pytest.raises(ValueError, match="--emulate-mode"):
+        TrainConfig(data="x.bin", steps=1, emulate_mode="scaled")  # type: ignore[arg-type]
+
+
+def test_cli_emulate_mode_needs_emulate(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
+    from ethpipe.cli.app import app
+
+    args = ["train", "--plan", str(tmp_path / "p.json"), "--data", str(tmp_path / "t.bin"), "--steps", "1",
+            "--emulate-mode", "measured"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "--emulate-mode needs --emulate" in result.output

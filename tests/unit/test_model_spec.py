@@ -36,3 +36,15 @@ def test_hf_config_round_trip(tmp_path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     assert load_model_spec(str(path)).num_params() == load_model_spec("llama2-7b").num_params()
+
+
+def test_rope_scaling_and_activation_fields_round_trip_and_are_checked() -> None:
+    data = {"num_layers": 2, "hidden_size": 8, "num_heads": 2, "ffn_hidden_size": 8, "vocab_size": 9,
+            "activation": "gelu_tanh", "norm": "layernorm", "position": "learned", "rope_scaling": "llama3",
+            "rope_factor": 8.0, "rope_original_max_seq_len": 16}
+    spec = spec_from_dict(data)
+    assert spec_from_dict(spec.to_dict()) == spec and spec.rope_factor == 8.0
+    with pytest.raises(ValueError, match="'rope_scaling' must be none, linear or llama3"):
+        spec_from_dict({**data, "rope_scaling": "yarn"})
+    with pytest.raises(ValueError, match="'activation' must be gelu, gelu_tanh or swiglu"):
+        spec_from_dict({**data, "activation": "relu"})

@@ -1,7 +1,7 @@
 import pytest
 
 from ethpipe.cluster import cluster_from_dict, load_cluster
-from ethpipe.cost.model import CostModel
+from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
@@ -53,7 +53,9 @@ def test_estimate_reproduces_prediction_and_efficiency_bounded(eth_plan: Plan) -
 def test_heuristic_close_to_exhaustive_over_own_space(model: str, batch: int, seq: int) -> None:
     spec = load_model_spec(model)
     plan = make_plan(HETERO, spec, batch, seq)
-    best = exhaustive_eth(CostModel(HETERO, spec, seq), batch, time_budget_s=120).plan
+    dtype = str(plan.extra["dtype"])  # price the exhaustive search in the plan's precision (compute depends on it)
+    best = exhaustive_eth(CostModel(HETERO, spec, seq, dtype_bytes=dtype_bytes(dtype), dtype=dtype), batch,
+                          time_budget_s=120).plan
     assert best is not None
     assert plan.predicted["iteration_time_s"] <= best.predicted["iteration_time_s"] / 0.98
 

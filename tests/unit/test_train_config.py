@@ -48,5 +48,7 @@ def test_plan_checks() -> None:
     check_plan_runnable(_plan(), 1)
     with pytest.raises(ValueError, match="needs 1 ranks but the world has 4"):
         check_plan_runnable(_plan(), 4)
-    with pytest.raises(ValueError, match=r"stage pipelines\[0\].stages\[0\] has tp=2; .* --max-tp 1"):
-        check_plan_runnable(_plan(tp=2), 2)
+    check_plan_runnable(_plan(tp=2), 2)  # tensor parallelism runs
+    kv_heads = model_presets()["tiny"].num_kv_heads
+    with pytest.raises(ValueError, match=rf"stages\[0\].tp' is {2 * kv_heads} .* {kv_heads} KV heads, fewer than"):
+        check_plan_runnable(_plan(tp=2 * kv_heads), 2 * kv_heads)

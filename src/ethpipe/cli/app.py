@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+
+from ethpipe.errors import UserError, write_crash_report
 
 app = typer.Typer(
     name="ethpipe",
@@ -23,17 +26,35 @@ err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def print_error(message: str) -> None:
+    """The one error line every command prints on stderr."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def report_crash(err: BaseException) -> str:
+    """Keep the traceback of an unexpected exception (a bug, or the environment: disk, network) in a
+    crash report; one line naming the exception and the file."""
+    path = write_crash_report(traceback.format_exc())
+    first = str(err).splitlines()[0] if str(err) else ""
+    return f"crashed with {type(err).__name__}{': ' + first if first else ''} (traceback kept in {path})"
+
+
 def user_errors(func: F) -> F:
-    """Turn ValueError (our user-error type) into one line on stderr and exit code 2."""
+    """UserError: one line on stderr, exit code 2. Any other exception (a bug, or the environment) is a
+    crash: its traceback goes to a crash report in errors.crash_dir(), one line names it, exit code 1."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except ValueError as err:
-            message = str(err).splitlines()[0] if str(err) else type(err).__name__
-            err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        except UserError as err:
+            print_error(str(err).splitlines()[0] if str(err) else type(err).__name__)
             sys.exit(2)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise  # typer's own control flow and usage errors
+        except Exception as err:  # noqa: BLE001 - every bug gets the same crash report
+            print_error(report_crash(err))
+            sys.exit(1)
 
     return wrapper  # type: ignore[return-value]
 

@@ -9,29 +9,45 @@ import typer
 from rich.table import Table
 
 from ethpipe.cli.app import app, console, user_errors
-
-
-def _human_bytes(num_bytes: int) -> str:
-    size = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
+from ethpipe.units import format_bytes
 
 
 @app.command("export")
 @user_errors
 def export(
     checkpoint: Path = typer.Argument(..., help="A --checkpoint-dir (its newest checkpoint) or one step-N directory."),
-    out: Path = typer.Option(..., "--out", help="Output file: .safetensors, else torch.save format."),
+    out: Path = typer.Option(..., "--out", help="ethpipe: output file (.safetensors, else torch.save format); "
+                                                "hf: a new directory."),
+    fmt: str = typer.Option("ethpipe", "--format", help="ethpipe (one state dict, global names) or hf (a Hugging "
+                                                        "Face model directory for from_pretrained)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="With --format hf: largest safetensors "
+                                                                       "shard (e.g. 5GB, 500MB, 2GiB)."),
 ) -> None:
-    """Write the checkpoint's model weights as one state dict with global names: loads with
-    `ethpipe train --init-from` and into `ethpipe.build_model(...)` via load_state_dict."""
-    from ethpipe.runtime.ckpt_state import export_checkpoint
+    """Write the checkpoint's model weights: as one state dict with global names (loads with
+    `ethpipe train --init-from` and into `ethpipe.build_model(...)` via load_state_dict), or as a
+    Hugging Face directory (config.json, sharded safetensors, index) for
+    `transformers.AutoModelForCausalLM.from_pretrained`."""
+    from ethpipe.errors import UserError
+    from ethpipe.runtime.ckpt_state import consolidated_weights, export_checkpoint
 
-    manifest = export_checkpoint(checkpoint, out)
-    console.print(f"wrote the weights of step {manifest.step} ({manifest.model_spec['name']}) to {out}")
+    if fmt not in ("ethpipe", "hf"):
+        raise UserError(f"--format must be ethpipe or hf, got {fmt!r}")
+    if fmt == "ethpipe":
+        manifest = export_checkpoint(checkpoint, out)
+        console.print(f"wrote the weights of step {manifest.step} ({manifest.model_spec['name']}) to {out}")
+        return
+    from ethpipe.hf.config import hf_architecture_of
+    from ethpipe.hf.export import check_out_dir, export_hf, parse_size
+    from ethpipe.model_spec import spec_from_dict
+    from ethpipe.runtime.ckpt_layout import read_manifest, resolve_checkpoint
+
+    parse_size(max_shard_size)  # every cheap check before the weights are read
+    check_out_dir(out)
+    hf_architecture_of(spec_from_dict(read_manifest(resolve_checkpoint(checkpoint)).model_spec))
+    manifest, spec, state = consolidated_weights(checkpoint)
+    report = export_hf(state, spec, out, max_shard_size)
+    console.print(f"wrote the weights of step {manifest.step} ({spec.name}) as a Hugging Face {report.arch} model "
+                  f"({report.shards} shards, {format_bytes(report.total_bytes)}) to {out}")
 
 
 @app.command("inspect")
@@ -54,7 +70,7 @@ def inspect(
     head.add_row("model", f"{info['model']} ({info['num_params']:,} parameters)")
     head.add_row("plan", f"{info['plan_method']}: {len(info['pipelines'])} pipelines, world size {info['world_size']}, "
                          f"global batch {info['global_batch_size']} x seq {info['seq_len']}")
-    head.add_row("size on disk", f"{_human_bytes(info['size_bytes'])} in {info['num_files']} files")
+    head.add_row("size on disk", f"{format_bytes(info['size_bytes'])} in {info['num_files']} files")
     head.add_row("saved", f"{info['saved_at']} (torch {info['torch_version']})")
     head.add_row("checkpoints here", ", ".join(str(s) for s in info["checkpoints"]))
     console.print(head)

@@ -1,5 +1,6 @@
 """Imports every command module so each registers itself on the app."""
 
+from ethpipe.cli import calibrate_cmds  # noqa: F401
 from ethpipe.cli import ckpt_cmds  # noqa: F401
 from ethpipe.cli import demo_cmd  # noqa: F401
 from ethpipe.cli import plan_cmds  # noqa: F401

@@ -21,6 +21,7 @@ import typer
 from rich.table import Table
 
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.errors import UserError
 
 MODEL, GLOBAL_BATCH, SEQ_LEN = "tiny", 24, 128
 QUICK_SEQ_LEN = 64  # --quick: half the compute per step
@@ -32,7 +33,7 @@ def _settings(steps: Optional[int], baseline_steps: Optional[int], quick: bool) 
     main = steps if steps is not None else (4 if quick else 30)
     base = baseline_steps if baseline_steps is not None else (2 if quick else max(4, main // 3))
     if main < 2 or base < 2:
-        raise ValueError(f"--steps and --baseline-steps must be at least 2, got {main} and {base}")
+        raise UserError(f"--steps and --baseline-steps must be at least 2, got {main} and {base}")
     return main, base
 
 
@@ -84,7 +85,7 @@ def demo(
     compare measured step times with the simulator's predictions."""
     main_steps, base_steps = _settings(steps, baseline_steps, quick)
     if out is not None and out.exists() and not out.is_dir():
-        raise ValueError(f"--out '{out}' exists and is not a directory: give a directory")
+        raise UserError(f"--out '{out}' exists and is not a directory: give a directory")
     with tempfile.TemporaryDirectory(prefix="ethpipe-demo-") as tmp:
         seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN
         result = _run(Path(tmp), main_steps, base_steps, seq_len, quick, save=out is not None)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.errors import UserError
 
 ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML or JSON).")]
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, spec YAML, or HF config.json.")]
@@ -18,10 +19,15 @@ BatchOpt = Annotated[int, typer.Option("--global-batch", help="Samples per itera
 SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
 TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree (1 = what the runtime runs).")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: bf16 | fp16 | fp32 "
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: auto (bf16 where "
+                                                   "every device has it, else fp16) | bf16 | fp16 | fp32 "
                                                    "(match `ethpipe train --dtype`).")]
 ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Measured profile (repeatable).")]
 ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]
+Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32", help="fp32 plans: matmuls on TF32 tensor cores where the "
+                                                            "GPU has them (PyTorch/Megatron training default: on).")]
+CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", help="Calibrated constants from `ethpipe calibrate "
+                                                                     "--out` (over the shipped ones).")]
 GIB = 2**30
 
 
@@ -32,8 +38,8 @@ def _inputs(cluster: Path, model: str, profile: list[Path] | None, profile_as: l
 
     profile, profile_as = profile or [], profile_as or []
     if len(profile) != len(profile_as):
-        raise ValueError(f"--profile given {len(profile)} times but --profile-as {len(profile_as)} times: pair each "
-                         "profile with the device type it measures")
+        raise UserError(f"--profile given {len(profile)} times but --profile-as {len(profile_as)} times: pair each "
+                        "profile with the device type it measures")
     spec, clu = load_model_spec(model), load_cluster(cluster)
     return clu, spec, {t: load_profile(p) for t, p in zip(profile_as, profile)} or None
 
@@ -66,16 +72,17 @@ def _metrics_line(plan: Any) -> str:
 def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
          method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
          max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
-         dtype: DtypeOpt = "bf16",
+         dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          ) -> None:
     """Plan a training iteration and print (or write) the plan."""
+    from ethpipe.cost.hardware import load_calibration
     from ethpipe.planner import make_plan
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                       dtype=dtype)
+                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog))
     if out is not None:
         result.save(out)
     if as_json:
@@ -83,6 +90,8 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
         return
     console.print(_summary(result))
     console.print(_metrics_line(result))
+    for note in (result.extra.get("compute_model") or {}).get("devices", {}).values():
+        console.print(f"compute model: {note}", highlight=False)
     if out is not None:
         console.print(f"plan written to {out}")
 
@@ -91,19 +100,21 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
 @user_errors
 def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
             recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
-            dtype: DtypeOpt = "bf16",
+            dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None,
             out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
             plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
             ) -> None:
     """Plan with eth, uniform and layer-balanced in one cost model and compare them."""
+    from ethpipe.cost.hardware import load_calibration
     from ethpipe.planner import METHODS, make_plan
     from ethpipe.plan import write_text_atomic
 
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise ValueError(f"--plot '{plot}' must end in .png, .svg or .pdf")
+        raise UserError(f"--plot '{plot}' must end in .png, .svg or .pdf")
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
+    calibration = load_calibration(catalog)
     plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                          dtype=dtype)
+                          dtype=dtype, tf32=tf32, calibration=calibration)
              for m in METHODS}
     eth_time = plans["eth"].predicted["iteration_time_s"]
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",
@@ -150,6 +161,11 @@ def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
         plt.close(fig)
 
 
+def _key_column(table: Table, header: str, keys: Any) -> None:
+    """A column of ids the user copies into specs: never wrapped or cut, whatever the terminal width."""
+    table.add_column(header, no_wrap=True, min_width=max(len(header), *(len(k) for k in keys)))
+
+
 @app.command()
 @user_errors
 def catalog() -> None:
@@ -158,15 +174,17 @@ def catalog() -> None:
     from ethpipe.model_spec import model_presets, published_param_counts
 
     gpus = Table(title="GPUs (use the id in a cluster spec)")
-    for col in ("id", "name", "memory GiB", "peak TFLOP/s", "efficiency", "intra-node GB/s"):
-        gpus.add_column(col, justify="left" if col in ("id", "name") else "right")
+    _key_column(gpus, "id", gpu_catalog())
+    for col in ("name", "memory GiB", "peak TFLOP/s", "efficiency", "intra-node GB/s"):
+        gpus.add_column(col, justify="left" if col == "name" else "right", overflow="fold")
     for g in gpu_catalog().values():
         gpus.add_row(g.id, g.name, f"{g.memory_gib:.0f}", f"{g.peak_tflops:.1f}", f"{g.efficiency:.2f}",
                      f"{g.intra_node_gbps:.0f}")
     published = published_param_counts()
     models = Table(title="Model presets (use the name with --model)")
-    for col in ("name", "params (B)", "published (B)", "layers", "hidden", "heads/kv", "ffn", "vocab"):
-        models.add_column(col, justify="left" if col == "name" else "right")
+    _key_column(models, "name", model_presets())
+    for col in ("params (B)", "published (B)", "layers", "hidden", "heads/kv", "ffn", "vocab"):
+        models.add_column(col, justify="right", overflow="fold")
     for m in model_presets().values():
         pub = f"{published[m.name] / 1e9:.3f}" if m.name in published else "-"
         models.add_row(m.name, f"{m.num_params() / 1e9:.3f}", pub, str(m.num_layers), str(m.hidden_size),

@@ -16,7 +16,9 @@ import typer
 
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
+from ethpipe.errors import UserError
 from ethpipe.plan import Plan
+from ethpipe.precision import AUTO, plan_dtype
 
 
 def replan(old: Plan, cluster: Cluster) -> Plan:
@@ -24,8 +26,9 @@ def replan(old: Plan, cluster: Cluster) -> Plan:
     from ethpipe.planner import METHODS, make_plan
 
     method = old.method if old.method in METHODS else "eth"
-    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1,
-                    dtype=str(old.extra.get("dtype", "bf16")))
+    dtype = plan_dtype(str(old.extra.get("dtype", AUTO)), cluster, source="the plan's dtype bf16 on the new cluster",
+                       fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
+    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype)
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
         new = Plan(new.method, new.model, new.global_batch_size, new.seq_len, new.pipelines, new.blocks,
@@ -37,8 +40,8 @@ def first_devices(cluster: Cluster, world_size: int) -> Cluster:
     """The cluster's first ``world_size`` devices in rank order (torchrun renumbers survivors densely;
     give a cluster file whose device order puts the ones likely to leave last)."""
     if not 1 <= world_size <= cluster.num_devices:
-        raise ValueError(f"the world has {world_size} ranks but the --replan-cluster has {cluster.num_devices} "
-                         "devices: describe at least the surviving devices")
+        raise UserError(f"the world has {world_size} ranks but the --replan-cluster has {cluster.num_devices} "
+                        "devices: describe at least the surviving devices")
     source = dict(cluster.source)
     left = world_size
     groups: list[dict[str, Any]] = []

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.errors import UserError
 
 _MAX_RANK_ROWS = 64  # bigger plans print per-pipeline summaries only
 
@@ -21,11 +22,11 @@ def load_profiles(paths: list[Path], as_types: list[str]) -> dict[str, object] |
     if not paths and not as_types:
         return None
     if len(paths) != len(as_types):
-        raise ValueError(
+        raise UserError(
             f"got {len(paths)} --profile and {len(as_types)} --profile-as: give one --profile-as TYPE per --profile"
         )
     if len(set(as_types)) != len(as_types):
-        raise ValueError("--profile-as names a device type twice: give one profile per device type")
+        raise UserError("--profile-as names a device type twice: give one profile per device type")
     return {t: load_profile(p) for p, t in zip(paths, as_types)}
 
 
@@ -100,7 +101,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
     except ValueError:
         sizes = ()
     if not sizes or min(sizes) < 1:
-        raise ValueError(f"--micro-batch-sizes must be comma-separated positive integers like 1,2,4, got '{text}'")
+        raise UserError(f"--micro-batch-sizes must be comma-separated positive integers like 1,2,4, got '{text}'")
     return sizes
 
 

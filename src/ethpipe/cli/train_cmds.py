@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ethpipe.cli.app import app, console, err_console, user_errors
+from ethpipe.errors import UserError
 
 data_app = typer.Typer(help="Make token files for `ethpipe train`.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -26,12 +27,19 @@ def train(
     clip_grad: float = typer.Option(0.0, "--clip-grad", help="Max global gradient norm; 0 disables clipping."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of --shuffle."),
     shuffle: bool = typer.Option(False, "--shuffle", help="Visit samples in a seeded random permutation."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32, or bf16 (autocast; fp32 weights and optimizer)."),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32; bf16 or fp16 (autocast over fp32 weights and optimizer; fp16 with dynamic loss "
+                              "scaling); or fp64 "
+                              "(weights, activations and optimizer in float64: verifies exactness, ~2x slower)."),
     recompute: bool = typer.Option(False, "--recompute", help="Recompute activations in backward (all stages)."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON line per step here."),
-    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Consolidated state dict to start from."),
+    init_from: Optional[Path] = typer.Option(
+        None, "--init-from", help="Start from a consolidated state dict, or a Hugging Face model directory "
+                                  "(config.json + *.safetensors; each rank reads only its tensors)."),
     save_final: Optional[Path] = typer.Option(None, "--save-final", help="Write the trained consolidated weights."),
     emulate: bool = typer.Option(False, "--emulate", help="Slow each rank to its device type's relative speed."),
+    emulate_mode: str = typer.Option(
+        "paced", "--emulate-mode", help="With --emulate: paced (the plan's emulation.compute_s targets, else as "
+                                        "measured) or measured (each action's real compute x time_scale / speed)."),
     warmup_steps: int = typer.Option(0, "--warmup-steps", help="Linear LR warm-up steps (default: none)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant (default) or cosine."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
@@ -71,10 +79,12 @@ def train(
     from ethpipe.runtime.train import TrainConfig
 
     if device not in ("auto", "cpu"):
-        raise ValueError(f"--device must be auto or cpu, got {device!r}")
+        raise UserError(f"--device must be auto or cpu, got {device!r}")
     slowdowns = tuple(parse_slowdown(text) for text in emulate_slowdown or [])
     if slowdowns and not emulate:
-        raise ValueError("--emulate-slowdown needs --emulate (it slows an emulated device)")
+        raise UserError("--emulate-slowdown needs --emulate (it slows an emulated device)")
+    if emulate_mode != "paced" and not emulate:
+        raise UserError("--emulate-mode needs --emulate (it chooses how an emulated device is paced)")
     balance = parse_rebalance(rebalance) if rebalance is not None else None
     the_plan = Plan.load(plan)
     if replan_cluster is not None:
@@ -86,7 +96,8 @@ def train(
         data=str(data), steps=steps, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
         shuffle=shuffle, dtype=dtype, recompute=recompute,  # type: ignore[arg-type]
         metrics=str(metrics) if metrics else None, init_from=str(init_from) if init_from else None,
-        save_final=str(save_final) if save_final else None, emulate=emulate, warmup_steps=warmup_steps,
+        save_final=str(save_final) if save_final else None, emulate=emulate,
+        emulate_mode=emulate_mode, warmup_steps=warmup_steps,  # type: ignore[arg-type]
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
         timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
@@ -95,7 +106,7 @@ def train(
     )
     try:
         records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
-    except TrainingFailed as err:  # a rank died or crashed: one line, not a traceback
+    except TrainingFailed as err:  # a rank died or crashed: one line (naming the kept traceback of a crash)
         err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(1)
     if records:
@@ -109,24 +120,42 @@ def train(
 def prepare(
     out: Path = typer.Option(..., "--out", help="Token file to write (.bin; a .bin.json sidecar records dtype)."),
     text: Optional[list[Path]] = typer.Option(None, "--text", help="UTF-8 text file(s), one document each."),
+    inputs: Optional[list[Path]] = typer.Option(
+        None, "--input", help="Input file(s) by suffix: .jsonl (one JSON object a line), .parquet, else plain text."),
+    field: str = typer.Option("text", "--field", help="The text field of .jsonl records / column of .parquet files."),
     builtin_text: bool = typer.Option(False, "--builtin-text",
                                       help="Use the docstrings of Python's standard library (offline, real text)."),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
-                                             help="Hugging Face tokenizer.json (needs `tokenizers`); default bytes."),
+    tokenizer: Optional[Path] = typer.Option(
+        None, "--tokenizer", help="Hugging Face tokenizer.json or a model directory holding one (needs `tokenizers`); "
+                                  "documents are separated by its EOS token. Default: bytes (vocab 256)."),
     max_bytes: int = typer.Option(4_000_000, "--max-bytes", help="Cap on --builtin-text characters."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
-    """Tokenize real text into a token file: byte-level (vocab 256) unless --tokenizer is given."""
-    from ethpipe.runtime.data import builtin_text as stdlib_docs
-    from ethpipe.runtime.data import prepare_tokens
+    """Tokenize real text into a token file, streaming (inputs larger than memory work): byte-level
+    (vocab 256, blank line between documents) unless --tokenizer is given; uint16 tokens when the
+    vocabulary fits, else uint32."""
+    from itertools import chain
 
-    if not text and not builtin_text:
-        raise ValueError("give --text FILE (repeatable) or --builtin-text")
-    docs: list[str] = []
-    for path in text or []:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ethpipe.runtime.data import builtin_text as stdlib_docs
+    from ethpipe.runtime.prepare import Doc, iter_docs, write_tokens
+
+    files = [*(text or []), *(inputs or [])]
+    if not files and not builtin_text:
+        raise UserError("give --input FILE / --text FILE (repeatable) or --builtin-text")
+    for path in files:
         if not path.is_file():
-            raise ValueError(f"--text file '{path}' not found")
-        docs.append(path.read_text(encoding="utf-8", errors="replace"))
-    if builtin_text:
-        docs.extend(stdlib_docs(max_bytes))
-    count = prepare_tokens(docs, out, tokenizer)
+            raise UserError(f"input file '{path}' not found")
+    if text:
+        for path in text:
+            if path.suffix.lower() in (".jsonl", ".ndjson", ".parquet"):
+                raise UserError(f"--text '{path}' is not plain text: pass it with --input (and --field)")
+    builtin = [Doc(d, True, len(d)) for d in stdlib_docs(max_bytes)] if builtin_text else []
+    docs = chain(iter_docs(files, field), builtin)
+    total = sum(p.stat().st_size for p in files) + sum(d.nbytes for d in builtin)
+    with Progress(TextColumn("tokenize"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=console, disable=no_progress, transient=True) as bar:
+        task = bar.add_task("tokenize", total=total)
+        count = write_tokens(docs, out, tokenizer, progress=lambda n: bar.advance(task, n))
     console.print(f"wrote {count} tokens to {out}")

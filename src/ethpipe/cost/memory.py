@@ -42,3 +42,26 @@ def block_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float
 def head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
     """Final-norm input/output plus fp32 logits (split over TP, vocab-parallel) for one sample."""
     return seq_len * (2 * dtype_bytes * model.hidden_size + LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
+
+
+def block_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """Saved activations of one block without FlashAttention: the ``s x s`` softmax output is kept.
+
+    Tensor inventory of Megatron's unfused path, checked against the Sailor artifact's measured
+    per-layer memory (llm_info.json, OPT-350/OPT-30/LLaMA at TP 1-8, all within 2%): the block's
+    input plus each norm's saved tensors (fused LayerNorm: its output; unfused RMSNorm: 3.5
+    tensors of width h), QKV and the attention context (2q + 2kv), the MLP input of the
+    activation (f for GeLU, 3f for SwiGLU), RoPE's rotated q and k, and one score matrix per head.
+    """
+    m = model
+    norm_saved = 1.0 if m.norm == "layernorm" else 3.5
+    replicated = (1.0 + 2.0 * norm_saved) * m.hidden_size
+    f_mult = 3 if m.activation == "swiglu" else 1
+    rope = 2 * (m.q_dim + m.kv_dim) if m.position == "rope" else 0
+    split = 2 * m.q_dim + 2 * m.kv_dim + f_mult * m.ffn_hidden_size + rope + m.num_heads * seq_len
+    return seq_len * dtype_bytes * (replicated + split / tp)
+
+
+def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """Unfused fp32 cross-entropy keeps two logits-sized fp32 tensors (logits and softmax), measured."""
+    return seq_len * (2 * dtype_bytes * model.hidden_size + 2 * LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)

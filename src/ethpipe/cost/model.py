@@ -1,4 +1,4 @@
-"""The cost model every planner method, the estimator and the simulator share (DESIGN 2.3).
+"""The cost model every planner method, the estimator and the simulator share (docs/design.md §2.3).
 
 Pure and torch-free. Compute is analytic (FLOPs / achievable FLOP/s + a per-kernel-group
 overhead) unless a measured profile is given for a device type, in which case the profile's
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
-from ethpipe.cost import comm, compute, memory
+from ethpipe.cost import comm, compute, memory, ops
+from ethpipe.cost.hardware import Calibration, DeviceCompute, calibration_from_dict, has_hardware_model, shipped_calibration
 from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
 from ethpipe.cost.profile import MeasuredProfile
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Block, Plan, Stage
 
@@ -34,7 +36,7 @@ def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
     for d in cluster.devices:
         seen = types.setdefault(d.gpu.id, d.gpu)
         if seen != d.gpu:
-            raise ValueError(
+            raise UserError(
                 f"cluster GPU id '{d.gpu.id}' appears with different overrides in two node groups: "
                 "give one of them an inline GPU spec with its own id"
             )
@@ -48,7 +50,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 def dtype_bytes(dtype: str) -> int:
     """Bytes of an activation / gradient element for a training precision name."""
     if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPE_BYTES)}")
+        raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
 
 @dataclass(frozen=True)
@@ -58,20 +60,31 @@ class CostModel:
     seq_len: int
     dtype_bytes: int = 2
     profiles: Mapping[str, MeasuredProfile] | None = field(default=None, compare=False)
+    dtype: str | None = None  # precision name; None = from dtype_bytes (4 -> fp32, else bf16)
+    tf32: bool = True  # fp32 matmuls on TF32 tensor cores where the GPU has them (PyTorch/Megatron training)
+    calibration: Calibration | None = field(default=None, compare=False)  # None = the shipped constants
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
-            raise ValueError(f"seq_len must be a positive integer, got {self.seq_len}")
+            raise UserError(f"seq_len must be a positive integer, got {self.seq_len}")
         if self.seq_len > self.model.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"seq_len {self.seq_len} exceeds {self.model.name}'s max_seq_len {self.model.max_seq_len}: "
                 "use a shorter --seq-len"
             )
         gpus = _gpu_types(self.cluster)
         for name in self.profiles or {}:
             if name not in gpus:
-                raise ValueError(f"profile given for device type '{name}' which is not in the cluster ({', '.join(gpus)})")
+                raise UserError(f"profile given for device type '{name}' which is not in the cluster ({', '.join(gpus)})")
         object.__setattr__(self, "_gpus", gpus)
+        dtype = self.dtype or ("fp32" if self.dtype_bytes == 4 else "bf16")
+        if dtype_bytes(dtype) != self.dtype_bytes:
+            raise ValueError(f"dtype '{dtype}' has {dtype_bytes(dtype)}-byte elements, not {self.dtype_bytes}")
+        object.__setattr__(self, "dtype", dtype)
+        cal = self.calibration or shipped_calibration()
+        object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
+                                         for t, g in gpus.items() if has_hardware_model(g)})
+        object.__setattr__(self, "_affine", {})
         s, m = self.seq_len, self.model
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
         object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
@@ -84,9 +97,13 @@ class CostModel:
     @classmethod
     def for_plan(cls, plan: Plan, profiles: Mapping[str, MeasuredProfile] | None = None) -> CostModel:
         if plan.cluster is None:
-            raise ValueError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
+            raise UserError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
+        dtype = str(plan.extra.get("dtype", "bf16"))
+        recorded = (plan.extra.get("compute_model") or {}).get("calibration")
+        calibration = calibration_from_dict(recorded, "plan field 'compute_model.calibration'") if recorded else None
         return cls(cluster_from_dict(plan.cluster), plan.resolve_model(), plan.seq_len,
-                   dtype_bytes=dtype_bytes(str(plan.extra.get("dtype", "bf16"))), profiles=profiles)
+                   dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
+                   tf32=bool(plan.extra.get("tf32", True)), calibration=calibration)
 
     # -- device facts ------------------------------------------------------------------
 
@@ -94,7 +111,7 @@ class CostModel:
         try:
             return self._gpus[device_type]  # type: ignore[attr-defined]
         except KeyError:
-            raise ValueError(f"device type '{device_type}' is not in the cluster") from None
+            raise UserError(f"device type '{device_type}' is not in the cluster") from None
 
     def device_speed(self, device_type: str) -> float:
         """Relative achievable throughput of one device; the fastest type in the cluster is 1.0."""
@@ -109,10 +126,36 @@ class CostModel:
 
     def achievable_flops(self, device_type: str) -> float:
         """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
+        if device_type in self._hw and not (self.profiles and device_type in self.profiles):  # type: ignore[attr-defined]
+            # Per-sample (marginal) rate over the whole model: fixed per-layer costs amortise away at
+            # large micro-batches, so this bounds what any plan reaches (balance efficiency <= 1).
+            slope = [self._kernel_times_s(device_type, k, 2, 1) for k in ("block", "embedding", "head")]
+            base = [self._kernel_times_s(device_type, k, 1, 1) for k in ("block", "embedding", "head")]
+            per = [sum(s2) - sum(s1) for s2, s1 in zip(slope, base)]
+            per_sample_s = self.model.num_layers * per[0] + per[1] + per[2]
+            return compute.model_train_flops(self.model, self.seq_len, 1) / per_sample_s
         if self.profiles and device_type in self.profiles:
             fwd, bwd = self._profile_or_analytic(device_type, "block", 1)
             return (1.0 + compute.BACKWARD_FLOPS_FACTOR) * self._block_flops / (fwd + bwd)  # type: ignore[attr-defined]
         return self.gpu(device_type).achievable_flops
+
+    def attention(self, device_type: str) -> ops.Attention:
+        """FlashAttention where the GPU and dtype have it, else the materialised s x s scores."""
+        hw = self._hw.get(device_type)  # type: ignore[attr-defined]
+        return ops.attention_impl(hw.gpu.arch, str(self.dtype)) if hw is not None else "flash"
+
+    def compute_model_notes(self) -> dict[str, str]:
+        """Per device type, how its compute is priced (calibrated / datasheet / profile / legacy)."""
+        notes = {}
+        for t in self._gpus:  # type: ignore[attr-defined]
+            hw = self._hw.get(t)  # type: ignore[attr-defined]
+            if self.profiles and t in self.profiles:
+                notes[t] = f"{t} measured profile ({self.profiles[t].device_name})"
+            elif hw is None:
+                notes[t] = f"{t} uncalibrated (peak x efficiency {self.gpu(t).efficiency:g}: no architecture / bandwidth)"
+            else:
+                notes[t] = f"{hw.describe()}, {self.attention(t)} attention"
+        return notes
 
     # -- compute -----------------------------------------------------------------------
 
@@ -123,12 +166,35 @@ class CostModel:
             fwd, bwd = prof.layer_times_s(kind, micro_batch)  # type: ignore[arg-type]
             scale = self._profile_scale(prof, kind)
             return fwd * scale, bwd * scale
+        if device_type in self._hw:  # type: ignore[attr-defined]
+            return self._kernel_times_s(device_type, kind, micro_batch, 1)
         if kind == "embedding":
             return LAYER_OVERHEAD_S, LAYER_OVERHEAD_S
         flops = self._block_flops if kind == "block" else self._head_flops  # type: ignore[attr-defined]
         rate = self.gpu(device_type).achievable_flops
         fwd = micro_batch * flops / rate
         return fwd + LAYER_OVERHEAD_S, compute.BACKWARD_FLOPS_FACTOR * fwd + LAYER_OVERHEAD_S
+
+    def _kernel_times_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
+        """(fwd, bwd) of one layer from the per-kernel model; exact affine in the micro-batch, so cached as a line."""
+        key = (device_type, kind, tp)
+        lines = self._affine.get(key)  # type: ignore[attr-defined]
+        if lines is None:
+            hw, attn = self._hw[device_type], self.attention(device_type)  # type: ignore[attr-defined]
+            def at(b: int, backward: bool) -> float:
+                return hw.layer_s(ops.layer_kernels(kind, self.model, self.seq_len, b, tp, self.dtype_bytes, attn,
+                                                    backward))
+            lines = tuple((at(1, bw), at(2, bw) - at(1, bw)) for bw in (False, True))
+            self._affine[key] = lines  # type: ignore[attr-defined]
+        (f0, f1), (b0, b1) = lines
+        return f0 + f1 * (micro_batch - 1), b0 + b1 * (micro_batch - 1)
+
+    def _compute_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
+        """(fwd, bwd) compute of one layer on one of ``tp`` ranks (no TP communication)."""
+        if device_type in self._hw and not (self.profiles and device_type in self.profiles):  # type: ignore[attr-defined]
+            return self._kernel_times_s(device_type, kind, micro_batch, tp)
+        fwd, bwd = self._profile_or_analytic(device_type, kind, micro_batch)
+        return fwd / tp, bwd / tp
 
     def _profile_scale(self, prof: MeasuredProfile, kind: str) -> float:
         if prof.seq_len == self.seq_len and prof.model == self.model.to_dict():
@@ -150,21 +216,21 @@ class CostModel:
 
     def layer_times_s(self, device_type: str, micro_batch: int, tp: int = 1, recompute: bool = False) -> tuple[float, float]:
         """(fwd, bwd) seconds of ONE decoder block for one micro-batch (bwd includes recomputation)."""
-        fwd, bwd = self._profile_or_analytic(device_type, "block", micro_batch)
+        fwd, bwd = self._compute_s(device_type, "block", micro_batch, tp)
         comm_s = TP_ALLREDUCES_PER_PASS * self.tp_allreduce_s(device_type, tp, micro_batch)
-        fwd_total = fwd / tp + comm_s
-        bwd_total = bwd / tp + comm_s + (fwd_total if recompute else 0.0)
+        fwd_total = fwd + comm_s
+        bwd_total = bwd + comm_s + (fwd_total if recompute else 0.0)
         return fwd_total, bwd_total
 
     def end_times_s(self, device_type: str, micro_batch: int, tp: int, *, first: bool, last: bool) -> tuple[float, float]:
         """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage)."""
         fwd = bwd = 0.0
         if first:
-            f, b = self._profile_or_analytic(device_type, "embedding", micro_batch)
-            fwd, bwd = fwd + f / tp, bwd + b / tp
+            f, b = self._compute_s(device_type, "embedding", micro_batch, tp)
+            fwd, bwd = fwd + f, bwd + b
         if last:
-            f, b = self._profile_or_analytic(device_type, "head", micro_batch)
-            fwd, bwd = fwd + f / tp, bwd + b / tp
+            f, b = self._compute_s(device_type, "head", micro_batch, tp)
+            fwd, bwd = fwd + f, bwd + b
         return fwd, bwd
 
     def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
@@ -253,7 +319,11 @@ class CostModel:
 
     def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
         m, s, d = self.model, self.seq_len, self.dtype_bytes
-        analytic = memory.block_activation_bytes if kind == "block" else memory.head_activation_bytes
+        if device is not None and self.attention(device) == "materialised":
+            analytic = (memory.block_activation_bytes_materialised if kind == "block"
+                        else memory.head_activation_bytes_materialised)
+        else:
+            analytic = memory.block_activation_bytes if kind == "block" else memory.head_activation_bytes
         ours = analytic(m, s, d, tp) * micro_batch
         prof = self.profiles.get(device) if self.profiles and device else None
         measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]

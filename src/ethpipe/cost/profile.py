@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ethpipe.errors import UserError
 from ethpipe.plan import write_text_atomic
 
 PROFILE_VERSION = 1
@@ -37,12 +38,14 @@ class MeasuredProfile:
     optimizer_s_per_param: float
     peak_memory_bytes: dict[str, dict[int, int]] = field(default_factory=dict)  # kind -> mbs -> bytes
     version: int = PROFILE_VERSION
+    tp: int = 1  # tensor-parallel degree the times were taken at (times include its all-reduces)
+    tf32: bool | None = None  # fp32 matmuls on TF32 tensor cores? (None: not recorded; fp32 on Ampere+ assumes on)
 
     def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
         points = self.layers.get(kind)
         if not points:
-            raise ValueError(f"profile has no timings for layer kind '{kind}': re-run `ethpipe profile`")
+            raise UserError(f"profile has no timings for layer kind '{kind}': re-run `ethpipe profile`")
         if micro_batch in points:
             t = points[micro_batch]
             return t.fwd_s, t.bwd_s
@@ -75,6 +78,8 @@ class MeasuredProfile:
             },
             "optimizer_s_per_param": self.optimizer_s_per_param,
             "peak_memory_bytes": {k: {str(b): v for b, v in d.items()} for k, d in self.peak_memory_bytes.items()},
+            "tp": self.tp,
+            "tf32": self.tf32,
         }
 
     def save(self, path: str | Path) -> None:
@@ -96,7 +101,7 @@ def _fit(points: dict[int, LayerTiming], micro_batch: int, attr: str) -> float:
 
 def profile_from_dict(data: Any) -> MeasuredProfile:
     if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
-        raise ValueError(f"profile field 'version' must be {PROFILE_VERSION}: re-run `ethpipe profile`")
+        raise UserError(f"profile field 'version' must be {PROFILE_VERSION}: re-run `ethpipe profile`")
     try:
         layers = {
             kind: {int(b): LayerTiming(float(t["fwd_s"]), float(t["bwd_s"])) for b, t in pts.items()}
@@ -112,16 +117,18 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             layers=layers,
             optimizer_s_per_param=float(data["optimizer_s_per_param"]),
             peak_memory_bytes=memory,
+            tp=int(data.get("tp", 1)),
+            tf32=None if data.get("tf32") is None else bool(data["tf32"]),
         )
     except (KeyError, TypeError, AttributeError) as err:
-        raise ValueError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
+        raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
 
 
 def load_profile(path: str | Path) -> MeasuredProfile:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"profile file '{path}' not found: make one with `ethpipe profile --out {path}`")
+        raise UserError(f"profile file '{path}' not found: make one with `ethpipe profile --out {path}`")
     try:
         return profile_from_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as err:
-        raise ValueError(f"profile file '{path}' is not valid JSON: {err}") from None
+        raise UserError(f"profile file '{path}' is not valid JSON: {err}") from None

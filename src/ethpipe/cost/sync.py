@@ -1,4 +1,4 @@
-"""Block-wise gradient all-reduce pricing (DESIGN 2.2): the ONE place it is defined.
+"""Block-wise gradient all-reduce pricing (docs/design.md §2.2): the ONE place it is defined.
 
 The planner's estimate, its search (group level) and the simulator all price a block's
 all-reduce from a ``SyncShape``. One group per TP shard (the holder stages' shard ranks, one

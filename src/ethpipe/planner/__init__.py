@@ -8,11 +8,14 @@ from collections.abc import Mapping
 
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
+from ethpipe.cost.hardware import Calibration, shipped_calibration
 from ethpipe.cost.profile import MeasuredProfile
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
 from ethpipe.planner.options import PlannerOptions
+from ethpipe.precision import plan_dtype
 
 METHODS = ("eth", "uniform", "layer-balanced")
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -21,24 +24,27 @@ RECOMPUTE_MODES = ("auto", "never", "always")
 def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_len: int, method: str = "eth", *,
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
-              dtype: str = "bf16") -> Plan:
+              dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None) -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
     returned, and the plan's ``search`` record says it timed out). ``options`` are ETH's
     ablation knobs (``PlannerOptions``); the baselines ignore them. ``dtype`` is the training
-    precision the runtime will use (activation and gradient bytes); it is recorded in the plan
-    (``extra["dtype"]``) so the simulator prices the plan the same way.
+    precision the runtime will use (activation and gradient bytes); ``auto`` is bf16 where every
+    device has it, else fp16, and bf16 on a device without it is refused (``ethpipe.precision``).
+    It is recorded in the plan (``extra["dtype"]``) so the simulator prices the plan the same way.
     """
     if method not in METHODS:
-        raise ValueError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
+        raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"unknown recompute mode '{recompute}': use one of {', '.join(RECOMPUTE_MODES)}")
+        raise UserError(f"unknown recompute mode '{recompute}': use one of {', '.join(RECOMPUTE_MODES)}")
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global batch size must be a positive integer, got {global_batch_size!r}")
+        raise UserError(f"global batch size must be a positive integer, got {global_batch_size!r}")
     if max_tp < 1:
-        raise ValueError(f"--max-tp must be >= 1, got {max_tp}")
-    cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles)
+        raise UserError(f"--max-tp must be >= 1, got {max_tp}")
+    dtype = plan_dtype(dtype, cluster)
+    cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
+                     tf32=tf32, calibration=calibration)
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
 
@@ -51,7 +57,16 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
-    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype})
+    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "tf32": tf32,
+                                            "compute_model": compute_model_record(cost)})
+
+
+def compute_model_record(cost: CostModel) -> dict:
+    """What priced the plan's compute, written into the plan so `ethpipe simulate` prices it the same way."""
+    used = {cost.gpu(t).arch for t in cost.device_speeds()}
+    cal = cost.calibration or shipped_calibration()
+    record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source)
+    return {"devices": cost.compute_model_notes(), "calibration": record.to_dict()}
 
 
 __all__ = ["METHODS", "CostModel", "Estimate", "PlannerOptions", "estimate_iteration_s", "estimate_plan", "ideal_time_s",

@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.estimate import predicted_metrics
 from ethpipe.planner.partition import Partition
 from ethpipe.planner.timing import StageSlot, split_sizes
+from ethpipe.units import format_bytes
 
 
 def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int, micro_batch: int) -> Pipeline:
@@ -33,7 +35,7 @@ def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Se
     return Plan(**{**plan.__dict__, "predicted": predicted})
 
 
-def memory_error(cost: CostModel, recompute: str) -> ValueError:
+def memory_error(cost: CostModel, recompute: str) -> Infeasible:
     """One line naming the model, the deepest possible pipeline, the binding device and the fix."""
     depth = min(cost.model.num_layers, cost.cluster.num_devices)
     rc = recompute in ("always", "auto")
@@ -46,7 +48,11 @@ def memory_error(cost: CostModel, recompute: str) -> ValueError:
         need = fixed + num_layers * per_layer
         if need > cost.usable_memory_bytes(device):
             break
-    return ValueError(
-        f"{cost.model.name} needs {need / 2**30:.1f} GiB per stage at depth {depth} on {device} "
-        f"({cost.usable_memory_bytes(device) / 2**30:.1f} of {cost.gpu(device).memory_gib:.1f} GiB usable): {fix}"
+    usable, total = cost.usable_memory_bytes(device), cost.gpu(device).memory_bytes
+    short_bytes = math.ceil(need - usable)
+    fit = (f"{format_bytes(short_bytes)} ({short_bytes} bytes) more than" if short_bytes > 0
+           else "within, yet no layout fits,")
+    return Infeasible(
+        f"{cost.model.name} needs {format_bytes(need)} per stage at depth {depth} on {device}, {fit} its "
+        f"{format_bytes(usable)} usable (of {format_bytes(total)}): {fix}"
     )

@@ -1,4 +1,4 @@
-"""Level 3: samples -> pipelines (water-filling, DESIGN 2.1).
+"""Level 3: samples -> pipelines (water-filling, docs/design.md §2.1).
 
 Given each pipeline's non-decreasing iteration time ``T_p(n)``, choose integers ``n_p >= 1``
 with ``sum n_p = B`` minimising ``max_p T_p(n_p)``. For a makespan bound T each pipeline can
@@ -13,8 +13,10 @@ trimming move in whole micro-batches and every pipeline keeps at least one.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
+from ethpipe.errors import Infeasible
 from ethpipe.planner.timing import PipelineTiming
 
 _BISECTION_STEPS = 100
@@ -26,10 +28,13 @@ def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], to
     num_pipes = sum(counts)
     units = [t.granularity for t in timings]
     if total < sum(c * u for c, u in zip(counts, units)):
-        raise ValueError(
+        raise Infeasible(
             f"global batch {total} is smaller than the {num_pipes} pipelines of this plan need (one sample each): "
             f"use --global-batch >= {num_pipes} or fewer, deeper pipelines"
         )
+    if total % math.gcd(*units):  # else the caps below stop short of the batch and too few samples get priced
+        raise Infeasible(f"global batch {total} is not a whole number of micro-batches of {math.gcd(*units)} samples: "
+                         "use a multiple of the micro-batch size, or sample-level balance")
     lo = max(t.time_s(u) for t, u in zip(timings, units))
     hi = max(t.time_s(total - num_pipes + 1) for t in timings)
 
@@ -50,6 +55,7 @@ def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], to
     per_group = caps(hi)
     samples = [[per_group[g]] * counts[g] for g in range(len(timings))]
     _trim(timings, samples, sum(c * n for c, n in zip(counts, per_group)) - total)
+    assert sum(map(sum, samples)) == total, f"balanced {samples} samples, not the batch of {total}"
     return samples
 
 

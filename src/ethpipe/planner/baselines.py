@@ -1,4 +1,4 @@
-"""Baselines in ETH's cost model (DESIGN 2.1): what Megatron and Metis/AMP-style planners choose.
+"""Baselines in ETH's cost model (docs/design.md §2.1): what Megatron and Metis/AMP-style planners choose.
 
 * ``uniform`` (Megatron-LM): one (PP, TP) shape replicated over DP replicas taken in rank
   order, equal layers per stage (remainder to the earliest non-last stages), equal data; the
@@ -67,7 +67,8 @@ def plan_uniform(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompu
     started = time.perf_counter()
     n, num_layers = cost.cluster.num_devices, cost.model.num_layers
     node_sizes = {len(p.nodes[0]) for p in pools_of(cost)}
-    tps = [t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)]
+    tps = [t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)
+           and cost.model.tp_problem(t) is None]
     ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
     best, evaluated = None, 0
     for t in tps:
@@ -102,7 +103,8 @@ def plan_layer_balanced(cost: CostModel, global_batch: int, *, max_tp: int = 8, 
     best, evaluated, timed_out = None, 0, False
     cache: dict = {}
     for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
-        for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)):
+        for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)
+                  and cost.model.tp_problem(x) is None):
             if any((c // dp) % t for c in counts) or sum(c // dp for c in counts) // t > num_layers:
                 continue
             for order in itertools.permutations(range(len(types))):

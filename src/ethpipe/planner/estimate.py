@@ -1,4 +1,4 @@
-"""Closed-form iteration time of ANY valid plan, with block-wise gradient sync (DESIGN 2.2).
+"""Closed-form iteration time of ANY valid plan, with block-wise gradient sync (docs/design.md §2.2).
 
 Per pipeline: each stage's last backward from ``cost/pipeline.py`` (``stage_finish_s``, any
 micro-batch sizes). Then every stage all-reduces its blocks in ascending block order (the
@@ -95,7 +95,7 @@ def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False
 
 
 def ideal_time_s(cost: CostModel, global_batch: int) -> float:
-    """DESIGN section 4: model FLOPs of the iteration over the cluster's summed achievable FLOP/s."""
+    """docs/design.md §4: model FLOPs of the iteration over the cluster's summed achievable FLOP/s."""
     total = sum(cost.achievable_flops(d.gpu.id) for d in cost.cluster.devices)
     return model_train_flops(cost.model, cost.seq_len, global_batch) / total
 

@@ -1,4 +1,4 @@
-"""The ETH planner: hierarchical workload balance (DESIGN 2.1).
+"""The ETH planner: hierarchical workload balance (docs/design.md §2.1).
 
 Level 1, per pool of identical nodes: every pipeline shape that tiles the pool (depth, TP
 degree, packed into nodes or spanning k nodes, up to one layer per stage), each with the
@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
 from ethpipe.planner.grouping import Group, evaluate_groups, group_iteration_s, homogeneous_group, make_group
@@ -105,7 +106,7 @@ def _mixed_candidates(cost: CostModel, pools: Sequence[Pool], *, max_tp: int, re
     """Pipelines over k consecutive nodes of the pools that cannot hold a replica alone (fewest k that fits)."""
     nodes = [(p.device, node) for p in sorted(pools, key=lambda p: -cost.device_speed(p.device)) for node in p.nodes]
     tps = [t for t in divisors(min(p.gpus_per_node for p in pools)) if t <= max_tp and
-           all(p.gpus_per_node % t == 0 for p in pools)]
+           all(p.gpus_per_node % t == 0 for p in pools) and cost.model.tp_problem(t) is None]
     for k in range(1, len(nodes) + 1):
         chunks = [nodes[i:i + k] for i in range(0, len(nodes) - len(nodes) % k, k)]
         if len(nodes) % k:
@@ -146,7 +147,8 @@ def _interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, m
     shapes = []
     for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
         slices = [c // dp for c in counts]
-        for t in (x for x in divisors(g) if x <= max_tp and all(s % x == 0 for s in slices)):
+        for t in (x for x in divisors(g) if x <= max_tp and all(s % x == 0 for s in slices)
+                  and cost.model.tp_problem(x) is None):
             depth = sum(slices) // t
             if depth > cost.model.num_layers or depth < len(pools):
                 continue
@@ -213,7 +215,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         needy = [i for i in range(len(pools)) if i not in own]
         if needy and not options.allow_mixed:
             names = ", ".join(pools[i].device for i in needy)
-            raise ValueError(f"{cost.model.name} does not fit in homogeneous pipelines of {names} "
+            raise Infeasible(f"{cost.model.name} does not fit in homogeneous pipelines of {names} "
                              "(allow_mixed=False): allow mixed pipelines, use more nodes or a shorter --seq-len")
         for mixed_set in _mixed_sets(cost, pools, own):
             per_pool = [own[i] for i in range(len(pools)) if i in own and i not in mixed_set]
@@ -226,7 +228,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
             layouts += 1
             try:
                 found = _search(cost, per_pool, global_batch, options)
-            except ValueError as err:  # e.g. more pipelines than samples: another layout may still work
+            except Infeasible as err:  # e.g. more pipelines than samples: another layout may still work
                 error = err
                 continue
             if best is None or found[0] < best[0]:
@@ -237,7 +239,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 layouts += 1
                 try:
                     found = _search(cost, [[groups]], global_batch, options)
-                except ValueError as err:
+                except Infeasible as err:
                     error = err
                     continue
                 if best is None or found[0] < best[0]:
@@ -272,7 +274,7 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
             ) -> tuple[float, list[Group], list[list[int]]]:
     """Every combination when few, else coordinate descent from each pool's best candidate."""
     best: tuple[float, list[Group], list[list[int]]] | None = None
-    last_error: ValueError | None = None
+    last_error: Infeasible | None = None
     seen: set[tuple[int, ...]] = set()
 
     def consider(choice: Sequence[int]) -> None:
@@ -284,7 +286,7 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=not options.balance_data,
                                              flat_sync=not options.block_sync)
-        except ValueError as err:
+        except Infeasible as err:
             last_error = err
             return
         if best is None or score < best[0]:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline
 from ethpipe.planner.grouping import evaluate_groups, homogeneous_group
@@ -57,7 +58,7 @@ def exhaustive_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recom
         evaluated += 1
         try:
             score, samples = evaluate_groups(cost, list(combo), global_batch)
-        except ValueError:
+        except Infeasible:
             continue
         if best is None or score < best[0]:
             best = (score, list(combo), samples)

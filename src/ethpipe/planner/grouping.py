@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape
+from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.balance import balance_samples
 from ethpipe.planner.templates import Pool, Template, slots_for, span_instances
@@ -158,7 +159,7 @@ def equal_split(total: int, parts: int) -> list[int]:
 def equal_samples(groups: Sequence[Group], global_batch: int) -> list[list[int]]:
     num_pipes = sum(g.count for g in groups)
     if global_batch < num_pipes:
-        raise ValueError(f"global batch {global_batch} is smaller than the {num_pipes} pipelines of this plan need "
+        raise Infeasible(f"global batch {global_batch} is smaller than the {num_pipes} pipelines of this plan need "
                          f"(one sample each): use --global-batch >= {num_pipes} or fewer, deeper pipelines")
     shares = iter(equal_split(global_batch, num_pipes))
     return [[next(shares) for _ in range(g.count)] for g in groups]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ethpipe.errors import UserError
+
 BALANCE_MODES = ("data+layers", "data", "layers")
 
 
@@ -30,7 +32,7 @@ class PlannerOptions:
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
-            raise ValueError(f"PlannerOptions.balance '{self.balance}' is unknown: use one of {', '.join(BALANCE_MODES)}")
+            raise UserError(f"PlannerOptions.balance '{self.balance}' is unknown: use one of {', '.join(BALANCE_MODES)}")
 
     @property
     def balance_layers(self) -> bool:

@@ -1,4 +1,4 @@
-"""Level 2: layers -> stages inside one pipeline (DESIGN 2.1).
+"""Level 2: layers -> stages inside one pipeline (docs/design.md §2.1).
 
 All decoder blocks are identical, so a stage's time and memory are linear in its number of
 layers: ``fixed + k * per_layer`` (the fixed part holds the embedding on the first stage, the

@@ -1,4 +1,4 @@
-"""ETH's replicated-shape family: the baselines' spaces, searched by branch and bound (DESIGN 2.1).
+"""ETH's replicated-shape family: the baselines' spaces, searched by branch and bound (docs/design.md §2.1).
 
 A layout that replicates one shape (the layer-balanced space: every replica takes an equal
 share of every GPU type, in any type order; the uniform space: replicas in rank order with
@@ -26,6 +26,7 @@ from dataclasses import replace
 from itertools import pairwise
 
 from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
 from ethpipe.planner.bounds import LowerBounds
 from ethpipe.planner.grouping import Group, evaluate_groups, make_group
@@ -67,7 +68,8 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
     node_sizes = [p.gpus_per_node for p in pools]
     type_pools = {t: [p for p in pools if p.device == t] for t in types}
     for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
-        for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)):
+        for t in (x for x in divisors(min(node_sizes)) if x <= max_tp and all(g % x == 0 for g in node_sizes)
+                  and cost.model.tp_problem(x) is None):
             if any((c // dp) % t for c in counts) or sum(c // dp for c in counts) // t > cost.model.num_layers:
                 continue
             for order in itertools.permutations(range(len(types))):
@@ -102,7 +104,8 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
     ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
     devs = cost.cluster.devices
     nics = [d.nic_gbps for d in devs]
-    for t in (t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)):
+    for t in (t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)
+              and cost.model.tp_problem(t) is None):
         for d in divisors(n // t):
             replicas = n // (d * t)
             if d <= cost.model.num_layers and replicas <= global_batch:
@@ -263,7 +266,7 @@ def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, option
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=equal,
                                              flat_sync=not options.block_sync)
-        except ValueError:
+        except Infeasible:
             continue
         if not options.fine_grained and any(n % b for row in samples for n in row):
             continue

@@ -1,4 +1,4 @@
-"""Level 1 building blocks: node pools and pipeline templates (DESIGN 2.1).
+"""Level 1 building blocks: node pools and pipeline templates (docs/design.md §2.1).
 
 A *pool* is the set of nodes with one GPU type and node size. A *template* is a pipeline
 shape: its stage slots (device, TP degree, ranks of the first instance), micro-batch size b,
@@ -120,7 +120,7 @@ def pool_shapes(cost: CostModel, pool: Pool, max_tp: int) -> list[tuple[int, int
     """(depth, tp, nodes spanned) of every pipeline shape that tiles the pool."""
     g, num_layers = pool.gpus_per_node, cost.model.num_layers
     shapes = []
-    for t in (t for t in divisors(g) if t <= max_tp):
+    for t in (t for t in divisors(g) if t <= max_tp and cost.model.tp_problem(t) is None):
         for k in divisors(len(pool.nodes)):
             shapes += [(d, t, k) for d in divisors(k * g // t) if d % k == 0 and d <= num_layers]
     return shapes

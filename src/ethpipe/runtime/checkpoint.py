@@ -17,8 +17,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ethpipe.atomic import atomic_path
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import state_dict_shapes
+from ethpipe.runtime.tensor_parallel import gather_full, local_slice
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -28,40 +30,51 @@ def _is_safetensors(path: Path) -> bool:
 def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--init-from file '{path}' not found")
+        raise UserError(f"--init-from file '{path}' not found")
     try:
         if _is_safetensors(path):
             with safe_open(str(path), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ValueError(f"--init-from file '{path}' is not a readable state dict: {str(err).splitlines()[0]}") from None
+        raise UserError(f"--init-from file '{path}' is not a readable state dict: {str(err).splitlines()[0]}") from None
     if not isinstance(state, dict):
-        raise ValueError(f"--init-from file '{path}' does not hold a state dict (name -> tensor)")
+        raise UserError(f"--init-from file '{path}' does not hold a state dict (name -> tensor)")
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
 def check_checkpoint(path: str | Path, spec: ModelSpec) -> None:
-    """The file must hold exactly the model's parameters with the model's shapes."""
+    """The file must hold exactly the model's parameters with the model's shapes; a directory is a
+    Hugging Face model whose config.json must describe the plan's model (ethpipe.hf.load)."""
+    if Path(path).is_dir():
+        from ethpipe.hf.load import check_init_dir
+
+        check_init_dir(path, spec)
+        return
     have = checkpoint_shapes(path)
     want = state_dict_shapes(spec)
     missing = sorted(set(want) - set(have))
     if missing:
-        raise ValueError(f"--init-from file '{path}' has no parameter '{missing[0]}': it is not a '{spec.name}' model")
+        raise UserError(f"--init-from file '{path}' has no parameter '{missing[0]}': it is not a '{spec.name}' model")
     extra = sorted(set(have) - set(want))
     if extra:
-        raise ValueError(f"--init-from file '{path}' has parameter '{extra[0]}' that model '{spec.name}' does not have")
+        raise UserError(f"--init-from file '{path}' has parameter '{extra[0]}' that model '{spec.name}' does not have")
     for name, shape in want.items():
         if have[name] != shape:
-            raise ValueError(
+            raise UserError(
                 f"--init-from file '{path}' has '{name}' of shape {list(have[name])} but model '{spec.name}' "
                 f"needs {list(shape)}: it was saved from another model shape"
             )
 
 
 def load_into(module: nn.Module, path: str | Path) -> None:
-    """Copy this module's own parameters from a consolidated file (names are global)."""
+    """Copy this module's own parameters from a consolidated file (names are global) or a HF directory."""
     path = Path(path)
+    if path.is_dir():
+        from ethpipe.hf.load import load_stage
+
+        load_stage(module, path)
+        return
     names = list(module.state_dict().keys())
     if _is_safetensors(path):
         with safe_open(str(path), framework="pt") as f:
@@ -69,11 +82,12 @@ def load_into(module: nn.Module, path: str | Path) -> None:
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
         subset = {k: state[k] for k in names}
-    module.load_state_dict(subset)
+    tp = getattr(module, "tp", None)
+    module.load_state_dict({k: local_slice(v, k, tp) for k, v in subset.items()})  # a TP rank keeps its slice
 
 
 def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
-    """Write via a temporary file and rename, so a crash never leaves half a checkpoint."""
+    """Write durably via ``atomic_path`` (fsync, rename, directory fsync): a crash never leaves half a file."""
     path = Path(path)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
     with atomic_path(path) as tmp:
@@ -86,9 +100,13 @@ def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
 def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0,
                         skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor] | None:
     """Collect every parameter once (from pipeline 0's stages) on rank ``dst``; None elsewhere.
-    ``skip``: names this stage leaves to another (a tied last stage's copy of ``tok_emb.weight``)."""
-    local = ({k: v.detach().to("cpu") for k, v in module.state_dict().items() if k not in skip}
+    ``skip``: names this stage leaves to another (a tied last stage's copy of ``tok_emb.weight``).
+    A tensor-parallel stage gathers its slices into global tensors; its first TP rank sends them."""
+    tp = getattr(module, "tp", None)
+    local = ({k: gather_full(v.detach(), k, tp).to("cpu") for k, v in module.state_dict().items() if k not in skip}
              if in_pipeline_zero else {})
+    if tp is not None and tp.rank != 0:
+        local = {}
     rank = dist.get_rank()
     gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if rank == dst else None
     dist.gather_object(local, gathered, dst=dst)

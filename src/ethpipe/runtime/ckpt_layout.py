@@ -29,6 +29,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ethpipe.atomic import fsync_path, write_text_atomic
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import Decoder, state_dict_shapes
 
@@ -108,28 +110,28 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (path / MANIFEST).is_file():
         return path
     if not path.is_dir():
-        raise ValueError(f"checkpoint directory '{path}' not found: give the --checkpoint-dir of a run")
+        raise UserError(f"checkpoint directory '{path}' not found: give the --checkpoint-dir of a run")
     found = complete_checkpoints(path)
     if not found:
         partial = sorted(p.name for p in path.iterdir() if p.name.startswith(TMP_PREFIX))
         hint = f" (only the unfinished save '{partial[-1]}')" if partial else ""
-        raise ValueError(f"checkpoint directory '{path}' holds no complete checkpoint{hint}: "
-                         "train without --resume to start one")
+        raise UserError(f"checkpoint directory '{path}' holds no complete checkpoint{hint}: "
+                        "train without --resume to start one")
     return found[-1][1]
 
 
 def read_manifest(step_dir: Path) -> Manifest:
     path = step_dir / MANIFEST
     if not path.is_file():
-        raise ValueError(f"checkpoint '{step_dir}' has no {MANIFEST}: it is incomplete; delete it to use an older one")
+        raise UserError(f"checkpoint '{step_dir}' has no {MANIFEST}: it is incomplete; delete it to use an older one")
     try:
         manifest = Manifest.from_json(path.read_text())
     except (ValueError, KeyError, TypeError, IndexError) as err:
-        raise ValueError(f"checkpoint '{step_dir}' has a corrupt {MANIFEST} ({type(err).__name__}): "
-                         "delete the directory to resume from an older checkpoint") from None
+        raise UserError(f"checkpoint '{step_dir}' has a corrupt {MANIFEST} ({type(err).__name__}): "
+                        "delete the directory to resume from an older checkpoint") from None
     if manifest.format_version != FORMAT_VERSION:
-        raise ValueError(f"checkpoint '{step_dir}' has format version {manifest.format_version}; this ethpipe "
-                         f"reads version {FORMAT_VERSION}: use the ethpipe version that wrote it")
+        raise UserError(f"checkpoint '{step_dir}' has format version {manifest.format_version}; this ethpipe "
+                        f"reads version {FORMAT_VERSION}: use the ethpipe version that wrote it")
     return manifest
 
 
@@ -138,20 +140,20 @@ def check_files(step_dir: Path, manifest: Manifest) -> Metadata:
     for name, (size_bytes, _crc) in sorted(manifest.files.items()):
         path = step_dir / name
         if not path.is_file():
-            raise ValueError(f"checkpoint '{step_dir}' is missing file '{name}' (a lost shard): restore it, "
-                             "or delete the directory to resume from an older checkpoint")
+            raise UserError(f"checkpoint '{step_dir}' is missing file '{name}' (a lost shard): restore it, "
+                            "or delete the directory to resume from an older checkpoint")
         if path.stat().st_size != size_bytes:
-            raise ValueError(f"checkpoint '{step_dir}' file '{name}' has {path.stat().st_size} bytes, not "
-                             f"{size_bytes} (truncated or corrupt): restore it, or delete the directory")
+            raise UserError(f"checkpoint '{step_dir}' file '{name}' has {path.stat().st_size} bytes, not "
+                            f"{size_bytes} (truncated or corrupt): restore it, or delete the directory")
     try:
         metadata = FileSystemReader(str(step_dir)).read_metadata()
     except Exception as err:  # noqa: BLE001 - any unreadable metadata is the same user error
-        raise ValueError(f"checkpoint '{step_dir}' file '{DCP_METADATA}' is corrupt ({type(err).__name__}): "
-                         "restore it, or delete the directory to resume from an older checkpoint") from None
+        raise UserError(f"checkpoint '{step_dir}' file '{DCP_METADATA}' is corrupt ({type(err).__name__}): "
+                        "restore it, or delete the directory to resume from an older checkpoint") from None
     for info in metadata.storage_data.values():
         if info.relative_path not in manifest.files:
-            raise ValueError(f"checkpoint '{step_dir}' refers to shard '{info.relative_path}' that its manifest "
-                             "does not list: the directory mixes two saves; delete it")
+            raise UserError(f"checkpoint '{step_dir}' refers to shard '{info.relative_path}' that its manifest "
+                            "does not list: the directory mixes two saves; delete it")
     return metadata
 
 
@@ -176,17 +178,17 @@ def check_model(step_dir: Path, metadata: Metadata, spec: ModelSpec) -> None:
     for name, shape in state_dict_shapes(spec).items():
         entry = have.get(name)
         if not isinstance(entry, TensorStorageMetadata):
-            raise ValueError(f"checkpoint '{step_dir}' has no parameter '{name}': it is not a '{spec.name}' model; "
-                             "resume with the model it was trained with, or use a fresh --checkpoint-dir")
+            raise UserError(f"checkpoint '{step_dir}' has no parameter '{name}': it is not a '{spec.name}' model; "
+                            "resume with the model it was trained with, or use a fresh --checkpoint-dir")
         if tuple(entry.size) != shape:
-            raise ValueError(f"checkpoint '{step_dir}' has '{name}' of shape {list(entry.size)} but model "
-                             f"'{spec.name}' needs {list(shape)}: it was saved from another model shape; resume "
-                             "with the model it was trained with, or use a fresh --checkpoint-dir")
+            raise UserError(f"checkpoint '{step_dir}' has '{name}' of shape {list(entry.size)} but model "
+                            f"'{spec.name}' needs {list(shape)}: it was saved from another model shape; resume "
+                            "with the model it was trained with, or use a fresh --checkpoint-dir")
     for name in parameter_names(spec):
         for kind in OPTIM_KINDS:
             if optim_key(kind, name) not in have:
-                raise ValueError(f"checkpoint '{step_dir}' has no optimizer state '{optim_key(kind, name)}': "
-                                 "it was not written by `ethpipe train --checkpoint-dir`")
+                raise UserError(f"checkpoint '{step_dir}' has no optimizer state '{optim_key(kind, name)}': "
+                                "it was not written by `ethpipe train --checkpoint-dir`")
 
 
 def crc32_file(path: Path) -> int:
@@ -202,28 +204,14 @@ def corrupt_files(step_dir: Path, manifest: Manifest, names: list[str]) -> list[
     return [n for n in names if crc32_file(step_dir / n) != manifest.files[n][1]]
 
 
-def corrupt_error(step_dir: Path, name: str) -> ValueError:
-    return ValueError(f"checkpoint '{step_dir}' file '{name}' is corrupt (crc32 differs from its manifest): restore "
+def corrupt_error(step_dir: Path, name: str) -> UserError:
+    return UserError(f"checkpoint '{step_dir}' file '{name}' is corrupt (crc32 differs from its manifest): restore "
                       "it, or delete the directory to resume from an older checkpoint")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durable(path: Path, text: str) -> None:
-    """Temp file + fsync + rename + directory fsync: after return the file survives a power cut."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    """Temp file + fsync + rename + directory fsync (a leftover of a kill is a ``.tmp-`` file, swept later)."""
+    write_text_atomic(path, text, tmp_prefix=f"{TMP_PREFIX}{path.name}.")
 
 
 def remove_partial(root: Path) -> None:
@@ -242,7 +230,7 @@ def commit(root: Path, tmp_dir: Path, manifest: Manifest, keep: int) -> Path:
     final = root / step_dir_name(manifest.step)
     assert not final.exists(), f"{final} exists: a resumed run only saves steps after its checkpoint"
     os.replace(tmp_dir, final)
-    _fsync_dir(root)
+    fsync_path(root)
     _write_durable(root / LATEST, final.name + "\n")
     prune(root, keep)
     return final
@@ -257,9 +245,10 @@ def prune(root: Path, keep: int) -> None:
 
 
 def new_manifest(step: int, cursor: DataCursor, plan: dict[str, Any], spec: ModelSpec,
-                 files: dict[str, tuple[int, int]]) -> Manifest:
+                 files: dict[str, tuple[int, int]], extra: dict[str, Any] | None = None) -> Manifest:
+    """``extra``: run state beside weights and optimizer (the fp16 loss scaler)."""
     return Manifest(step, cursor, plan, spec.to_dict(), files, time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    torch.__version__)
+                    torch.__version__, extra=dict(extra or {}))
 
 
 def dir_size_bytes(step_dir: Path) -> int:
@@ -280,8 +269,8 @@ def check_fresh_dir(root: str | Path) -> None:
     """Refuse to start from scratch over existing checkpoints (they would be overwritten)."""
     found = complete_checkpoints(root)
     if found:
-        raise ValueError(f"--checkpoint-dir '{root}' already holds checkpoints (newest: {found[-1][1].name}): "
-                         "pass --resume to continue from it, or use another directory")
+        raise UserError(f"--checkpoint-dir '{root}' already holds checkpoints (newest: {found[-1][1].name}): "
+                        "pass --resume to continue from it, or use another directory")
 
 
 def find_resume(root: str | Path, spec: ModelSpec, seq_len: int, shuffle: bool, seed: int,
@@ -293,14 +282,14 @@ def find_resume(root: str | Path, spec: ModelSpec, seq_len: int, shuffle: bool, 
     check_model(step_dir, metadata, spec)
     saved_seq = int(manifest.plan.get("seq_len", seq_len))
     if saved_seq != seq_len:
-        raise ValueError(f"checkpoint '{step_dir}' was trained with seq_len {saved_seq} but the plan has {seq_len}: "
-                         "samples would mean other tokens; re-plan with the same seq_len")
+        raise UserError(f"checkpoint '{step_dir}' was trained with seq_len {saved_seq} but the plan has {seq_len}: "
+                        "samples would mean other tokens; re-plan with the same seq_len")
     cur = manifest.cursor
     if cur.shuffle != shuffle or (shuffle and cur.seed != seed):
         given = f"--shuffle --seed {cur.seed}" if cur.shuffle else "no --shuffle"
-        raise ValueError(f"checkpoint '{step_dir}' was trained with {given}: pass the same to continue its sample "
-                         "stream")
+        raise UserError(f"checkpoint '{step_dir}' was trained with {given}: pass the same to continue its sample "
+                        "stream")
     if shuffle and cur.num_samples != num_samples:
-        raise ValueError(f"checkpoint '{step_dir}' shuffled {cur.num_samples} samples but the data file holds "
-                         f"{num_samples}: resume with the same --data file")
+        raise UserError(f"checkpoint '{step_dir}' shuffled {cur.num_samples} samples but the data file holds "
+                        f"{num_samples}: resume with the same --data file")
     return ResumePoint(manifest.step, cur.next_sample, step_dir, manifest)

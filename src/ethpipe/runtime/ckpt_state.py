@@ -29,13 +29,15 @@ from torch.futures import Future
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint import save_atomic
+from ethpipe.runtime.ckpt_shared import SharedFilesystemError, check_shared
 from ethpipe.runtime.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
 from ethpipe.runtime.ckpt_layout import (
-    FAIL_SAVE_ENV, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files, check_model,
-    commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest, optim_key,
-    read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
+    FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files,
+    check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
+    optim_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
 from ethpipe.runtime.model import state_dict_shapes
+from ethpipe.runtime.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
 
 OptimState = dict[nn.Parameter, dict[str, torch.Tensor]]
 
@@ -84,6 +86,30 @@ def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimi
         for kind in OPTIM_KINDS:
             flat[optim_key(kind, name)] = state[kind]
     return flat, optim
+
+
+def _param_name(key: str) -> str:
+    """The parameter a flat key belongs to (``optim.exp_avg.layers.0.attn.wq.weight`` -> ``layers.0...``)."""
+    return key.split(".", 2)[2] if key.startswith("optim.") else key
+
+
+def _sharded(key: str, tp: TPGroup | None) -> bool:
+    """Whether a TP rank holds only a slice of this key's tensor (AdamW's scalar step never)."""
+    return tp is not None and not key.startswith("optim.step.") and shard_dim(_param_name(key)) is not None
+
+
+def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None) -> dict[str, torch.Tensor]:
+    """Checkpoints hold global tensors under global names, whatever the TP degree that wrote them:
+    a TP stage gathers its slices (collective over its group, keys in sorted order) and its first
+    rank writes them; the other ranks' replicated tensors are the same and are not written twice."""
+    if tp is None:
+        return flat
+    out = {}
+    for key in sorted(flat):
+        value = gather_full(flat[key], _param_name(key), tp) if _sharded(key, tp) else flat[key]
+        if tp.rank == 0:
+            out[key] = value
+    return out
 
 
 class CheckpointWriteError(RuntimeError):
@@ -138,7 +164,8 @@ def _root_cause(err: BaseException, directory: Path) -> str:
 
 
 def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
-                    spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device) -> Path:
+                    spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device,
+                    extra: dict[str, Any] | None = None) -> Path:
     """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint."""
     root = Path(root)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,16 +175,23 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
     dist.barrier()
     tmp = root / tmp_dir_name(step)
     flat, _ = rank_state(module, optimizer)
+    flat = _global_tensors(flat, getattr(module, "tp", None))
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
     try:  # DCP gathers every rank's write outcome, so all ranks fail together
         dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()))  # after .metadata is written
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - (DCP's is a BaseException)
+        cause = _root_cause(err, root)  # before freeing the partial save's space: it tells a full disk
+        dist.barrier()  # every rank has looked at the disk before rank 0 frees it
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial save took
-        raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({_root_cause(err, root)}); "
+        raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({cause}); "
                                    "the previous checkpoint is intact: free space or fix the disk, then resume"
                                    ) from None
-    names = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    try:  # node-local disks: every node holds a different part of the save
+        names = check_shared(root, tmp)
+    except SharedFilesystemError:
+        shutil.rmtree(tmp, ignore_errors=True)  # each rank's own view of the partial save
+        raise
     mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in names[rank::world]}
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, mine)  # also the barrier: every rank's shards are on disk
@@ -167,7 +201,7 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
     if rank == 0:
         files = {n: info for part in parts for n, info in part.items()}
         try:
-            outcome[0] = str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files), keep))
+            outcome[0] = str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files, extra), keep))
         except OSError as err:
             outcome[0] = CheckpointWriteError(f"could not commit checkpoint step {step} in '{root}' ({err}); the "
                                               "previous checkpoint is intact: free space or fix the disk, then resume")
@@ -183,6 +217,7 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     assert point.step_dir is not None and point.manifest is not None
     step_dir, manifest = point.step_dir, point.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
+    check_shared(step_dir.parent, step_dir, [*manifest.files, MANIFEST])
     parts: list[Any] = [None] * world
     dist.all_gather_object(parts, corrupt_files(step_dir, manifest, sorted(manifest.files)[rank::world]))
     bad = sorted(name for part in parts for name in part)
@@ -190,9 +225,16 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
         raise corrupt_error(step_dir, bad[0])  # every rank raises the same error
     flat, optim = rank_state(module, optimizer, empty_optimizer=True)
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    tp = getattr(module, "tp", None)
+    local = flat
+    flat = {k: torch.empty(tuple(saved[k].size), dtype=v.dtype, device=v.device) if _sharded(k, tp) else v
+            for k, v in local.items()}  # a TP rank reads the global tensor and keeps its slice
     rng = {kind: s.clone() for kind, s in _rng_states(device).items() if _rng_key(kind, rank) in saved}
     flat.update({_rng_key(kind, rank): s for kind, s in rng.items()})
     dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)))
+    for key, value in local.items():
+        if _sharded(key, tp):
+            value.copy_(local_slice(flat[key], _param_name(key), tp))
     for param, state in optim.items():
         optimizer.state[param] = state
     _set_rng_states(rng, device)
@@ -200,6 +242,13 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Manifest:
     """Consolidate a checkpoint's model weights into one state-dict file (global names), in this process."""
+    manifest, _, state = consolidated_weights(path)
+    save_atomic(state, out)
+    return manifest
+
+
+def consolidated_weights(path: str | Path) -> tuple[Manifest, ModelSpec, dict[str, torch.Tensor]]:
+    """A checkpoint's model weights (global names), checksums verified, read in this process."""
     step_dir = resolve_checkpoint(path)
     manifest = read_manifest(step_dir)
     metadata = check_files(step_dir, manifest)
@@ -214,8 +263,7 @@ def export_checkpoint(path: str | Path, out: str | Path) -> Manifest:
     with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    save_atomic(state, out)
-    return manifest
+    return manifest, spec, state
 
 
 def checkpoint_summary(path: str | Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Token files (nanoGPT ``.bin``: a flat uint16/uint32 array) and the global data order.
 
-DESIGN 3: sample i is ``tokens[i*s : i*s + s + 1]`` (inputs and shifted targets); step k takes
+docs/design.md §3: sample i is ``tokens[i*s : i*s + s + 1]`` (inputs and shifted targets); step k takes
 samples ``[k*B, (k+1)*B)`` (through a seeded permutation with ``shuffle``), split across
 pipelines and micro-batches in plan order. Every rank derives its own slice from the same
 formula, so no data is ever sent between ranks and a re-planned run continues in order.
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ethpipe.atomic import write_bytes_atomic
+from ethpipe.errors import UserError
 
 MAX_UINT16_VOCAB = 65536
 _CHECK_CHUNK = 1 << 24
@@ -49,15 +50,15 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
     """Memory-map a token file; the dtype comes from its ``.json`` sidecar if present, else from the vocab."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data file '{path}' not found: make one with `ethpipe data prepare --out {path}`")
+        raise UserError(f"data file '{path}' not found: make one with `ethpipe data prepare --out {path}`")
     dtype = token_dtype(vocab_size)
     side = _sidecar(path)
     if side.is_file():
         dtype = np.dtype(json.loads(side.read_text())["dtype"])
     if path.stat().st_size % dtype.itemsize:
-        raise ValueError(f"data file '{path}' has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
+        raise UserError(f"data file '{path}' has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
     if path.stat().st_size == 0:
-        raise ValueError(f"data file '{path}' is empty")
+        raise UserError(f"data file '{path}' is empty")
     return TokenFile(path, np.memmap(path, dtype=dtype, mode="r"))
 
 
@@ -87,7 +88,7 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
     available = data.num_samples(seq_len)
     needed = num_steps * global_batch_size
     if needed > available:
-        raise ValueError(
+        raise UserError(
             f"data file '{data.path}' holds {available} samples of {seq_len}+1 tokens but --steps {num_steps} x "
             f"global_batch_size {global_batch_size} needs {needed}: use fewer --steps or more data"
         )
@@ -95,7 +96,7 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
     for lo in range(0, end, _CHECK_CHUNK):
         top = int(data.tokens[lo:min(end, lo + _CHECK_CHUNK)].max())
         if top >= vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"data file '{data.path}' holds token id {top} but the model's vocab_size is {vocab_size}: "
                 "tokenize with the model's tokenizer"
             )
@@ -108,12 +109,12 @@ def _load_tokenizer(path: str | Path):  # type: ignore[no-untyped-def]
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ValueError(
+        raise UserError(
             "--tokenizer needs the optional 'tokenizers' package: `pip install tokenizers`, or omit --tokenizer "
             "for byte-level tokens"
         ) from None
     if not Path(path).is_file():
-        raise ValueError(f"tokenizer file '{path}' not found: give a Hugging Face tokenizer.json")
+        raise UserError(f"tokenizer file '{path}' not found: give a Hugging Face tokenizer.json")
     return Tokenizer.from_file(str(path))
 
 
@@ -132,7 +133,7 @@ def prepare_tokens(texts: Iterable[str], out: str | Path, tokenizer: str | Path 
         ids = np.asarray([i for enc in tok.encode_batch(list(texts)) for i in [*enc.ids]],
                          dtype=token_dtype(vocab_size))
     if ids.size < 2:
-        raise ValueError("the given text is empty: nothing to tokenize")
+        raise UserError("the given text is empty: nothing to tokenize")
     out = Path(out)
     write_bytes_atomic(out, ids.astype(token_dtype(vocab_size)).tobytes())
     write_bytes_atomic(_sidecar(out), json.dumps({"dtype": str(token_dtype(vocab_size)),
@@ -166,5 +167,5 @@ def builtin_text(max_bytes: int = 4_000_000) -> list[str]:
                     if total >= max_bytes:
                         return docs
     if not docs:
-        raise ValueError(f"no standard-library sources found under '{root}': use --text FILE instead")
+        raise UserError(f"no standard-library sources found under '{root}': use --text FILE instead")
     return docs

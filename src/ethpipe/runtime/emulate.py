@@ -1,15 +1,20 @@
 """Heterogeneity emulation for CPU runs (``--emulate``): pace every forward/backward to a target time.
 
 Each forward/backward is made to last a *target* duration of wall time by sleeping after it
-(sleeps only, so training stays exact). Two sources of targets:
+(sleeps only, so training stays exact). Two modes (``TrainConfig.emulate_mode``):
 
-* **Paced from a profile** (the plan's ``emulation.compute_s``: per rank, per micro-batch size,
-  emulated forward and backward seconds, as ``ethpipe demo`` writes them from a profile of this
-  CPU scaled by ``time_scale / speed``). Targets are deterministic and independent of the
-  machine's load, and they are exactly the compute times the simulator uses.
-* **Scaled from measurement** (any other plan): ``target = compute_s * time_scale / speed``,
-  where ``compute_s`` is the action's real compute (this thread's CPU time on CPU, wall time
-  on an accelerator) and ``speed`` the rank's device type's speed relative to the fastest type.
+* ``"paced"`` (default): where the plan carries ``emulation.compute_s`` (per rank, per
+  micro-batch size, emulated forward and backward seconds, as ``ethpipe demo`` writes them from
+  a profile of this CPU scaled by ``time_scale / speed``), the target is that number. Targets are
+  deterministic and independent of the machine's load, and they are exactly the compute times the
+  simulator uses, so a paced run tests the schedule and the overheads, not the compute model.
+  A plan without ``compute_s`` falls back to the measured rule below.
+* ``"measured"``: ``target = compute_s * time_scale / speed`` for every action (any
+  ``emulation.compute_s`` is ignored), where ``compute_s`` is the action's real compute (this
+  thread's CPU time on CPU, wall time on an accelerator) and ``speed`` the rank's device type's
+  speed relative to the fastest type. A slower emulated device takes proportionally longer than
+  the real compute, so comparing a measured run with a prediction from a profile of this CPU
+  tests the compute model too.
 
 ``time_scale`` (>= 1) slows *every* device, the fastest included, so that each rank's real
 compute is only ``speed / time_scale`` of its emulated busy time; the default keeps the whole
@@ -26,12 +31,15 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 
 # The default time scale keeps the real compute of all ranks within this fraction of the cores.
 CPU_SHARE = 0.25
+EmulateMode = Literal["paced", "measured"]
+EMULATE_MODES: tuple[EmulateMode, ...] = ("paced", "measured")
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class Slowdown:
 
     def __post_init__(self) -> None:
         if self.factor < 1.0:
-            raise ValueError(f"slowdown factor must be >= 1 (a slowdown), got {self.factor}")
+            raise UserError(f"slowdown factor must be >= 1 (a slowdown), got {self.factor}")
 
 
 def parse_slowdown(text: str) -> Slowdown:
@@ -53,10 +61,10 @@ def parse_slowdown(text: str) -> Slowdown:
         head, _, step = text.partition("@")
         rank, factor = head.split(":")
         return Slowdown(int(rank), float(factor), int(step) if step else 0)
-    except ValueError as err:
-        if "slowdown factor" in str(err):
-            raise
-        raise ValueError(f"slowdown '{text}' must look like RANK:FACTOR@STEP, e.g. 3:2.0@10") from None
+    except UserError:
+        raise
+    except ValueError:
+        raise UserError(f"slowdown '{text}' must look like RANK:FACTOR@STEP, e.g. 3:2.0@10") from None
 
 
 def relative_speeds(plan: Plan) -> dict[str, float]:
@@ -70,20 +78,20 @@ def relative_speeds(plan: Plan) -> dict[str, float]:
     if isinstance(given, Mapping):
         missing = [t for t in types if t not in given]
         if missing:
-            raise ValueError(f"plan field 'device_speeds' has no speed for device type '{missing[0]}'")
+            raise UserError(f"plan field 'device_speeds' has no speed for device type '{missing[0]}'")
         raw = {t: float(given[t]) for t in types}
     else:
         from ethpipe.catalog import get_gpu
 
         try:
             raw = {t: get_gpu(t).achievable_flops for t in types}
-        except ValueError:
-            raise ValueError(
+        except UserError:
+            raise UserError(
                 "--emulate needs relative device speeds: the plan has no 'device_speeds' field and its device "
                 f"types ({', '.join(types)}) are not all GPU catalog ids; add \"device_speeds\": {{type: speed}}"
             ) from None
     if any(v <= 0 for v in raw.values()):
-        raise ValueError("plan field 'device_speeds' must hold positive speeds")
+        raise UserError("plan field 'device_speeds' must hold positive speeds")
     fastest = max(raw.values())
     return {t: v / fastest for t, v in raw.items()}
 
@@ -102,7 +110,7 @@ def auto_time_scale(rank_speeds: Sequence[float], num_cores: int) -> float:
     needs at most ``sum(speeds) / time_scale`` cores.
     """
     if num_cores < 1 or not rank_speeds:
-        raise ValueError("auto_time_scale needs at least one core and one rank")
+        raise UserError("auto_time_scale needs at least one core and one rank")
     return max(1.0, sum(rank_speeds) / (CPU_SHARE * num_cores))
 
 
@@ -111,11 +119,11 @@ def emulation_time_scale(plan: Plan, num_cores: int | None = None) -> float:
     section = plan.extra.get("emulation")
     if section is not None:
         if not isinstance(section, Mapping):
-            raise ValueError("plan field 'emulation' must be an object like {\"time_scale\": 4.0}")
+            raise UserError("plan field 'emulation' must be an object like {\"time_scale\": 4.0}")
         given = section.get("time_scale")
         if given is not None:
             if isinstance(given, bool) or not isinstance(given, (int, float)) or given < 1.0:
-                raise ValueError(f"plan field 'emulation.time_scale' must be a number >= 1, got {given!r}")
+                raise UserError(f"plan field 'emulation.time_scale' must be a number >= 1, got {given!r}")
             return float(given)
     speeds = relative_speeds(plan)
     rank_speeds = [speeds[stage.device] for pipe in plan.pipelines for stage in pipe.stages for _ in stage.ranks]
@@ -141,8 +149,8 @@ def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]
         return ()
     where = "plan field 'emulation.compute_s'"
     if not isinstance(table, Mapping) or str(rank) not in table or not isinstance(table[str(rank)], Mapping):
-        raise ValueError(f"{where} has no targets for rank {rank}: "
-                         "give {\"RANK\": {\"MICRO_BATCH\": [fwd_s, bwd_s]}}")
+        raise UserError(f"{where} has no targets for rank {rank}: "
+                        "give {\"RANK\": {\"MICRO_BATCH\": [fwd_s, bwd_s]}}")
     pos = plan.position_of(rank)
     sizes = set(plan.pipelines[pos.pipeline].micro_batch_sizes)
     out = []
@@ -151,13 +159,13 @@ def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]
             fwd, bwd = (float(v) for v in pair)
             size = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s]") from None
+            raise UserError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s]") from None
         if fwd < 0 or bwd < 0:
-            raise ValueError(f"{where}[{rank}][{key}] must not be negative")
+            raise UserError(f"{where}[{rank}][{key}] must not be negative")
         out.append((size, fwd, bwd))
     missing = sizes - {size for size, _, _ in out}
     if missing:
-        raise ValueError(f"{where}[{rank}] has no target for micro-batch size {min(missing)}")
+        raise UserError(f"{where}[{rank}] has no target for micro-batch size {min(missing)}")
     return tuple(sorted(out))
 
 
@@ -204,12 +212,20 @@ class Emulator:
         return sleep
 
 
+def check_emulate_mode(mode: str) -> None:
+    if mode not in EMULATE_MODES:
+        raise UserError(f"--emulate-mode must be {' or '.join(EMULATE_MODES)}, got {mode!r}")
+
+
 def make_emulator(plan: Plan, rank: int, slowdowns: tuple[Slowdown, ...] = (),
-                  num_cores: int | None = None) -> Emulator:
+                  num_cores: int | None = None, mode: EmulateMode = "paced") -> Emulator:
+    """Rank ``rank``'s emulator; ``mode="measured"`` ignores the plan's paced targets (see the module docstring)."""
+    check_emulate_mode(mode)
     for s in slowdowns:
         if not 0 <= s.rank < plan.world_size:
-            raise ValueError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
+            raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
     pos = plan.position_of(rank)
     device = plan.pipelines[pos.pipeline].stages[pos.stage].device
+    paced = paced_targets(plan, rank) if mode == "paced" else ()
     return Emulator(relative_speeds(plan)[device], emulation_time_scale(plan, num_cores),
-                    tuple(s for s in slowdowns if s.rank == rank), paced_targets(plan, rank))
+                    tuple(s for s in slowdowns if s.rank == rank), paced)

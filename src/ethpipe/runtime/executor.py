@@ -16,24 +16,36 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ethpipe.runtime.emulate import Emulator
 from ethpipe.schedule import Action
 
-ACT_DTYPE = torch.float32  # activations cross stage boundaries in fp32 (also under bf16 autocast)
-
-
 @dataclass(frozen=True)
 class StageIO:
-    """Where this stage's inputs come from and outputs go (global ranks in its pipeline group)."""
+    """Where this stage's inputs come from and outputs go (global ranks in its pipeline group).
+
+    Activations cross stage boundaries in ``act_dtype``: the parameters' dtype (fp32 also under
+    bf16 autocast, fp64 in the exactness mode), and the loss is summed in it too.
+    """
 
     group: dist.ProcessGroup
     prev_rank: int | None
     next_rank: int | None
     hidden_size: int
     seq_len: int
+    act_dtype: torch.dtype = torch.float32
+    next_ranks: tuple[int, ...] | None = None  # where outputs go (None: (next_rank,)); under tp, several or none
+    prev_ranks: tuple[int, ...] | None = None  # where input gradients go (None: (prev_rank,))
+    count_loss: bool = True  # False on all but the first rank of a TP group: the loss is replicated there
+
+    @property
+    def output_ranks(self) -> tuple[int, ...]:
+        return self.next_ranks if self.next_ranks is not None else tuple(r for r in (self.next_rank,) if r is not None)
+
+    @property
+    def input_grad_ranks(self) -> tuple[int, ...]:
+        return self.prev_ranks if self.prev_ranks is not None else tuple(r for r in (self.prev_rank,) if r is not None)
 
 
 @dataclass
@@ -76,7 +88,7 @@ def run_stage_step(
     assert (inputs is not None) == first and (targets is not None) == last
     stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
     sends: list[tuple[dist.Work, torch.Tensor]] = []
-    loss_total = torch.zeros((), dtype=torch.float32, device=device)
+    loss_total = torch.zeros((), dtype=io.act_dtype, device=device)
     step_start = time.time()
     num_backward = sum(1 for a in actions if a.kind == "B")
     done_backward = 0
@@ -110,7 +122,7 @@ def run_stage_step(
                 x: torch.Tensor | None = None
                 inp = inputs[mb]  # type: ignore[index]
             else:
-                buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=ACT_DTYPE, device=device)
+                buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=io.act_dtype, device=device)
                 dist.recv(buf, src=io.prev_rank, group=io.group)
                 x = inp = buf.requires_grad_()
 
@@ -118,18 +130,17 @@ def run_stage_step(
                 with autocast():
                     out = module(inp)
                 if last:
-                    logits = out.float()
-                    return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets[mb].reshape(-1),  # type: ignore[index]
-                                           reduction="sum") * loss_scale
-                return out.to(ACT_DTYPE)
+                    return module.loss_sum(out.to(io.act_dtype), targets[mb]) * loss_scale  # type: ignore[index,operator]
+                return out.to(io.act_dtype)
 
             out = timed(action, size, forward)
             assert out is not None
             if last:
-                loss_total += out.detach()
+                if io.count_loss:
+                    loss_total += out.detach()
             else:
                 payload = out.detach()
-                sends.append((dist.isend(payload, dst=io.next_rank, group=io.group), payload))
+                sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.output_ranks)
             stash[mb] = (x, out)
         else:
             x, out = stash.pop(mb)
@@ -142,7 +153,7 @@ def run_stage_step(
             if not first:
                 assert x is not None and x.grad is not None
                 payload = x.grad
-                sends.append((dist.isend(payload, dst=io.prev_rank, group=io.group), payload))
+                sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.input_grad_ranks)
             done_backward += 1
             if done_backward == num_backward:
                 timeline.phase_s = time.time() - step_start

@@ -9,6 +9,8 @@ They pinpoint a fault at a moment a test cannot hit from outside (docs/reliabili
   it fires in the first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so the restart recovers.
 - ``ETHPIPE_TEST_ENOSPC_AT_SAVE=STEP`` makes every rank's checkpoint write of step STEP fail with
   ``OSError(ENOSPC)`` (disk full, where a size-limited tmpfs cannot be mounted).
+- ``ETHPIPE_TEST_OVERFLOW=RANK@STEP`` writes inf into one gradient element of rank RANK after the
+  block all-reduces of step STEP (an fp16 overflow, for the loss scaler).
 - ``ETHPIPE_TEST_HANG=RANK@STEP`` (RANK ``*`` = every rank) makes the rank sleep forever at the
   start of step STEP, outside any collective: only the watchdog can end it.
 """
@@ -23,9 +25,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ethpipe.errors import UserError
+
 KILL_ENV = "ETHPIPE_TEST_KILL"
 ENOSPC_ENV = "ETHPIPE_TEST_ENOSPC_AT_SAVE"
 HANG_ENV = "ETHPIPE_TEST_HANG"
+OVERFLOW_ENV = "ETHPIPE_TEST_OVERFLOW"
 KILL_POINTS = ("forward", "allreduce", "save")
 
 
@@ -44,7 +49,7 @@ def kill_spec() -> KillSpec | None:
     head, _, step = text.partition("@")
     rank, _, point = head.partition(":")
     if point not in KILL_POINTS:
-        raise ValueError(f"{KILL_ENV}={text!r} must look like RANK:POINT@STEP with POINT one of {KILL_POINTS}")
+        raise UserError(f"{KILL_ENV}={text!r} must look like RANK:POINT@STEP with POINT one of {KILL_POINTS}")
     return KillSpec(int(rank), point, int(step))
 
 
@@ -66,6 +71,16 @@ def maybe_hang(rank: int, step: int) -> None:
     if int(at) == step and who in ("*", str(rank)):
         while True:
             time.sleep(3600)
+
+
+def maybe_overflow(module: nn.Module, rank: int, step: int) -> None:
+    text = os.environ.get(OVERFLOW_ENV)
+    if not text:
+        return
+    who, _, at = text.partition("@")
+    if int(at) == step and who == str(rank):
+        param = next(p for p in module.parameters() if p.grad is not None)
+        param.grad.view(-1)[0] = float("inf")
 
 
 class ForwardKill:

@@ -1,8 +1,9 @@
-"""Block-wise gradient aggregation (DESIGN 2.2) and global-norm clipping that counts each block once.
+"""Block-wise gradient aggregation (docs/design.md §2.2) and global-norm clipping that counts each block once.
 
-After a stage's last backward, each of its blocks is all-reduced (SUM) in that block's group
-(one rank per pipeline), asynchronously and in ascending block order on every rank: one
-global order, so overlapping groups cannot deadlock. With the loss scaled by
+After a stage's last backward, each of its blocks is all-reduced (SUM) among the block's holders
+(one rank per pipeline; with tensor parallelism, slice by slice as ``sync_layout`` lays out),
+asynchronously and in ascending block order on every rank: one global order, so overlapping
+groups cannot deadlock. With the loss scaled by
 ``1 / global_batch_tokens`` the SUM is exactly the global-mean gradient.
 
 Tied embeddings: the embedding matrix (``tok_emb.weight``, on first stages, and the copy on
@@ -14,6 +15,7 @@ and every copy ends with the full gradient.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ethpipe.plan import Plan
-from ethpipe.runtime.groups import tied_ranks
 from ethpipe.runtime.model import TIED_WEIGHT
+from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit, tied_stages
+from ethpipe.runtime.tensor_parallel import shard_dim
 
 _FIRST_PARTS = ("tok_emb.", "pos_emb.")
 _LAST_PARTS = ("norm.", "head.")
@@ -39,13 +42,13 @@ def block_of_parameter(plan: Plan, name: str) -> int:
     return len(plan.blocks) - 1
 
 
-def params_by_block(plan: Plan, module: nn.Module, tied: bool = False) -> dict[int, list[nn.Parameter]]:
-    """This stage's parameters grouped by block, each list in the module's (deterministic) order;
+def params_by_block(plan: Plan, module: nn.Module, tied: bool = False) -> dict[int, list[str]]:
+    """This stage's parameter names grouped by block, each list in the module's (deterministic) order;
     ``tied``: without the tied embedding matrix (``tied_parameters`` syncs it)."""
-    out: dict[int, list[nn.Parameter]] = {}
-    for name, param in module.named_parameters():
+    out: dict[int, list[str]] = {}
+    for name, _ in module.named_parameters():
         if not (tied and name == TIED_WEIGHT):
-            out.setdefault(block_of_parameter(plan, name), []).append(param)
+            out.setdefault(block_of_parameter(plan, name), []).append(name)
     return dict(sorted(out.items()))
 
 
@@ -54,18 +57,29 @@ def tied_parameters(module: nn.Module, tied: bool) -> list[nn.Parameter]:
     return [p for name, p in module.named_parameters() if tied and name == TIED_WEIGHT]
 
 
-def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive runs of at most ``bucket_bytes`` (0: the whole block in one all-reduce)."""
+def _views(params: Mapping[str, nn.Parameter], slices: Sequence[SyncSlice]) -> list[torch.Tensor]:
+    """The gradient views a unit sums (a missing gradient becomes zeros: the stage had no use for it)."""
+    out = []
+    for sl in slices:
+        p = params[sl.name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad if sl.dim is None else p.grad.narrow(sl.dim, sl.start, sl.length))
+    return out
+
+
+def _buckets(views: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of at most ``bucket_bytes`` (0: the whole unit in one all-reduce)."""
     if bucket_bytes <= 0:
-        return [params]
-    out: list[list[nn.Parameter]] = [[]]
+        return [views]
+    out: list[list[torch.Tensor]] = [[]]
     size = 0
-    for p in params:
-        nbytes = p.numel() * p.element_size()
+    for v in views:
+        nbytes = v.numel() * v.element_size()
         if out[-1] and size + nbytes > bucket_bytes:
             out.append([])
             size = 0
-        out[-1].append(p)
+        out[-1].append(v)
         size += nbytes
     return out
 
@@ -73,42 +87,41 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Para
 @dataclass
 class _Pending:
     label: str  # "block 3" or "tied" (trace slices)
-    params: list[nn.Parameter]
+    views: list[torch.Tensor]
     flat: torch.Tensor
     work: dist.Work | None
 
 
 @dataclass
 class BlockGradSync:
-    """Issue every block's all-reduce, then the tied one (``start``); wait and scatter back (``finish``)."""
+    """Issue every unit's all-reduce (``start``); wait and scatter back (``finish``).
 
-    blocks: dict[int, list[nn.Parameter]]
-    groups: dict[int, dist.ProcessGroup]
+    ``units`` come from ``sync_layout.sync_units`` then ``tied_units`` (the global order);
+    ``groups`` maps a unit's holder tuple to its process group.
+    """
+
+    params: Mapping[str, nn.Parameter]
+    units: list[SyncUnit]
+    groups: Mapping[tuple[int, ...], dist.ProcessGroup]
     bucket_bytes: int = 0
-    tied: list[nn.Parameter] = field(default_factory=list)  # this rank's copy of the tied matrix, if any
-    tied_group: dist.ProcessGroup | None = None
     pending: list[_Pending] = field(default_factory=list)
     started_s: float = 0.0  # wall time the all-reduces were issued (for traces)
 
     def start(self) -> None:
         assert not self.pending, "start() called twice without finish()"
-        assert (self.tied_group is not None) == bool(self.tied), "a tied copy needs the tied group"
         self.started_s = time.time()
-        for b_idx in sorted(self.blocks):
-            for params in _buckets(self.blocks[b_idx], self.bucket_bytes):
-                self._issue(f"block {b_idx}", params, self.groups[b_idx])
-        if self.tied_group is not None:  # after every block: still one global order
-            self._issue("tied", self.tied, self.tied_group)
+        for unit in self.units:
+            for views in _buckets(_views(self.params, unit.slices), self.bucket_bytes):
+                self._issue(unit.label, views, self.groups[unit.holders], unit.divide_by)
 
-    def _issue(self, label: str, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+    def _issue(self, label: str, views: list[torch.Tensor], group: dist.ProcessGroup, divide_by: int = 1) -> None:
+        flat = torch.cat([v.reshape(-1) for v in views])
+        if divide_by != 1:
+            flat.div_(divide_by)
         work = None
         if dist.get_world_size(group) > 1:
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self.pending.append(_Pending(label, params, flat, work))
+        self.pending.append(_Pending(label, views, flat, work))
 
     def finish(self, on_done=None) -> None:  # type: ignore[no-untyped-def]
         """Wait in issue order; ``on_done(label)`` ("block 3", "tied") is called after each bucket (tracing)."""
@@ -116,23 +129,27 @@ class BlockGradSync:
             if item.work is not None:
                 item.work.wait()
             offset = 0
-            for p in item.params:
-                n = p.numel()
-                p.grad.copy_(item.flat[offset:offset + n].view_as(p.grad))
+            for view in item.views:
+                n = view.numel()
+                view.copy_(item.flat[offset:offset + n].view(view.shape))
                 offset += n
             if on_done is not None:
                 on_done(item.label)
         self.pending.clear()
 
 
-def owned_square_norm(plan: Plan, rank: int, blocks: dict[int, list[nn.Parameter]],
+def owned_square_norm(plan: Plan, rank: int, params: Mapping[str, nn.Parameter], blocks: dict[int, list[str]],
                       tied: list[nn.Parameter] | None = None) -> float:
     """Sum of squared gradients over the blocks this rank holds in pipeline 0 (after sync every
     holder has the same gradient, so counting only pipeline 0's copy counts each block once);
+    under tp, every rank counts its shards and the first TP rank the replicated parameters;
     the tied matrix counts once, on the tied group's first rank."""
     total = torch.zeros((), dtype=torch.float64)
-    owned = [p for b_idx, params in blocks.items() if plan.blocks[b_idx].ranks[0] == rank for p in params]
-    if tied and tied_ranks(plan)[0] == rank:
+    pos = plan.position_of(rank)
+    tp = plan.pipelines[pos.pipeline].stages[pos.stage].tp
+    owned = [params[n] for names in blocks.values() for n in names
+             if pos.pipeline == 0 and (pos.tp_rank == 0 or (tp > 1 and shard_dim(n) is not None))]
+    if tied and rank in tied_stages(plan)[0]:  # pipeline 0's first stage; each TP rank its vocab shard
         owned += tied
     for p in owned:
         if p.grad is not None:

@@ -1,8 +1,10 @@
-"""Process groups of a plan: one per pipeline (p2p), one per gradient block (all-reduce), and
-with tied embeddings one "tied group" of every rank holding a copy of the embedding matrix.
+"""Process groups of a plan: one per pipeline (p2p), one per tensor-parallel stage, and the
+gradient sync's groups (``sync_layout.holder_sets``: one per block, plus one per slice pattern
+where TP degrees differ, and with tied embeddings the groups of the ranks holding a copy of the
+embedding matrix).
 
-Every rank creates every group in the same order (pipelines in plan order, then blocks in
-block order, then the tied group), because ``new_group`` is collective over the world. Each
+Every rank creates every group in the same order (pipelines in plan order, TP stages, then the
+sync's holder sets), because ``new_group`` is collective over the world. Each
 group gets the timeout explicitly: ``new_group`` does not inherit the one given to
 ``init_process_group``, and a hang would otherwise wait 30 minutes.
 """
@@ -15,6 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ethpipe.plan import Plan, RankPosition
+from ethpipe.runtime.sync_layout import holder_sets
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,13 @@ class RankGroups:
     rank: int
     position: RankPosition
     pipeline_group: dist.ProcessGroup  # this rank's pipeline
-    block_groups: dict[int, dist.ProcessGroup]  # block index -> group, for this rank's blocks
+    block_groups: dict[tuple[int, ...], dist.ProcessGroup]  # holder ranks -> group, for this rank's sync units
     all_groups: tuple[dist.ProcessGroup, ...]  # every group this rank is in (to destroy afterwards)
-    prev_rank: int | None  # previous stage's rank in this pipeline (global rank)
-    next_rank: int | None
-    tied_group: dist.ProcessGroup | None = None  # the tied group, if the model ties and this rank holds a copy
+    prev_rank: int | None  # where this stage's input comes from (global rank; None: first stage)
+    next_rank: int | None  # where the gradient of its output comes from (None: last stage)
+    tp_group: dist.ProcessGroup | None = None  # this stage's TP group (None at tp 1)
+    next_ranks: tuple[int, ...] = ()  # where its output goes (every next-stage rank k with k % tp == mine)
+    prev_ranks: tuple[int, ...] = ()  # where its input gradient goes (every previous-stage rank j with j % tp == mine)
 
 
 def tied_ranks(plan: Plan) -> tuple[int, ...]:
@@ -42,7 +47,7 @@ def tied_ranks(plan: Plan) -> tuple[int, ...]:
 
 
 def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False) -> RankGroups:
-    """This rank's groups; ``tied`` (the model ties its embeddings) adds the tied group after the blocks."""
+    """This rank's groups; ``tied`` (the model ties its embeddings) adds the tied matrix's groups."""
     position = plan.position_of(rank)
     created: list[dist.ProcessGroup] = []
     mine_pipe: dist.ProcessGroup | None = None
@@ -51,24 +56,30 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False) 
         if p_idx == position.pipeline:
             mine_pipe = group
             created.append(group)
-    blocks: dict[int, dist.ProcessGroup] = {}
-    for b_idx, block in enumerate(plan.blocks):
-        group = dist.new_group(ranks=list(block.ranks), timeout=timeout)
-        if rank in block.ranks:
-            blocks[b_idx] = group
-            created.append(group)
-    tied_group: dist.ProcessGroup | None = None
-    if tied:
-        holders = tied_ranks(plan)
+    tp_group: dist.ProcessGroup | None = None
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            if len(stage.ranks) > 1:
+                group = dist.new_group(ranks=list(stage.ranks), timeout=timeout)
+                if rank in stage.ranks:
+                    tp_group = group
+                    created.append(group)
+    blocks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for holders in holder_sets(plan, tied):
         group = dist.new_group(ranks=list(holders), timeout=timeout)
         if rank in holders:
-            tied_group = group
+            blocks[holders] = group
             created.append(group)
     assert mine_pipe is not None
     stages = plan.pipelines[position.pipeline].stages
-    prev_rank = stages[position.stage - 1].ranks[position.tp_rank] if position.stage > 0 else None
-    next_rank = stages[position.stage + 1].ranks[position.tp_rank] if position.stage + 1 < len(stages) else None
-    return RankGroups(rank, position, mine_pipe, blocks, tuple(created), prev_rank, next_rank, tied_group)
+    i, tp = position.tp_rank, len(stages[position.stage].ranks)
+    prev = stages[position.stage - 1].ranks if position.stage > 0 else ()
+    nxt = stages[position.stage + 1].ranks if position.stage + 1 < len(stages) else ()
+    # Activations and their gradients are replicated over a TP group: each receiving rank k takes
+    # them from the sending stage's rank k % (its degree), so every rank gets them exactly once.
+    return RankGroups(rank, position, mine_pipe, blocks, tuple(created),
+                      prev[i % len(prev)] if prev else None, nxt[i % len(nxt)] if nxt else None, tp_group, tuple(r for k, r in enumerate(nxt) if k % tp == i),
+                      tuple(r for j, r in enumerate(prev) if j % tp == i))
 
 
 def destroy_groups(groups: RankGroups) -> None:

@@ -3,7 +3,9 @@
 Local runs rendezvous through a FileStore in a fresh temporary directory, so they never race
 for a port. Each local worker dies with its parent (PR_SET_PDEATHSIG) and runs one compute
 thread. A rank that fails ends the whole world: ``torch.multiprocessing`` terminates the other
-workers, and a user error (ValueError) on any rank comes back to the caller as that one line.
+workers, and a user error (``UserError``) on any rank comes back to the caller as that one line.
+Any other exception is a crash: the first crashed rank's traceback outlives the run directory
+in a crash report (``ethpipe.errors.write_crash_report``) that ``TrainingFailed`` names.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import CheckpointException
 
+from ethpipe.errors import UserError, write_crash_report
 from ethpipe.plan import Plan
+from ethpipe.runtime.matmul_mode import apply_tf32
 from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
 from ethpipe.runtime.watchdog import WATCHDOG_EXIT_CODE
 
@@ -32,12 +36,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 class TrainingFailed(RuntimeError):
-    """A rank died or crashed: ``str()`` is one line naming the rank and the root cause; ``details``
-    holds the crashed rank's traceback, if any."""
+    """A rank died or crashed: ``str()`` is one line naming the rank, the root cause and, for a crash,
+    the kept crash report; ``details`` holds the crashed rank's traceback (also in ``report``)."""
 
-    def __init__(self, message: str, details: str = "") -> None:
+    def __init__(self, message: str, details: str = "", report: Path | None = None) -> None:
         super().__init__(message)
         self.details = details
+        self.report = report
 
 
 def in_torchrun() -> bool:
@@ -51,7 +56,7 @@ def pick_device(config: TrainConfig, local_rank: int, local_world_size: int) -> 
         return torch.device("cpu")
     count = torch.accelerator.device_count()
     if local_world_size > count:
-        raise ValueError(
+        raise UserError(
             f"this machine has {count} accelerators but {local_world_size} ranks would share them: "
             "run with --device cpu, or launch across machines with torchrun"
         )
@@ -79,8 +84,9 @@ def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, r
     torch.set_num_threads(num_threads)
     try:
         device = pick_device(config, rank, world_size)
+        apply_tf32(plan, device)
         records = train(plan, config, rank, world_size, device, init_method=f"file://{run_dir}/store")
-    except ValueError as err:
+    except UserError as err:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         Path(run_dir, f"error-{rank:05d}.txt").write_text(message)
         raise SystemExit(2) from None
@@ -113,7 +119,7 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
         except (mp.ProcessExitedException, mp.ProcessRaisedException):
             errors = sorted(Path(run_dir).glob("error-*.txt"))
             if errors:
-                raise ValueError(errors[0].read_text()) from None
+                raise UserError(errors[0].read_text()) from None
             raise _failure(context.processes, Path(run_dir)) from None
         finally:
             for proc in context.processes:
@@ -123,7 +129,8 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
 
 
 def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
-    """The root cause in one line: a rank killed by a signal or the watchdog, else the first crash.
+    """The root cause in one line: a rank killed by a signal or the watchdog, else the first crash
+    (its traceback copied to a crash report, since ``run_dir`` is deleted).
 
     ``torch.multiprocessing`` ends the other ranks with SIGTERM once one fails, and the peers of a
     dead rank crash on their broken connections, so those are consequences, not causes.
@@ -143,7 +150,9 @@ def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
     if crashes:
         text = crashes[0].read_text()
         lines = [line for line in text.strip().splitlines() if line.strip()]
-        return TrainingFailed(f"training failed on {lines[0].split(':')[0]}: {lines[-1].strip()}", text)
+        report = write_crash_report(text)
+        return TrainingFailed(f"training failed on {lines[0].split(':')[0]}: {lines[-1].strip()} "
+                              f"(traceback in {report})", text, report)
     return TrainingFailed(f"training failed: ranks exited with codes {codes}")
 
 
@@ -154,6 +163,7 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     check_plan_runnable(plan, world_size)
     device = pick_device(config, local_rank, local_world)
+    apply_tf32(plan, device)
     return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config))
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ethpipe.plan import Plan, write_text_atomic
 
 # Fields of the per-rank stats vector, in order.
-STAT_FIELDS = ("loss_part", "square_norm_part", "busy_s", "idle_s", "sync_exposed_s")
+STAT_FIELDS = ("loss_part", "square_norm_part", "busy_s", "idle_s", "sync_exposed_s", "nonfinite_part")
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,12 @@ class StepStats:
     pipeline_idle_s: tuple[float, ...]  # mean over a pipeline's stages of waiting time in the 1F1B phase
     grad_sync_exposed_s: float  # max over ranks of time blocked on block all-reduces after the last backward
     rank_busy_s: tuple[float, ...] = ()  # F/B busy time of every rank (the same on every rank: rebalancing input)
+    num_nonfinite: int = 0  # inf/nan gradient elements over the world (fp16 loss scaling skips the step if > 0)
 
 
 def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> StepStats:
     """World all-gather of every rank's stats vector (the one metrics collective per step)."""
-    local = torch.tensor([values[f] for f in STAT_FIELDS], dtype=torch.float64, device=device)
+    local = torch.tensor([values.get(f, 0.0) for f in STAT_FIELDS], dtype=torch.float64, device=device)
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     table = torch.stack(parts).cpu()
@@ -51,6 +52,7 @@ def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> 
         pipeline_idle_s=tuple(idle),
         grad_sync_exposed_s=float(col["sync_exposed_s"].max()),
         rank_busy_s=tuple(float(x) for x in col["busy_s"]),
+        num_nonfinite=int(col["nonfinite_part"].sum()),
     )
 
 

@@ -23,9 +23,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.runtime.tensor_parallel import (
+    TPGroup, VocabParallelEmbedding, copy_to_tp, linear, local_slice, vocab_parallel_cross_entropy_sum,
+)
 
 INIT_STD = 0.02
 TIED_WEIGHT = "tok_emb.weight"  # with tie_embeddings: the embedding matrix, also the output head
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.float32,  # 16-bit: autocast
+                "fp64": torch.float64}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms and RoPE run in at least fp32 (as in Llama), and in fp64 when the model is fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -35,9 +45,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).type_as(x)
+        wide = compute_dtype(x.dtype)
+        x_wide = x.to(wide)
+        normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.to(wide)).type_as(x)
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
@@ -46,38 +57,61 @@ def make_norm(spec: ModelSpec) -> nn.Module:
     return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
 
 
-def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (seq_len, head_dim/2), computed in fp32 (cheap; recomputed per forward)."""
+def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim/2), in ``dtype`` (fp32, or fp64; cheap, recomputed per forward)."""
     half = spec.head_dim_resolved // 2
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    inv_freq = scale_rope_frequencies(
+        spec, 1.0 / (spec.rope_theta ** (torch.arange(0, half, device=device, dtype=dtype) / half)))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def scale_rope_frequencies(spec: ModelSpec, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Context-extension scaling of the RoPE frequencies, as Hugging Face computes it (linear, llama3)."""
+    if spec.rope_scaling == "linear":
+        return inv_freq / spec.rope_factor
+    if spec.rope_scaling != "llama3":
+        return inv_freq
+    low_wavelen = spec.rope_original_max_seq_len / spec.rope_low_freq_factor
+    high_wavelen = spec.rope_original_max_seq_len / spec.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / spec.rope_factor, inv_freq)
+    smooth = ((spec.rope_original_max_seq_len / wavelen - spec.rope_low_freq_factor)
+              / (spec.rope_high_freq_factor - spec.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / spec.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (first half, second half) of the head dim (Llama/HF convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Causal self-attention; with tensor parallelism this rank computes 1/tp of the (kv) heads."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
+        size = tp.size if tp is not None else 1
+        self.num_heads, self.num_kv_heads = spec.num_heads // size, spec.num_kv_heads // size
         qkv_bias = spec.attention_bias or spec.qkv_bias
         h = spec.hidden_size
-        self.wq = nn.Linear(h, spec.q_dim, bias=qkv_bias)
-        self.wk = nn.Linear(h, spec.kv_dim, bias=qkv_bias)
-        self.wv = nn.Linear(h, spec.kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(spec.q_dim, h, bias=spec.attention_bias)
+        self.wq = linear(h, spec.q_dim, qkv_bias, "column", tp)
+        self.wk = linear(h, spec.kv_dim, qkv_bias, "column", tp)
+        self.wv = linear(h, spec.kv_dim, qkv_bias, "column", tp)
+        self.wo = linear(spec.q_dim, h, spec.attention_bias, "row", tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec
-        q = self.wq(x).view(b, t, s.num_heads, s.head_dim_resolved).transpose(1, 2)
-        k = self.wk(x).view(b, t, s.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
-        v = self.wv(x).view(b, t, s.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
+        q = self.wq(x).view(b, t, self.num_heads, s.head_dim_resolved).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         repeat = s.num_heads // s.num_kv_heads
@@ -85,32 +119,33 @@ class Attention(nn.Module):
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, s.q_dim))
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.num_heads * s.head_dim_resolved))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.swiglu = spec.activation == "swiglu"
+        self.gelu_approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         h, f = spec.hidden_size, spec.ffn_hidden_size
-        self.w1 = nn.Linear(h, f, bias=spec.mlp_bias)  # gate (SwiGLU) or up (GELU)
-        self.w2 = nn.Linear(f, h, bias=spec.mlp_bias)  # down
+        self.w1 = linear(h, f, spec.mlp_bias, "column", tp)  # gate (SwiGLU) or up (GELU)
+        self.w2 = linear(f, h, spec.mlp_bias, "row", tp)  # down
         if self.swiglu:
-            self.w3 = nn.Linear(h, f, bias=spec.mlp_bias)  # up
+            self.w3 = linear(h, f, spec.mlp_bias, "column", tp)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.gelu(self.w1(x), approximate=self.gelu_approximate))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.attn_norm = make_norm(spec)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, tp)
         self.mlp_norm = make_norm(spec)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -124,16 +159,17 @@ class TiedHead(nn.Module):
     one name (``tok_emb.weight``) in ``named_parameters`` and ``state_dict``.
     """
 
-    def __init__(self, embedding: nn.Embedding) -> None:
+    def __init__(self, embedding: nn.Module, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embedding_ref = (embedding,)
+        self.tp = tp  # vocab-parallel: this rank's rows of the matrix give its slice of the logits
 
     @property
     def weight(self) -> nn.Parameter:
         return self.embedding_ref[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x if self.tp is None else copy_to_tp(x, self.tp), self.weight)
 
 
 class Decoder(nn.Module):
@@ -145,22 +181,24 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, tp: TPGroup | None = None) -> None:
         super().__init__()
         if not 0 <= layers[0] < layers[1] <= spec.num_layers:
             raise ValueError(f"layer range {list(layers)} is outside the model's [0, {spec.num_layers})")
         self.spec, self.layer_range, self.first, self.last = spec, layers, first, last
         self.recompute = recompute
+        self.tp = tp if tp is not None and tp.size > 1 else None  # tensor parallelism (runtime/tensor_parallel.py)
         tied = spec.tie_embeddings
         if first or (last and tied):  # a tied last stage holds its copy of the embedding matrix
-            self.tok_emb = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.tok_emb = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, self.tp) if self.tp else
+                            nn.Embedding(spec.vocab_size, spec.hidden_size))
         if first and spec.position == "learned":
             self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec) for k in range(*layers)})
+        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for k in range(*layers)})
         if last:
             self.norm = make_norm(spec)
-            self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
-                                    nn.Linear(spec.hidden_size, spec.vocab_size, bias=False))
+            self.head: nn.Module = (TiedHead(self.tok_emb, self.tp) if tied else
+                                    linear(spec.hidden_size, spec.vocab_size, False, "column", self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq_len = x.shape[1]
@@ -171,7 +209,8 @@ class Decoder(nn.Module):
             if self.spec.position == "learned":
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device))
             x = h
-        rope = rope_tables(self.spec, seq_len, x.device) if self.spec.position == "rope" else None
+        dtype = compute_dtype(next(self.parameters()).dtype)
+        rope = rope_tables(self.spec, seq_len, x.device, dtype) if self.spec.position == "rope" else None
         for layer in self.layers.values():
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, use_reentrant=False)
@@ -181,15 +220,23 @@ class Decoder(nn.Module):
             x = self.head(self.norm(x))
         return x
 
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy of the last stage's logits (vocab-parallel under tp)."""
+        if self.tp is None:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+        return vocab_parallel_cross_entropy_sum(logits, targets, self.tp, self.head.weight.shape[0] * self.tp.rank)
+
 
 def param_seed(seed: int, name: str) -> int:
     """Stable per-parameter seed (crc32, not Python's salted hash) so every process agrees."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int) -> None:
+def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int,
+                   full_shape: tuple[int, ...] | None = None, tp: TPGroup | None = None) -> None:
     """nanoGPT init: N(0, 0.02) for matrices and embeddings, residual outputs scaled by
-    1/sqrt(2L), zero biases, unit norm gains. Drawn on CPU so every device gets the same bits."""
+    1/sqrt(2L), zero biases, unit norm gains. Drawn on CPU so every device gets the same bits;
+    a tensor-parallel shard draws the global tensor (``full_shape``) and keeps its slice."""
     leaf = name.rsplit(".", 1)[-1]
     with torch.no_grad():
         if "norm" in name:
@@ -199,25 +246,32 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int) -
         else:
             std = INIT_STD / math.sqrt(2 * spec.num_layers) if (".wo." in name or ".w2." in name) else INIT_STD
             gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
-            values = torch.normal(0.0, std, size=tuple(param.shape), generator=gen, dtype=torch.float32)
-            param.copy_(values.to(param.dtype))
+            values = torch.normal(0.0, std, size=full_shape or tuple(param.shape), generator=gen, dtype=torch.float32)
+            param.copy_(local_slice(values, name, tp).to(param.dtype))
 
 
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
-                device: torch.device | str = "cpu", recompute: bool = False) -> Decoder:
-    """One pipeline stage: built on meta, then only its own parameters are allocated and initialised."""
+                device: torch.device | str = "cpu", recompute: bool = False,
+                dtype: torch.dtype = torch.float32, tp: TPGroup | None = None) -> Decoder:
+    """One pipeline stage: built on meta, then only its own parameters are allocated and initialised.
+
+    ``dtype`` is the parameters' (fp32, or fp64 for exactness checks); the init draws fp32
+    values either way, so an fp64 model starts from the fp32 model's exact numbers. ``tp``:
+    this rank's tensor-parallel group; each parameter holds its slice of the global tensor.
+    """
     with torch.device("meta"):
-        module = Decoder(spec, layers, first, last, recompute=recompute)
+        module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp).to(dtype)
     module = module.to_empty(device=device)
+    full = state_dict_shapes(spec) if module.tp is not None else {}
     for name, param in module.named_parameters():  # a tied last stage's copy is `tok_emb.weight` too: same bits
-        init_parameter(spec, name, param, seed)
+        init_parameter(spec, name, param, seed, full.get(name), module.tp)
     return module
 
 
-def build_full_model(model: str | ModelSpec, seed: int = 0) -> Decoder:
-    """The whole model in one process (the single-device reference), CPU, fp32."""
+def build_full_model(model: str | ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
+    """The whole model in one process (the single-device reference), CPU, fp32 (or ``dtype``)."""
     spec = load_model_spec(model) if isinstance(model, str) else model
-    return build_stage(spec, (0, spec.num_layers), first=True, last=True, seed=seed)
+    return build_stage(spec, (0, spec.num_layers), first=True, last=True, seed=seed, dtype=dtype)
 
 
 def state_dict_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""Online data rebalancing (DESIGN 2.4): re-split the global batch from measured pipeline rates.
+"""Online data rebalancing (docs/design.md §2.4): re-split the global batch from measured pipeline rates.
 
 ETH balances with data, so a straggler (throttling, a noisy neighbour, an injected
 ``--emulate-slowdown``) is absorbed by moving *samples*, not weights: same groups, same
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ethpipe.errors import UserError
 from ethpipe.plan import Pipeline, Plan
 
 
@@ -39,11 +40,11 @@ class RebalanceConfig:
 
     def __post_init__(self) -> None:
         if self.every < 1:
-            raise ValueError(f"--rebalance every must be >= 1, got {self.every}")
+            raise UserError(f"--rebalance every must be >= 1, got {self.every}")
         if not 0.0 <= self.threshold < 1.0:
-            raise ValueError(f"--rebalance threshold must be in [0, 1), got {self.threshold}")
+            raise UserError(f"--rebalance threshold must be in [0, 1), got {self.threshold}")
         if self.window < 0:
-            raise ValueError(f"--rebalance window must be >= 1 (or 0 for = every), got {self.window}")
+            raise UserError(f"--rebalance window must be >= 1 (or 0 for = every), got {self.window}")
 
     @property
     def window_steps(self) -> int:
@@ -51,23 +52,23 @@ class RebalanceConfig:
 
 
 def parse_rebalance(text: str) -> RebalanceConfig:
-    """``every=K[,threshold=F][,window=W]`` -> RebalanceConfig (one-line ValueError otherwise)."""
+    """``every=K[,threshold=F][,window=W]`` -> RebalanceConfig (one-line UserError otherwise)."""
     usage = f"--rebalance '{text}' must look like every=K[,threshold=0.05][,window=K], e.g. every=5"
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or key not in ("every", "threshold", "window") or key in fields:
-            raise ValueError(usage)
+            raise UserError(usage)
         fields[key] = value.strip()
     if "every" not in fields:
-        raise ValueError(usage)
+        raise UserError(usage)
     try:
         every, window = int(fields["every"]), int(fields.get("window", "0"))
         threshold = float(fields.get("threshold", "0.05"))
     except ValueError:
-        raise ValueError(usage) from None
+        raise UserError(usage) from None
     if not math.isfinite(threshold):
-        raise ValueError(usage)
+        raise UserError(usage)
     return RebalanceConfig(every, threshold, window)
 
 
@@ -101,7 +102,7 @@ def water_fill(models: Sequence[PipelineModel], total: int, min_samples: int = 1
     each T_p is increasing in n, and it is O(total log P).
     """
     if total < min_samples * len(models):
-        raise ValueError(f"global batch {total} cannot give {min_samples} sample(s) to each of {len(models)} pipelines")
+        raise UserError(f"global batch {total} cannot give {min_samples} sample(s) to each of {len(models)} pipelines")
     counts = [min_samples] * len(models)
     heap = [(m.time_s(min_samples + 1), p) for p, m in enumerate(models)]
     heapq.heapify(heap)

@@ -2,7 +2,7 @@
 
 ``train`` runs on every rank of an initialised (or to-be-initialised) process group. All
 checks that can fail on user input run before any collective, identically on every rank,
-so bad input makes every rank raise the same one-line ValueError instead of hanging.
+so bad input makes every rank raise the same one-line UserError instead of hanging.
 """
 
 from __future__ import annotations
@@ -20,21 +20,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
+from ethpipe.plan_validate import check_tp
+from ethpipe.precision import check_train_dtype
 from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
 from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, sample_ids, validate_data
-from ethpipe.runtime.emulate import Emulator, Slowdown, check_emulation, make_emulator
+from ethpipe.runtime.emulate import (
+    EmulateMode, Emulator, Slowdown, check_emulate_mode, check_emulation, make_emulator,
+)
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
-from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill
+from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.grad_sync import (
     BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients, tied_parameters,
 )
 from ethpipe.runtime.groups import build_groups, destroy_groups
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
-from ethpipe.runtime.model import TIED_WEIGHT, build_stage
+from ethpipe.runtime.loss_scale import LossScaler, count_nonfinite, unscale_gradients
+from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, state_dict_shapes
+from ethpipe.runtime.sync_layout import sync_units, tied_units
+from ethpipe.runtime.tensor_parallel import TPGroup
 from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
 from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
@@ -43,6 +51,7 @@ __all__ = ["TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -56,12 +65,15 @@ class TrainConfig:
     clip_grad: float = 0.0  # max global grad norm; 0 = no clipping
     seed: int = 0  # model init and shuffle order
     shuffle: bool = False
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # bf16/fp16: autocast over fp32 weights and optimizer (fp16 with dynamic loss scaling);
+    # fp64: parameters, activations and optimizer in float64 (exactness checks)
+    dtype: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
     recompute: bool = False  # activation recomputation on every stage (plans may also set it per stage)
     metrics: str | None = None
     init_from: str | None = None
     save_final: str | None = None
     emulate: bool = False
+    emulate_mode: EmulateMode = "paced"  # paced: the plan's targets; measured: real compute x scale / speed
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
@@ -82,26 +94,27 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+            raise UserError(f"--steps must be at least 1, got {self.steps}")
         if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+            raise UserError(f"--lr must be positive, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:
-            raise ValueError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
+            raise UserError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
+        if self.dtype not in ("fp32", "bf16", "fp16", "fp64"):
+            raise UserError(f"--dtype must be fp32, bf16, fp16 or fp64, got {self.dtype!r}")
+        check_emulate_mode(self.emulate_mode)
         if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+            raise UserError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.save_every < 0 or self.keep < 1:
-            raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
+            raise UserError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
         if (self.save_every or self.resume or self.auto_resume) and self.checkpoint_dir is None:
-            raise ValueError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
+            raise UserError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
         if self.resume and self.auto_resume:
-            raise ValueError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
+            raise UserError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
         if self.watchdog_s is not None and self.watchdog_s < 0:
-            raise ValueError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
+            raise UserError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
         if self.resume and self.init_from is not None:
-            raise ValueError("give --init-from or --resume, not both: a resumed run takes its weights from the "
-                             "checkpoint")
+            raise UserError("give --init-from or --resume, not both: a resumed run takes its weights from the "
+                            "checkpoint")
 
     @property
     def timeout(self) -> timedelta:
@@ -136,26 +149,21 @@ def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.
 def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
     """Plan-level checks that need no processes (also run by the launcher before spawning)."""
     if world_size != plan.world_size:
-        raise ValueError(
+        raise UserError(
             f"the plan needs {plan.world_size} ranks but the world has {world_size}: "
             f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
         )
-    for p_idx, pipe in enumerate(plan.pipelines):
-        for s_idx, stage in enumerate(pipe.stages):
-            if stage.tp > 1:
-                raise ValueError(
-                    f"stage pipelines[{p_idx}].stages[{s_idx}] has tp={stage.tp}; tensor parallelism is planned "
-                    "but not executed yet: re-plan with --max-tp 1"
-                )
     spec = plan.resolve_model()
+    check_tp(plan.pipelines, spec)
     if plan.seq_len > spec.max_seq_len:
-        raise ValueError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
+        raise UserError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
     return spec
 
 
 def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
     """Every user-input check, before any process group exists; also where training starts."""
     spec = check_plan_runnable(plan, world_size)
+    check_train_dtype(plan, config.dtype)
     data = open_tokens(config.data, spec.vocab_size)
     start = ResumePoint()
     resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
@@ -164,8 +172,8 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
         start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
                             data.num_samples(plan.seq_len))
         if start.step > config.steps or (start.step == config.steps and not config.auto_resume):
-            raise ValueError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
-                             "train; raise --steps")
+            raise UserError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
+                            "train; raise --steps")
     elif config.checkpoint_dir is not None:
         check_fresh_dir(config.checkpoint_dir)
     if start.step == 0:
@@ -178,7 +186,7 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
         check_emulation(plan)
     for s in config.slowdowns:
         if not 0 <= s.rank < plan.world_size:
-            raise ValueError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
+            raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
     return spec, data, start
 
 
@@ -186,7 +194,7 @@ def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, sta
     end_sample = start.next_sample + (config.steps - start.step) * plan.global_batch_size
     available = data.num_samples(plan.seq_len)
     if end_sample > available:
-        raise ValueError(
+        raise UserError(
             f"data file '{data.path}' holds {available} samples but resuming at sample {start.next_sample} for "
             f"{config.steps - start.step} more steps of {plan.global_batch_size} needs {end_sample}: use fewer "
             "--steps or more data"
@@ -235,8 +243,8 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
     if len({int(p) for p in parts}) > 1:
-        raise ValueError("the ranks were given different plans: give every rank the same --plan (or the same "
-                         "--replan-cluster, so they all plan alike)")
+        raise UserError("the ranks were given different plans: give every rank the same --plan (or the same "
+                        "--replan-cluster, so they all plan alike)")
 
 
 def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
@@ -247,8 +255,10 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
     first, last = pos.stage == 0, pos.stage == pipe.depth - 1
+    param_dtype = PARAM_DTYPES[config.dtype]
+    tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
-                         recompute=config.recompute or stage.recompute)
+                         recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp)
     if config.init_from is not None and start.step_dir is None:
         load_into(module, config.init_from)
     optimizer = make_optimizer(module, config)
@@ -256,12 +266,20 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         watchdog.beat(f"loading checkpoint {start.step_dir}")
         load_checkpoint(start, module, optimizer, device)
     blocks = params_by_block(plan, module, tied)
+    params = dict(module.named_parameters())
     tied_copy = tied_parameters(module, tied)
-    sync = BlockGradSync(blocks, groups.block_groups, config.bucket_bytes, tied_copy, groups.tied_group)
-    emulator: Emulator | None = make_emulator(plan, rank, config.slowdowns) if config.emulate else None
-    io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len)
+    shapes = state_dict_shapes(spec)
+    units = sync_units(plan, rank, blocks, shapes) + (tied_units(plan, rank, TIED_WEIGHT, shapes[TIED_WEIGHT])
+                                                      if tied_copy else [])
+    sync = BlockGradSync(params, units, groups.block_groups, config.bucket_bytes)
+    emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
+                                 if config.emulate else None)
+    io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len,
+                 act_dtype=param_dtype, next_ranks=groups.next_ranks, prev_ranks=groups.prev_ranks,
+                 count_loss=pos.tp_rank == 0)
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
-    autocast_dtype = torch.bfloat16 if config.dtype == "bf16" else None
+    autocast_dtype = AUTOCAST_DTYPES.get(config.dtype)
+    scaler = _initial_scaler(start) if config.dtype == "fp16" else None
     timeline = Timeline(record=config.trace is not None)
     writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
               if rank == 0 else None)
@@ -295,23 +313,34 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 sync.start()
                 maybe_kill(kill, rank, "allreduce", step)  # test hook: peers are inside the all-reduces
 
-            loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io, loss_scale,
-                                  emulator, step, timeline, autocast_dtype, on_last_backward=start_sync)
+            scale = scaler.scale if scaler is not None else 1.0
+            loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io,
+                                  loss_scale * scale, emulator, step, timeline, autocast_dtype,
+                                  on_last_backward=start_sync)
             sync_start = time.time()
             sync.finish(lambda label: timeline.add(f"allreduce {label}", sync.started_s, time.time()))
             sync_exposed_s = time.time() - sync_start
+            maybe_overflow(module, rank, step)
+            nonfinite = count_nonfinite(module) if scaler is not None else 0
+            if scaler is not None:
+                unscale_gradients(module, scale)
             stats = gather_stats(plan, {
-                "loss_part": float(loss), "square_norm_part": owned_square_norm(plan, rank, blocks, tied_copy),
+                "loss_part": float(loss) / scale, "square_norm_part": owned_square_norm(plan, rank, params, blocks, tied_copy),
                 "busy_s": timeline.busy_s, "idle_s": max(0.0, timeline.phase_s - timeline.busy_s),
-                "sync_exposed_s": sync_exposed_s,
+                "sync_exposed_s": sync_exposed_s, "nonfinite_part": nonfinite,
             }, device)
-            if config.clip_grad > 0:
-                scale_gradients(module, clip_coefficient(stats.grad_norm, config.clip_grad))
-            opt_start = time.time()
-            optimizer.step()
-            timeline.add("optimizer", opt_start, time.time())
+            skipped = scaler is not None and stats.num_nonfinite > 0  # the same world-wide count on every rank
+            if not skipped:
+                if config.clip_grad > 0:
+                    scale_gradients(module, clip_coefficient(stats.grad_norm, config.clip_grad))
+                opt_start = time.time()
+                optimizer.step()
+                timeline.add("optimizer", opt_start, time.time())
             extra: dict[str, Any] = {"samples": [first_sample, first_sample + plan.global_batch_size],
                                      "split": list(split_of(current)), "restart": restart}
+            if scaler is not None:
+                extra.update({"loss_scale": scale, "skipped": skipped, **({"grad_norm": None} if skipped else {})})
+                scaler = scaler.after_step(finite=not skipped)
             if config.log_sample_ids:
                 extra["sample_ids"] = [int(i) for i in ids]
             if rebalancer is not None:
@@ -329,7 +358,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
                 save_checkpoint(config.checkpoint_dir, done, module, optimizer, current, spec, cursor, config.keep,
-                                device)
+                                device, extra={"loss_scaler": scaler.to_dict()} if scaler is not None else None)
                 timeline.add("checkpoint", save_start, time.time())
         watchdog.beat("final save")
         if config.save_final is not None:
@@ -344,6 +373,12 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         if writer is not None:
             writer.close()
         destroy_groups(groups)
+
+
+def _initial_scaler(start: ResumePoint) -> LossScaler:
+    """A fresh fp16 loss scaler, or the one the checkpoint we resume from saved."""
+    saved = start.manifest.extra.get("loss_scaler") if start.manifest is not None else None
+    return LossScaler.from_dict(saved) if saved else LossScaler()
 
 
 def _write_trace(plan: Plan, path: str, timeline: Timeline, rank: int) -> None:

@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from ethpipe.atomic import atomic_path
+from ethpipe.errors import UserError
 from ethpipe.sim.trace import Trace, TraceEvent
 
 _COLOURS = {
@@ -58,7 +59,7 @@ def draw_timeline(trace: Trace, path: str | Path, title: str | None = None) -> N
 
     work = list(trace.events)
     if not work:
-        raise ValueError("trace has no compute events to draw: was it written by `ethpipe simulate` or `train --trace`?")
+        raise UserError("trace has no compute events to draw: was it written by `ethpipe simulate` or `train --trace`?")
     origin = min(e.start_s for e in work)
     end_ms = (max(e.end_s for e in work) - origin) * 1e3
     rows = sorted({(e.pid, e.tid) for e in work})

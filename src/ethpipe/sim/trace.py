@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ethpipe.errors import UserError
 from ethpipe.plan import Plan, write_text_atomic
 from ethpipe.sim.report import SimReport
 
@@ -100,21 +101,21 @@ def write_trace(path: str | Path, trace: Trace) -> None:
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Load a predicted or measured trace; one-line ValueError on anything malformed."""
+    """Load a predicted or measured trace; one-line UserError on anything malformed."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"trace file '{path}' not found: write one with `ethpipe simulate PLAN --trace {path}`")
+        raise UserError(f"trace file '{path}' not found: write one with `ethpipe simulate PLAN --trace {path}`")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"trace file '{path}' is not valid JSON: {err}") from None
+        raise UserError(f"trace file '{path}' is not valid JSON: {err}") from None
     return trace_from_dict(data, str(path))
 
 
 def trace_from_dict(data: Any, where: str = "trace") -> Trace:
     raw = data.get("traceEvents") if isinstance(data, dict) else data  # the bare-array form is legal too
     if not isinstance(raw, list):
-        raise ValueError(f"{where}: field 'traceEvents' must be a list of events")
+        raise UserError(f"{where}: field 'traceEvents' must be a list of events")
     events: list[TraceEvent] = []
     process_names: dict[int, str] = {}
     thread_names: dict[tuple[int, int], str] = {}
@@ -131,6 +132,6 @@ def trace_from_dict(data: Any, where: str = "trace") -> Trace:
                     float(ev["ts"]) / _US, float(ev["dur"]) / _US, dict(ev.get("args", {})),
                 ))
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{where}: traceEvents[{i}] is malformed (missing or bad {err})") from None
+            raise UserError(f"{where}: traceEvents[{i}] is malformed (missing or bad {err})") from None
     other = data.get("otherData", {}) if isinstance(data, dict) else {}
     return Trace(tuple(events), process_names, thread_names, dict(other) if isinstance(other, dict) else {})

@@ -1,0 +1,167 @@
+"""Per-kernel work of one layer: what the compute model prices, operation by operation.
+
+A layer (embedding, decoder block, final norm + head + loss) is a list of ``Kernel``s, each
+with the FLOPs it does on matrix units and the bytes it moves through device memory. The
+inventory follows Megatron-style training (the implementation the calibration profiles were
+measured on): fused LayerNorm, GEMMs with the bias folded in or added by the next elementwise
+kernel, no dropout (the profiles keep no dropout masks), and attention either materialised
+(``QK^T`` writes the ``s x s`` scores, elementwise scale / mask / softmax passes, ``P V``) or
+fused (FlashAttention: one kernel, no score matrix in memory, causal half of the FLOPs).
+
+Times come from ``cost/hardware.py``; this module only counts, so it is exact arithmetic that
+tests can check by hand. Every count is affine in the micro-batch size (weights are read once
+per GEMM), which ``CostModel`` relies on to tabulate times cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ethpipe.model_spec import ModelSpec
+
+Attention = Literal["flash", "materialised"]
+KernelKind = Literal["gemm", "mem"]
+LOGITS_BYTES = 4  # cross-entropy runs on fp32 logits
+FLASH_CAUSAL_FRACTION = 0.5  # FlashAttention skips the masked upper triangle
+FLASH_BWD_FLOPS_FACTOR = 2.5  # backward recomputes QK^T: 5 s x s GEMMs against forward's 2
+# Elementwise passes over the score matrix (each pass = one read or one write of every element).
+# Megatron's fused scale+mask+softmax kernel exists for 16-bit inputs only; in fp32 the scale
+# rides on baddbmm's alpha and masked_fill + softmax run as two torch kernels (2 passes each);
+# their backwards (softmax, masked_fill, the scale) take 7. Fused: one kernel each way.
+SOFTMAX_PASSES = {"fused": (2, 3), "unfused": (4, 7)}  # (forward, backward)
+CE_PASSES = (8, 2)  # vocab-parallel cross-entropy: max, subtract, exp, sum, normalise / scale grad
+# Autograd's backward of a block's elementwise kernels moves about twice the bytes of the pass
+# counts above (saved-input reads, gradient sums where a tensor fans out, zero-fills): an
+# implementation constant shared by every GPU, fitted once on the Sailor profiles (in-sample
+# block backward median error 25% -> 4%; docs/cost-model.md).
+BWD_ELEMENTWISE_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch: matrix FLOPs and device-memory bytes."""
+
+    name: str
+    kind: KernelKind
+    flops: float
+    num_bytes: float
+
+
+def gemm(name: str, m: float, n: float, k: float, elem_bytes: int, batch: float = 1.0) -> Kernel:
+    """C[m,n] = A[m,k] B[k,n] (``batch`` times): 2mnk FLOPs, each operand read or written once."""
+    return Kernel(name, "gemm", 2.0 * batch * m * n * k, elem_bytes * batch * (m * k + k * n + m * n))
+
+
+def mem(name: str, num_bytes: float) -> Kernel:
+    return Kernel(name, "mem", 0.0, num_bytes)
+
+
+def attention_impl(arch: str, dtype: str) -> Attention:
+    """FlashAttention(-2) needs 16-bit inputs and an Ampere-or-newer GPU (sm80+); else materialised."""
+    if dtype in ("bf16", "fp16") and arch in ("ampere", "ada", "hopper"):
+        return "flash"
+    return "materialised"
+
+
+def _linear(name: str, tokens: float, k_in: float, n_out: float, e: int, backward: bool) -> list[Kernel]:
+    if not backward:
+        return [gemm(name, tokens, n_out, k_in, e)]
+    # dgrad dX = dY W^T and wgrad dW = X^T dY: the same FLOPs as forward, each.
+    return [gemm(name + ".dgrad", tokens, k_in, n_out, e), gemm(name + ".wgrad", k_in, n_out, tokens, e)]
+
+
+def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
+                  attention: Attention, backward: bool) -> list[Kernel]:
+    """Kernels of one decoder block's forward (or backward) on one TP rank."""
+    m, s, e, t = model, seq_len, elem_bytes, tp
+    tokens = float(micro_batch * s)
+    h, q, kv, d = m.hidden_size, m.q_dim / t, m.kv_dim / t, m.head_dim_resolved
+    heads = m.num_heads / t
+    f = m.ffn_hidden_size / t
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    th = tokens * h * e
+    norm = mem("norm", (4 if backward else 2) * th)
+    residual = mem("residual", 3 * th)
+    ks: list[Kernel] = [norm]
+    ks += _linear("qkv", tokens, h, q + 2 * kv, e, backward)
+    if m.position == "rope":
+        ks.append(mem("rope", 2 * tokens * (q + kv) * e))
+    ks += _attention_kernels(micro_batch, s, heads, d, tokens, q, kv, e, attention, backward)
+    ks += _linear("proj", tokens, q, h, e, backward)
+    ks += [residual, norm]
+    ks += _linear("fc1", tokens, h, fc1_out, e, backward)
+    act_passes = (5 if backward else 3) if m.activation == "swiglu" else (3 if backward else 2)
+    ks.append(mem("act", act_passes * tokens * f * e))
+    ks += _linear("fc2", tokens, f, h, e, backward)
+    ks.append(residual)
+    if backward:
+        ks = [Kernel(k.name, k.kind, k.flops, k.num_bytes * BWD_ELEMENTWISE_FACTOR) if k.kind == "mem" else k
+              for k in ks]
+    return ks
+
+
+def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: float, q: float, kv: float, e: int,
+                       attention: Attention, backward: bool) -> list[Kernel]:
+    batch = micro_batch * heads
+    if attention == "flash":
+        flops = 4.0 * batch * s * s * d * FLASH_CAUSAL_FRACTION * (FLASH_BWD_FLOPS_FACTOR if backward else 1.0)
+        io = tokens * (2 * q + 2 * kv) * e * (2 if backward else 1)
+        return [Kernel("flash_attn", "gemm", flops, io)]
+    scores = batch * s * s * e
+    passes = SOFTMAX_PASSES["fused" if e < 4 else "unfused"][1 if backward else 0]
+    permute = mem("permute", 2 * tokens * q * e)
+    if not backward:
+        return [gemm("qk", s, s, d, e, batch), mem("softmax", passes * scores), gemm("pv", s, d, s, e, batch), permute]
+    return [permute, gemm("pv.dp", s, s, d, e, batch), gemm("pv.dv", s, d, s, e, batch),
+            mem("softmax", passes * scores), gemm("qk.dq", s, d, s, e, batch), gemm("qk.dk", s, d, s, e, batch)]
+
+
+def embedding_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
+                      backward: bool) -> list[Kernel]:
+    """Token (+ learned position) lookup and the [b,s,h] -> [s,b,h] copy; backward scatter-adds."""
+    th = float(micro_batch * seq_len * model.hidden_size * elem_bytes)
+    if backward:
+        return [mem("embed.grad", 3 * th)]
+    ks = [mem("embed.lookup", 2 * th), mem("embed.transpose", 2 * th)]
+    if model.position == "learned":
+        ks += [mem("embed.pos", 2 * th), mem("embed.add", 3 * th)]
+    return ks
+
+
+def head_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
+                 backward: bool) -> list[Kernel]:
+    """Final norm, LM head GEMM (vocab split over TP) and the fp32 cross-entropy."""
+    tokens = float(micro_batch * seq_len)
+    h, vocab = model.hidden_size, model.vocab_size / tp
+    th = tokens * h * elem_bytes
+    logits = tokens * vocab * LOGITS_BYTES
+    ce = mem("cross_entropy", CE_PASSES[1 if backward else 0] * logits)
+    norm = mem("final_norm", (4 if backward else 2) * th)
+    head = _linear("lm_head", tokens, h, vocab, elem_bytes, backward)
+    return [ce, *head, norm] if backward else [norm, *head, ce]
+
+
+def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
+                  attention: Attention, backward: bool) -> list[Kernel]:
+    if kind == "block":
+        return block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward)
+    if kind == "head":
+        return head_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward)
+    if kind == "embedding":
+        return embedding_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward)
+    raise ValueError(f"unknown layer kind '{kind}'")
+
+
+def tp_allreduce_bytes(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, elem_bytes: int,
+                       backward: bool) -> list[float]:
+    """Megatron's tensor-parallel all-reduces of one layer pass (sizes in bytes)."""
+    act = float(micro_batch * seq_len * model.hidden_size * elem_bytes)
+    if kind == "block":
+        return [act, act]  # after attention and after the MLP (forward); at their inputs (backward)
+    if kind == "embedding":
+        return [] if backward else [act]  # vocab-parallel embedding sums its partial lookups
+    if kind == "head":
+        tokens = float(micro_batch * seq_len * LOGITS_BYTES)
+        return [act] if backward else [tokens, tokens, tokens]  # max, predicted logit, sum of exp
+    raise ValueError(f"unknown layer kind '{kind}'")

@@ -1,0 +1,67 @@
+"""Which training precision a plan may use on its devices (the catalog's ``bf16_supported``).
+
+V100, T4 and P100 have no bf16, so a plan or a run in bf16 on them is refused with one line naming
+the fix: fp16 (autocast with dynamic loss scaling) or fp32. The planner's ``auto`` picks bf16
+where every device has it, else fp16: the 16-bit precision those devices have (their catalog peak),
+with the same 2-byte elements as bf16. Inline (pseudo-)devices have bf16 unless their spec says
+``bf16_supported: false``: the CPU runtime autocasts to bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ethpipe.catalog import GpuSpec, gpu_catalog
+from ethpipe.cluster import Cluster, cluster_from_dict
+from ethpipe.cost.model import dtype_bytes
+from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+
+AUTO = "auto"
+
+
+def without_bf16(gpus: Iterable[GpuSpec]) -> GpuSpec | None:
+    """The first GPU type that cannot compute in bf16, else None."""
+    return next((g for g in gpus if not g.bf16_supported), None)
+
+
+def _named(gpu: GpuSpec) -> str:
+    return f"device type '{gpu.id}'" + (f" ({gpu.name})" if gpu.name != gpu.id else "")
+
+
+def plan_dtype(dtype: str, cluster: Cluster, *, source: str = "--dtype bf16",
+               fix: str = "use --dtype fp16 or --dtype fp32") -> str:
+    """The precision to price a plan in: ``auto`` resolved; bf16 refused on a cluster with a device without it."""
+    lacking = without_bf16(d.gpu for d in cluster.devices)
+    if dtype == AUTO:
+        return "fp16" if lacking is not None else "bf16"
+    dtype_bytes(dtype)
+    if dtype == "bf16" and lacking is not None:
+        raise UserError(f"{source}: {_named(lacking)} has no bf16: {fix}")
+    return dtype
+
+
+def plan_gpus(plan: Plan) -> list[GpuSpec]:
+    """The GPU specs of the plan's device types: from its embedded cluster, else the catalog (unknown ids,
+    i.e. pseudo-devices of a hand-written plan, are left out)."""
+    if plan.cluster is not None:
+        try:
+            by_id = {d.gpu.id: d.gpu for d in cluster_from_dict(plan.cluster).devices}
+        except UserError as err:
+            raise UserError(f"plan field 'cluster' is invalid: {err}") from None
+    else:
+        by_id = gpu_catalog()
+    types = dict.fromkeys(s.device for p in plan.pipelines for s in p.stages)
+    return [by_id[t] for t in types if t in by_id]
+
+
+def check_train_dtype(plan: Plan, dtype: str) -> None:
+    """``ethpipe train``: refuse bf16 (the run's --dtype, or the plan's recorded dtype) on a device without it."""
+    lacking = without_bf16(plan_gpus(plan))
+    if lacking is None:
+        return
+    if dtype == "bf16":
+        raise UserError(f"--dtype bf16: {_named(lacking)} of the plan has no bf16: use --dtype fp16 or --dtype fp32")
+    if plan.extra.get("dtype") == "bf16":
+        raise UserError(f"plan field 'dtype' is bf16 but {_named(lacking)} has no bf16: re-make the plan with "
+                        "`ethpipe plan --dtype fp16` (or fp32)")

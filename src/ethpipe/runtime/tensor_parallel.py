@@ -1,0 +1,176 @@
+"""Megatron-style tensor parallelism of one stage: the layers, the conjugate collectives, the loss.
+
+A stage with ``tp = t`` splits attention heads and the MLP's hidden dimension over its t ranks
+(column-parallel Q/K/V/gate/up, row-parallel output/down), keeps norms replicated, and splits
+the vocabulary of the embedding and the LM head; the cross-entropy is computed vocab-parallel,
+so no rank materialises the full logits. Parameters keep their global names and hold the
+rank's slice of the global tensor along ``shard_dim(name)``.
+
+Why hand-written rather than ``torch.distributed.tensor.parallelize_module``: the stage's
+parameters stay plain tensors, so block-wise gradient aggregation across pipelines of other TP
+degrees (runtime/grad_sync.py) slices them by plain index arithmetic, and the model code is the
+same module tree at every degree (docs/runtime.md, "Tensor parallelism").
+
+``f`` (``copy_to_tp``): identity forward, all-reduce backward — before a column-parallel matmul.
+``g`` (``reduce_from_tp``): all-reduce forward, identity backward — after a row-parallel matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+_COLUMN = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w1.", "mlp.w3.")
+_ROW_WEIGHTS = ("attn.wo.weight", "mlp.w2.weight")
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's tensor-parallel group: ``rank`` is its index in the stage's ``ranks``."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    def part(self, n: int) -> tuple[int, int]:
+        """The [start, end) of this rank's equal share of n elements."""
+        assert n % self.size == 0, (n, self.size)
+        share = n // self.size
+        return self.rank * share, (self.rank + 1) * share
+
+
+def shard_dim(name: str) -> int | None:
+    """Along which dim a TP stage splits the global parameter ``name`` (None: replicated)."""
+    if name in ("tok_emb.weight", "head.weight") or any(f".{c}" in name for c in _COLUMN):
+        return 0
+    if any(name.endswith(r) for r in _ROW_WEIGHTS):
+        return 1
+    return None
+
+
+def local_slice(full: torch.Tensor, name: str, tp: TPGroup | None) -> torch.Tensor:
+    """This rank's part of a global tensor (the whole tensor when replicated or tp is 1)."""
+    dim = shard_dim(name)
+    if tp is None or tp.size == 1 or dim is None:
+        return full
+    start, end = tp.part(full.shape[dim])
+    return full.narrow(dim, start, end - start)
+
+
+def gather_full(local: torch.Tensor, name: str, tp: TPGroup | None) -> torch.Tensor:
+    """The global tensor from every TP rank's part (collective over the TP group when sharded)."""
+    dim = shard_dim(name)
+    if tp is None or tp.size == 1 or dim is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, tp.group)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, tp.group)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local: this rank's share of the output features."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features // tp.size, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local W_local^T, then + b (replicated): the input features are split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the token embedding; tokens outside the range contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = tp.part(vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        h = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(h, self.tp)
+
+
+def linear(in_features: int, out_features: int, bias: bool, style: str, tp: TPGroup | None) -> nn.Module:
+    """nn.Linear at tp 1, else the column- or row-parallel layer (same parameter names)."""
+    if tp is None or tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+    return cls(in_features, out_features, bias, tp)
+
+
+def vocab_parallel_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
+                                     vocab_start: int) -> torch.Tensor:
+    """Sum over tokens of -log softmax(logits)[target], with each rank holding a vocabulary slice.
+
+    The max is only a shift (no gradient); the sum of exponentials and the target logit are
+    all-reduced with identity backward, so each rank's logits get exactly their softmax gradient.
+    """
+    logits = logits.reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    shift = logits.detach().max(dim=-1).values
+    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=tp.group)
+    shifted = logits - shift.unsqueeze(-1)
+    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), tp)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = shifted.gather(1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(1)).squeeze(1)
+    target_logit = reduce_from_tp(picked.masked_fill(~mine, 0.0), tp)
+    return (sum_exp.log() - target_logit).sum()

@@ -1,0 +1,206 @@
+"""Per-kernel compute model: precision, attention implementation, calibration fit, shared-data targets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ethpipe.catalog import get_gpu
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.cost import calibrate, memory, ops
+from ethpipe.cost.hardware import ArchConstants, Calibration, DeviceCompute, math_mode
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.profile import LayerTiming, MeasuredProfile
+from ethpipe.model_spec import ModelSpec, load_model_spec
+
+REPO = Path(__file__).resolve().parents[2]
+IDEAL = Calibration({a: ArchConstants(1.0, 1.0, 1.0, 0.0, 0.0, "test", ("tensor_eff",))
+                     for a in ("ampere", "volta", "hopper", "turing")})
+A100 = get_gpu("a100_80gb_sxm")
+
+
+def _gemm_s(dtype: str, tf32: bool, n: int = 16384) -> float:
+    dev = DeviceCompute.build(A100, IDEAL, dtype, tf32)
+    return dev.layer_s([ops.gemm("big", n, n, n, ops_bytes(dtype))])
+
+
+def ops_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def test_large_gemm_cost_follows_the_math_mode_peak() -> None:
+    bf16 = _gemm_s("bf16", True)
+    assert _gemm_s("fp32", False) / bf16 == pytest.approx(312 / 19.5, rel=0.05)  # CUDA-core fp32: ~16x
+    assert _gemm_s("fp32", True) / bf16 == pytest.approx(312 / 156, rel=0.05)  # TF32: 2x
+    assert math_mode(get_gpu("v100_32gb_sxm2"), "fp32", True) == ("simd", 15.7)  # Volta has no TF32
+
+
+def test_small_gemms_run_further_from_peak_than_wide_ones() -> None:
+    dev = DeviceCompute.build(A100, IDEAL, "bf16", True)
+    def eff(n: int) -> float:
+        k = ops.gemm("g", 2048, n, n, 2)
+        return k.flops / (dev.layer_s([k]) * 312e12)
+    assert eff(256) < eff(1024) < eff(8192) < 1.0
+
+
+def test_fp32_and_bf16_plans_priced_as_the_hardware_runs() -> None:
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}]})
+    spec = load_model_spec("llama2-7b")
+    times = {}
+    for dtype, tf32 in (("bf16", True), ("fp32", True), ("fp32", False)):
+        cost = CostModel(clu, spec, 4096, dtype_bytes=ops_bytes(dtype), dtype=dtype, tf32=tf32)
+        f, b = cost.layer_times_s("a100_80gb_sxm", 1)
+        times[(dtype, tf32)] = f + b
+    # CUDA-core fp32 is 8x slower than TF32 in GEMMs; elementwise traffic (same bytes) dilutes it.
+    assert times[("fp32", False)] > 3 * times[("fp32", True)]
+    assert times[("fp32", True)] > 1.5 * times[("bf16", True)]  # 2x the GEMM time, 2x the bytes, no flash
+
+
+def test_activation_memory_by_attention_implementation() -> None:
+    clu = cluster_from_dict({"nodes": [
+        {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100},
+        {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}]})
+    spec = load_model_spec("gpt3-1.3b")
+    cost = CostModel(clu, spec, 2048, dtype_bytes=2, dtype="fp16")
+    assert cost.attention("a100_80gb_sxm") == "flash" and cost.attention("v100_32gb_sxm2") == "materialised"
+    _, flash = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="a100_80gb_sxm")
+    _, mat = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="v100_32gb_sxm2")
+    scores = spec.num_heads * 2048 * 2048 * 2  # one fp16 s x s matrix per head
+    # Same model states; the materialised block keeps the scores, the flash formula counts h + f more.
+    assert mat - flash == pytest.approx(scores - 2048 * 2 * (spec.hidden_size + spec.ffn_hidden_size))
+    assert memory.block_activation_bytes_materialised(spec, 2048, 2, 1) == pytest.approx(
+        2048 * 2 * (3 * spec.hidden_size + 2 * spec.q_dim + 2 * spec.kv_dim + spec.ffn_hidden_size
+                    + spec.num_heads * 2048))
+
+
+def _synthetic_profile(model: ModelSpec, gpu_id: str, constants: ArchConstants, tf32: bool) -> MeasuredProfile:
+    gpu = get_gpu(gpu_id)
+    dev = DeviceCompute.build(gpu, Calibration({gpu.arch: constants}), "fp32", tf32)
+    attn = ops.attention_impl(gpu.arch, "fp32")
+    layers: dict[str, dict[int, LayerTiming]] = {}
+    for kind in ("embedding", "block", "head"):
+        layers[kind] = {b: LayerTiming(*(dev.layer_s(ops.layer_kernels(kind, model, 512, b, 1, 4, attn, bw))
+                                         for bw in (False, True))) for b in (1, 2, 4, 8)}
+    return MeasuredProfile("synthetic", "cuda", "fp32", model.to_dict(), 512, layers, 0.0, tf32=tf32)
+
+
+def test_fit_recovers_the_constants_that_generated_the_profiles() -> None:
+    truth = ArchConstants(0.71, 0.83, 0.77, 7e-6, 150e-6, "truth", ("tensor_eff",))
+    small = ModelSpec(name="s", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=8, ffn_hidden_size=2048,
+                      vocab_size=32000, max_seq_len=512, activation="gelu", norm="layernorm", position="learned")
+    wide = ModelSpec(name="w", num_layers=4, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=11008,
+                     vocab_size=32000, max_seq_len=512)
+    obs = [o for m in (small, wide) for tf32 in (True, False)
+           for o in calibrate.observations(_synthetic_profile(m, "a100_40gb_sxm", truth, tf32), get_gpu("a100_40gb_sxm"))]
+    fitted = calibrate.fit(obs).architectures["ampere"]
+    for name in ("tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert set(fitted.fitted) == {"tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"}
+
+
+def test_unidentified_constant_keeps_its_default() -> None:
+    truth = ArchConstants(0.7, 0.8, 0.75, 5e-6, 1e-4, "truth", ("tensor_eff",))
+    spec = load_model_spec("small")
+    obs = calibrate.observations(_synthetic_profile(spec, "v100_16gb", truth, True), get_gpu("v100_16gb"))
+    fitted = calibrate.fit(obs).architectures["volta"]
+    assert "tensor_eff" not in fitted.fitted  # fp32 on Volta never touches tensor cores
+    assert fitted.simd_eff == pytest.approx(0.8, rel=1e-6)
+
+
+def test_uncalibrated_gpu_says_so_and_plan_records_the_model() -> None:
+    from ethpipe.planner import make_plan
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    plan = make_plan(clu, load_model_spec("gpt3-1.3b"), 16, 2048, max_tp=1, dtype="bf16")
+    assert "uncalibrated (datasheet" in plan.extra["compute_model"]["devices"]["l4"]
+    assert plan.extra["tf32"] is True
+    sim_cost = CostModel.for_plan(plan)
+    assert sim_cost.layer_times_s("l4", 1) == CostModel(clu, load_model_spec("gpt3-1.3b"), 2048).layer_times_s("l4", 1)
+
+
+def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
+    import torch
+
+    from ethpipe.plan import Plan
+    from ethpipe.runtime.matmul_mode import apply_tf32
+
+    plan = Plan.__new__(Plan)
+    object.__setattr__(plan, "extra", {"tf32": False})
+    assert apply_tf32(plan, torch.device("cpu")) is None
+
+
+# -- shared measured data (CI has ../shared beside the clone) ---------------------------------------------
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+sailor_data = pytest.importorskip("sailor_data")
+ROOT = sailor_data.sailor_root(REPO)
+needs_shared = pytest.mark.skipif(ROOT is None, reason="shared Sailor profiles not found at ../shared/reference/"
+                                                       "measured/sailor (CI keeps a copy beside the clone)")
+
+
+@pytest.fixture(scope="module")
+def lomo_rows() -> list[dict]:
+    import calibration as bench
+
+    return bench.error_rows(bench.observations(ROOT), lomo=True)
+
+
+def _median_worst(rows: list[dict], kind: str, pass_: str) -> tuple[float, float]:
+    errs = sorted(abs(r["error"]) for r in rows if r["kind"] == kind and r["pass"] == pass_ and r["tp"] == 1)
+    return errs[len(errs) // 2], errs[-1]
+
+
+@needs_shared
+def test_lomo_block_backward_meets_targets(lomo_rows: list[dict]) -> None:
+    median, worst = _median_worst(lomo_rows, "block", "bwd")
+    assert median < 0.10 and worst < 0.25
+
+
+@needs_shared
+@pytest.mark.xfail(reason="known miss (docs/benchmarks/calibration.md): OPT-350 forward predicted from the "
+                          "compute-bound models alone is ~15% off", strict=False)
+def test_lomo_block_forward_meets_targets(lomo_rows: list[dict]) -> None:
+    median, worst = _median_worst(lomo_rows, "block", "fwd")
+    assert median < 0.10 and worst < 0.25
+
+
+@needs_shared
+def test_lomo_block_forward_within_what_is_reported(lomo_rows: list[dict]) -> None:
+    median, worst = _median_worst(lomo_rows, "block", "fwd")
+    assert median < 0.20 and worst < 0.50
+
+
+@needs_shared
+def test_activation_memory_within_15_percent() -> None:
+    import calibration as bench
+
+    rows = [r for r in bench.memory_rows(ROOT) if r["kind"] == "block"]
+    assert rows and max(abs(r["error"]) for r in rows) < 0.15
+
+
+@needs_shared
+def test_calibrate_cli_end_to_end_on_sailor_profiles(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ethpipe.cli import commands  # noqa: F401
+    from ethpipe.cli.app import app
+
+    paths, gpus = [], []
+    for sp in sailor_data.all_profiles(ROOT):
+        if sp.model == "OPT-350" and sp.profile.tp == 1 and sp.gpu in ("GH-96", "V100-16"):
+            path = tmp_path / f"{sp.gpu}.json"
+            sp.profile.save(path)
+            paths.append(str(path))
+            gpus += ["--gpu", sailor_data.GPU_IDS[sp.gpu]]
+    out = tmp_path / "my_gpus.yaml"
+    res = CliRunner().invoke(app, ["calibrate", *paths, *gpus, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n  - {gpu: gh200_96gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n"
+                       "  - {gpu: v100_16gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n")
+    res = CliRunner().invoke(app, ["plan", "--cluster", str(cluster), "--model", "gpt3-1.3b", "--global-batch", "16",
+                                   "--seq-len", "1024", "--max-tp", "1", "--dtype", "fp32", "--catalog", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "compute model: gh200_96gb calibrated" in res.output
