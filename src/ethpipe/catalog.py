@@ -1,6 +1,6 @@
-"""Built-in GPU catalog, generated at import from the shipped copy of ``reference/gpus.yaml``.
+"""Built-in GPU catalog, generated at import from the shipped ``data/gpus.yaml``.
 
-The YAML is kept verbatim (with its sources) as package data; this module only reads the
+The YAML keeps every number's source as package data; this module only reads the
 fields the cost model needs. Default achievable-FLOPs efficiencies live here because they
 are a property of the GPU generation, not of a cluster; a cluster spec may override them.
 """

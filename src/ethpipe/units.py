@@ -1,6 +1,12 @@
-"""Human-readable sizes for messages and tables: a 20 MiB emulated device must not read "0.0 GiB"."""
+"""Byte sizes: human-readable for messages and tables (a 20 MiB emulated device must not read
+"0.0 GiB"), and cutting a sequence into runs of bounded size (all-reduce buckets, file shards)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
@@ -13,3 +19,20 @@ def format_bytes(num_bytes: float) -> str:
             return f"{sign}{size:.0f} {unit}" if unit == "B" else f"{sign}{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable: the last unit always returns")
+
+
+def runs_of_bytes(items: Sequence[T], num_bytes: Callable[[T], int], max_bytes: int) -> list[list[T]]:
+    """Consecutive runs of ``items`` of at most ``max_bytes`` each (an item bigger than that is a run of
+    its own; ``max_bytes`` <= 0: one run of everything)."""
+    if max_bytes <= 0:
+        return [list(items)]
+    out: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = num_bytes(item)
+        if out[-1] and size + nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 

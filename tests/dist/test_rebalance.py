@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from ethpipe.runtime.data import prepare_tokens, step_sample_ids

@@ -24,6 +24,7 @@ from ethpipe.hf.config import hf_architecture_of, hf_config_from_spec
 from ethpipe.hf.convert import hf_sources, to_hf
 from ethpipe.hf.load import INDEX
 from ethpipe.model_spec import ModelSpec
+from ethpipe.units import runs_of_bytes
 
 DEFAULT_MAX_SHARD = "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -50,16 +51,7 @@ def parse_size(text: str) -> int:
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     """Keys in order, cut into shards of at most ``max_bytes`` (a bigger tensor gets a shard of its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += nbytes
-    return shards
+    return runs_of_bytes(list(tensors), lambda k: tensors[k].numel() * tensors[k].element_size(), max_bytes)
 
 
 def check_out_dir(out: str | Path) -> None:

@@ -26,6 +26,7 @@ from ethpipe.plan import Plan
 from ethpipe.runtime.model import TIED_WEIGHT
 from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit, tied_stages
 from ethpipe.runtime.tensor_parallel import shard_dim
+from ethpipe.units import runs_of_bytes
 
 _FIRST_PARTS = ("tok_emb.", "pos_emb.")
 _LAST_PARTS = ("norm.", "head.")
@@ -70,18 +71,7 @@ def _views(params: Mapping[str, nn.Parameter], slices: Sequence[SyncSlice]) -> l
 
 def _buckets(views: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
     """Consecutive runs of at most ``bucket_bytes`` (0: the whole unit in one all-reduce)."""
-    if bucket_bytes <= 0:
-        return [views]
-    out: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for v in views:
-        nbytes = v.numel() * v.element_size()
-        if out[-1] and size + nbytes > bucket_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(v)
-        size += nbytes
-    return out
+    return runs_of_bytes(views, lambda v: v.numel() * v.element_size(), bucket_bytes)
 
 
 @dataclass
