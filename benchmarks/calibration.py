@@ -24,15 +24,15 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sailor_data import GPU_IDS, MODELS, SEQ_LEN, SOURCE, all_profiles, sailor_root  # noqa: E402
 
-from ethpipe.catalog import GpuSpec, get_gpu  # noqa: E402
+from ethpipe.catalog import get_gpu  # noqa: E402
 from ethpipe.cluster import cluster_from_dict  # noqa: E402
 from ethpipe.cost import calibrate as cal  # noqa: E402
+from ethpipe.cost import links  # noqa: E402
 from ethpipe.cost import memory  # noqa: E402
 from ethpipe.cost.hardware import Calibration  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
-NAME_OF = {v: k for k, v in GPU_IDS.items()}
 CLUSTERS = {
     "8 A100-40 + 8 V100-16": [("A100-40", 8), ("V100-16", 8)],
     "16 A100-40 + 32 V100-16": [("A100-40", 16), ("V100-16", 32)],
@@ -42,24 +42,53 @@ CLUSTERS = {
 REPLAN_GPN = {"A100-80": 8, "RTX-3090": 8}  # 4 GPUs per node otherwise (the issue's clusters)
 
 
-def link_fn(root: Path):
-    """NCCL send/recv bandwidth inside a node from Sailor's curve fits (GB/s per direction)."""
-    curves = json.loads((root / "network" / "intra_node_bandwidths.json").read_text())
+LINK_CURVES_HEADER = (
+    "# Intra-node NCCL send/recv bandwidth per GPU type and GPU count, written by benchmarks/calibration.py\n"
+    "# --write-shipped. Source: Sailor artifact, eth-easl/sailor commit cf2c8e3c, providers/intra_node_bandwidths.json\n"
+    "# (Sailor's quadratic fit: GB/s = c2 x^2 + c1 x + c0, x = log2(bytes / 1e6); max_gbps = highest measured).\n"
+    "# Keys are ethpipe catalog ids; counts are GPUs communicating at once inside the node (cost/links.py).\n")
 
-    def link(gpu: GpuSpec, tp: int, num_bytes: float) -> float:
-        per_count = curves[NAME_OF[gpu.id]]
-        key = str(tp) if str(tp) in per_count else max(per_count, key=int)
-        (c2, c1, c0), max_bps = per_count[key]
-        x = math.log2(max(num_bytes, 1.0) / 1e6)
-        return max(min(c2 * x * x + c1 * x + c0, max_bps / 1e9), 0.5)
 
-    return link
+def link_curves_dict(root: Path) -> dict:
+    """Sailor's intra-node curve constants in ethpipe's format (derived figures, source named)."""
+    raw = json.loads((root / "network" / "intra_node_bandwidths.json").read_text())
+    gpus = {GPU_IDS[name]: {int(n): {"c2": c2, "c1": c1, "c0": c0, "max_gbps": round(max_bps / 1e9, 3)}
+                            for n, ((c2, c1, c0), max_bps) in sorted(counts.items(), key=lambda kv: int(kv[0]))}
+            for name, counts in sorted(raw.items()) if name in GPU_IDS}
+    return {"version": links.LINK_CURVES_VERSION,
+            "source": "Sailor artifact, eth-easl/sailor commit cf2c8e3c, intra_node_bandwidths.json", "gpus": gpus}
+
+
+def check_shipped_curves(root: Path) -> None:
+    """The shipped curves are the artifact's (so the TP>1 rows and ethpipe plan price the same links)."""
+    ours = links.link_curves_from_dict(link_curves_dict(root))
+    if ours.curves != links.shipped_link_curves().curves:
+        raise SystemExit("src/ethpipe/data/link_curves.yaml differs from the artifact: re-run with --write-shipped")
 
 
 def observations(root: Path) -> dict[tuple[str, str, int], list[cal.Observation]]:
-    link = link_fn(root)
-    return {(sp.model, sp.gpu, sp.profile.tp): cal.observations(sp.profile, get_gpu(GPU_IDS[sp.gpu]), link)
+    """TP > 1 all-reduces priced by cal.shipped_link_gbps: the cost model's own curve code path."""
+    return {(sp.model, sp.gpu, sp.profile.tp): cal.observations(sp.profile, get_gpu(GPU_IDS[sp.gpu]),
+                                                                cal.shipped_link_gbps)
             for sp in all_profiles(root)}
+
+
+def check_tp_code_path(root: Path) -> None:
+    """Each TP>1 row's all-reduce time equals what CostModel prices for that stage (one code path)."""
+    from ethpipe.cost.model import CostModel
+
+    for sp in all_profiles(root):
+        if sp.profile.tp <= 1:
+            continue
+        gpu = get_gpu(GPU_IDS[sp.gpu])
+        clu = cluster_from_dict({"nodes": [{"gpu": gpu.id, "num_nodes": 1, "gpus_per_node": sp.profile.tp,
+                                            "nic_gbit_s": 100}]})
+        cost = CostModel(clu, MODELS[sp.model], SEQ_LEN[sp.model], dtype_bytes=4, dtype="fp32")
+        for o in cal.observations(sp.profile, gpu, cal.shipped_link_gbps):
+            if o.kind == "block":
+                want = cal.TP_ALLREDUCES_PER_BLOCK_PASS * cost.tp_allreduce_s(gpu.id, o.tp, o.micro_batch)
+                if not math.isclose(o.comm_s, want, rel_tol=1e-9):
+                    raise SystemExit(f"TP>1 row {sp.model} {sp.gpu} tp{o.tp}: {o.comm_s} s != CostModel's {want} s")
 
 
 def training_set(obs, exclude_model: str | None = None) -> list[cal.Observation]:
@@ -133,13 +162,12 @@ def memory_rows(root: Path) -> list[dict]:
 
 
 def _cluster(groups: list[tuple[str, int]], root: Path) -> dict:
-    link = link_fn(root)
     nodes = []
     for name, count in groups:
         gpn = REPLAN_GPN.get(name, 4)
         gpu = get_gpu(GPU_IDS[name])
         nodes.append({"gpu": gpu.id, "num_nodes": max(1, count // gpn), "gpus_per_node": min(gpn, count),
-                      "nic_gbit_s": 100, "intra_node_gbps": round(link(gpu, min(gpn, count), 8.4e6), 1)})
+                      "nic_gbit_s": 100})  # intra-node links: the shipped measured curves
     return {"nodes": nodes}
 
 
@@ -180,7 +208,9 @@ def write_report(data: dict, path: Path) -> None:
         "(no measured numbers are stored in the repository except the ones below). Times are one layer pass",
         "for one micro-batch on one TP rank; `error` = predicted / measured - 1. Fits use the lowest TP degree",
         "measured per (model, GPU); TP > 1 rows add Megatron's all-reduces priced on Sailor's intra-node NCCL",
-        "curves. OPT-30 and LLaMA on A100-40 are treated as TF32 off (see benchmarks/sailor_data.py).",
+        "curves through the cost model's own code path (`cost/links.py`, shipped `data/link_curves.yaml`;",
+        "the script checks each TP > 1 block row against `CostModel.tp_allreduce_s`). OPT-30 and LLaMA on",
+        "A100-40 are treated as TF32 off (see benchmarks/sailor_data.py).",
         "",
     ]
     for title, key in (("In-sample (fitted on all models)", "in_sample"),
@@ -233,6 +263,12 @@ def main() -> None:
     root = sailor_root(REPO)
     if root is None:
         raise SystemExit("shared Sailor data not found at ../shared/reference/measured/sailor: nothing to do")
+    if args.write_shipped:
+        (REPO / "src/ethpipe/data/link_curves.yaml").write_text(
+            LINK_CURVES_HEADER + yaml.safe_dump(link_curves_dict(root), sort_keys=False))
+        links.shipped_link_curves.cache_clear()
+    check_shipped_curves(root)
+    check_tp_code_path(root)
     obs = observations(root)
     constants = cal.fit(training_set(obs), source=SOURCE)
     if args.write_shipped:

@@ -10,7 +10,10 @@ block sync vs the cost model's price, and the per-rank training state vs the mem
    (median of repeated start/finish) vs ``CostModel.block_sync_s`` on a cluster spec of this
    machine's loopback links (cpu_demo's: 2 GB/s, 200 us).
 3. Bytes of parameters + gradients + AdamW moments each TP rank holds (counted from its tensors)
-   vs the memory model's state term (state bytes per parameter x stage parameters / tp).
+   vs the memory model's state term (state bytes per parameter x stage parameters / tp), and the
+   bytes autograd saves for backward in one micro-batch of one sample (counted with
+   ``torch.autograd.graph.saved_tensors_hooks``, each storage once) vs the model's activation
+   bytes (the runtime's own inventory, ``memory.runtime_*``; CPU SDPA keeps no s x s scores).
 Results: docs/benchmarks/tp_cpu.{md,json}.
 
     .venv/bin/python benchmarks/tp_cpu.py [--iters 20]
@@ -127,16 +130,37 @@ def _sync_worker(rank: int, world: int, store: str, pipelines: list[tuple[int, .
         sync.finish()
 
     measured = _median_s(once, iters)
+    saved_bytes = _saved_bytes(module)
     optimizer = make_optimizer(module, TrainConfig(data="", steps=1))
     optimizer.step()
     state = sum(t.numel() * t.element_size() for p in module.parameters()
                 for t in (p, p.grad, *(optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq"))))
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, {"measured_s": measured, "state_bytes": state, "tp": stage.tp})
+    dist.all_gather_object(parts, {"measured_s": measured, "state_bytes": state, "tp": stage.tp,
+                                   "saved_bytes": saved_bytes})
     if rank == 0:
         Path(out).write_text(json.dumps(parts))
     destroy_groups(groups)
     dist.destroy_process_group()
+
+
+def _saved_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct non-parameter storages autograd keeps for backward over one sample's forward."""
+    seen: dict[tuple[int, int], int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}  # kept anyway: state, not activations
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, SPEC.vocab_size, (1, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = module(tokens)
+        loss = module.loss_sum(logits, tokens)
+    loss.backward()
+    return sum(seen.values())
 
 
 def _spawn(world: int, fn: Any, args: tuple[Any, ...]) -> Any:
@@ -159,7 +183,10 @@ def main() -> None:
         plan = _plan(pipelines)
         predicted = sum(cost.block_sync_s(plan))
         state_model = [memory_state(cost, r["tp"]) for r in ranks]
+        act_model = [SPEC.num_layers * memory.runtime_block_activation_bytes(SPEC, 128, 4, r["tp"])
+                     + memory.runtime_head_activation_bytes(SPEC, 128, 4, r["tp"]) for r in ranks]
         sync[name] = {"measured_s": max(r["measured_s"] for r in ranks), "predicted_s": predicted,
+                      "saved_bytes": [r["saved_bytes"] for r in ranks], "model_activation_bytes": act_model,
                       "state_bytes": [r["state_bytes"] for r in ranks], "model_state_bytes": state_model,
                       "tp": [r["tp"] for r in ranks]}
     result = {"machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s)/rank, "
@@ -200,7 +227,20 @@ def render(res: dict[str, Any]) -> str:
         model = "/".join(f"{b / 2**20:.2f}" for b in sorted(set(r["model_state_bytes"]), reverse=True))
         lines.append(f"| {name} | {r['measured_s'] * 1e3:.1f} | {r['predicted_s'] * 1e3:.1f} | "
                      f"{r['measured_s'] / r['predicted_s']:.2f} | {counted} | {model} |")
-    lines += ["", "Each plan holds the whole 4-layer model (hidden 256) once per pipeline; one block. The "
+    lines += ["", "## Activations saved for backward (one sample, 128 tokens, whole 4-layer model)", "",
+              "| tp | counted MiB | memory model MiB | counted / model |", "|---|---|---|---|"]
+    acts = {}
+    for r in res["sync"].values():
+        for tp, got, want in zip(r["tp"], r["saved_bytes"], r["model_activation_bytes"]):
+            acts.setdefault(tp, (got, want))
+    for tp, (got, want) in sorted(acts.items()):
+        lines.append(f"| {tp} | {got / 2**20:.2f} | {want / 2**20:.2f} | {got / want:.2f} |")
+    lines += ["", "Counted: the distinct non-parameter storages autograd keeps (inputs of every matmul, norm and "
+              "activation function, the attention's output and log-sum-exp, the log-softmax); the model: "
+              "`memory.runtime_block_activation_bytes` / `runtime_head_activation_bytes`, this runtime's own "
+              "inventory (exact at tp 1 in tests/unit/test_activation_inventory.py; RoPE's shared cos/sin "
+              "tables are not counted).",
+              "", "Each plan holds the whole 4-layer model (hidden 256) once per pipeline; one block. The "
               "cost model prices a block's sync as its bytes / min(tp) over one ring of one rank per "
               "pipeline, on this machine's loopback links as cpu_demo describes them (2 GB/s, 200 us). "
               "State = parameters + gradients + AdamW moments, fp32: a TP rank holds 1/tp of the sharded "

@@ -37,7 +37,9 @@ class NodeGroup(BaseModel):
     gpu: str | InlineGpu
     num_nodes: int = Field(gt=0)
     gpus_per_node: int = Field(gt=0)
-    nic_gbit_s: float = Field(gt=0)
+    nic_gbit_s: float = Field(gt=0)  # the node's whole inter-node network (all its NICs together)
+    # One NIC rail per GPU (DGX-style): what one GPU's traffic can use; unset = one NIC shared by the node.
+    nic_rail_gbit_s: float | None = Field(default=None, gt=0)
     intra_node_gbps: float | None = Field(default=None, gt=0)  # override, per-direction GB/s
     efficiency: float | None = Field(default=None, gt=0, le=1)  # override achievable fraction of peak
 
@@ -58,6 +60,12 @@ class Device:
     local_rank: int
     gpu: GpuSpec
     nic_gbps: float  # per-direction GB/s of its node's network (nic_gbit_s / 8)
+    rail_gbps: float = 0.0  # per-direction GB/s one GPU's traffic can use (0 = the whole nic_gbps)
+
+    @property
+    def flow_gbps(self) -> float:
+        """Inter-node bandwidth of one flow from this GPU: its rail, capped by the node's NIC."""
+        return min(self.rail_gbps, self.nic_gbps) if self.rail_gbps > 0 else self.nic_gbps
 
 
 @dataclass(frozen=True)
@@ -77,11 +85,11 @@ class Cluster:
         return tuple(dict.fromkeys(d.gpu.id for d in self.devices))
 
     def link_gbps(self, rank_a: int, rank_b: int) -> float:
-        """Per-direction bandwidth between two ranks (the slower end sets it)."""
+        """Per-direction bandwidth between two ranks (the slower end sets it; across nodes one GPU's rail)."""
         a, b = self.devices[rank_a], self.devices[rank_b]
         if a.node == b.node:
             return min(a.gpu.intra_node_gbps, b.gpu.intra_node_gbps)
-        return min(a.nic_gbps, b.nic_gbps)
+        return min(a.flow_gbps, b.flow_gbps)
 
     def link_latency_s(self, rank_a: int, rank_b: int) -> float:
         same = self.devices[rank_a].node == self.devices[rank_b].node
@@ -134,7 +142,8 @@ def cluster_from_dict(data: Any) -> Cluster:
             raise UserError(f"cluster spec field 'nodes.{index}.gpu': {err}") from None
         for _ in range(group.num_nodes):
             for local in range(group.gpus_per_node):
-                devices.append(Device(len(devices), node, local, gpu, group.nic_gbit_s / 8.0))
+                rail = min(group.nic_rail_gbit_s, group.nic_gbit_s) / 8.0 if group.nic_rail_gbit_s else 0.0
+                devices.append(Device(len(devices), node, local, gpu, group.nic_gbit_s / 8.0, rail))
             node += 1
     return Cluster(
         devices=tuple(devices),

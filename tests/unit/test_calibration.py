@@ -68,8 +68,8 @@ def test_activation_memory_by_attention_implementation() -> None:
     _, flash = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="a100_80gb_sxm")
     _, mat = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="v100_32gb_sxm2")
     scores = spec.num_heads * 2048 * 2048 * 2  # one fp16 s x s matrix per head
-    # Same model states; the materialised block keeps the scores, the flash formula counts h + f more.
-    assert mat - flash == pytest.approx(scores - 2048 * 2 * (spec.hidden_size + spec.ffn_hidden_size))
+    # Same model states and the same runtime tensors; without a fused kernel the scores are kept too.
+    assert mat - flash == pytest.approx(scores)
     assert memory.block_activation_bytes_materialised(spec, 2048, 2, 1) == pytest.approx(
         2048 * 2 * (3 * spec.hidden_size + 2 * spec.q_dim + 2 * spec.kv_dim + spec.ffn_hidden_size
                     + spec.num_heads * 2048))

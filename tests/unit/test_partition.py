@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from ethpipe.planner.partition import StageOption, bottleneck_of, partition_layers
+from ethpipe.planner.partition import StageOption, _greedy, bottleneck_of, partition_layers
 
 
 def _compositions(total: int, parts: int):
@@ -50,3 +50,38 @@ def test_recompute_only_where_needed() -> None:
     opts = [[StageOption(0, 1.0, 2, False), StageOption(0, 1.3, 6, True)], [StageOption(0, 1.0, 6, False)]]
     part = partition_layers(opts, 6)
     assert part is not None and part.num_layers == (3, 3) and part.recompute == (True, False)
+
+
+def _stage_times(stages, counts):
+    return [min(o.time_s(k) for o in opts if o.max_layers >= k) for opts, k in zip(stages, counts)]
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_tie_break_matches_brute_force(seed: int) -> None:
+    """Among the splits with the optimal bottleneck, the returned one has the least sum of squared stage times."""
+    rng = random.Random(1000 + seed)
+    layers = rng.randint(2, 11)
+    depth = rng.randint(2, min(layers, 5))
+    stages = _random_stages(rng, depth, layers)
+    if rng.random() < 0.5:  # identical stages: ties on the bottleneck are the rule, not the exception
+        stages = [stages[0]] * depth
+    feasible = [c for c in _compositions(layers, depth) if bottleneck_of(stages, c) is not None]
+    part = partition_layers(stages, layers)
+    if not feasible:
+        assert part is None
+        return
+    best = min(bottleneck_of(stages, c) for c in feasible)
+    optimal = [c for c in feasible if bottleneck_of(stages, c) <= best * (1 + 1e-12)]
+    least = min(sum(t * t for t in _stage_times(stages, c)) for c in optimal)
+    assert part is not None and part.bottleneck_s <= best * (1 + 1e-12)
+    assert sum(t * t for t in _stage_times(stages, part.num_layers)) == pytest.approx(least, rel=1e-9)
+
+
+def test_tie_break_fixes_the_lopsided_greedy() -> None:
+    """13 equal layers on 4 equal stages: the greedy alone leaves (4, 4, 4, 1); the tie-break (4, 3, 3, 3)."""
+    stages = [[StageOption(0.0, 1.0, 13)]] * 4
+    assert _greedy(stages, 13, 4.0) == [4, 4, 4, 1]
+    part = partition_layers(stages, 13)
+    assert part is not None and part.bottleneck_s == 4.0
+    assert sorted(part.num_layers, reverse=True) == [4, 3, 3, 3]
+

@@ -184,7 +184,7 @@ def _summary(rows: dict[str, dict[str, Any]], scale: float, speeds: dict[str, fl
 def _print_table(rows: dict[str, dict[str, Any]], result: dict[str, Any]) -> None:
     table = Table(title=f"{MODEL}, batch {GLOBAL_BATCH} x {result['seq_len']} tokens, 2 fast + 4 slow emulated devices")
     for col in ("method", "steps", "tok/s", "step ms", "sim. ms", "error", "ETH gain", "final loss"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for method, r in rows.items():
         gain = "-" if method == "eth" else f"{result['speedup'][method]:.2f}x"
         table.add_row(method, str(r["steps"]), f"{r['tokens_per_s']:,.0f}", f"{r['measured_step_s'] * 1e3:.0f}",

@@ -73,6 +73,9 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
          method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
          max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
          dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None,
+         robust: Annotated[bool, typer.Option("--robust", help="eth: of the best few candidates, the one with the "
+                                                              "best worst case under +-30% per-type speed "
+                                                              "(data re-split allowed).")] = False,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          ) -> None:
@@ -82,7 +85,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog))
+                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust)
     if out is not None:
         result.save(out)
     if as_json:
@@ -90,6 +93,14 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
         return
     console.print(_summary(result))
     console.print(_metrics_line(result))
+    factors = result.predicted.get("efficiency_factors")
+    if factors:
+        from ethpipe.planner.efficiency import format_factors
+
+        console.print(f"balance efficiency = product of: {format_factors(factors)}", highlight=False)
+    if "worst_case_time_s" in result.predicted:
+        console.print(f"worst case {result.predicted['worst_case_time_s']:.3f} s ({result.predicted['worst_scenario']}, "
+                      "data re-split allowed)", highlight=False)
     for note in (result.extra.get("compute_model") or {}).get("devices", {}).values():
         console.print(f"compute model: {note}", highlight=False)
     if out is not None:
@@ -106,7 +117,9 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
             ) -> None:
     """Plan with eth, uniform and layer-balanced in one cost model and compare them."""
     from ethpipe.cost.hardware import load_calibration
+    from ethpipe.cost.model import CostModel
     from ethpipe.planner import METHODS, make_plan
+    from ethpipe.planner.robust import robust_record
     from ethpipe.plan import write_text_atomic
 
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -116,17 +129,23 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute,
                           dtype=dtype, tf32=tf32, calibration=calibration)
              for m in METHODS}
+    worst = {m: robust_record(p, CostModel.for_plan(p, profiles)) for m, p in plans.items()}
     eth_time = plans["eth"].predicted["iteration_time_s"]
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",
                                            "grad_sync_exposed_s", "planning_time_s")}
-            | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines)}
+            | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines),
+               "efficiency_factors": p.predicted.get("efficiency_factors", {}),
+               "worst_case_time_s": worst[m]["worst_case_time_s"], "worst_scenario": worst[m]["worst_scenario"]}
             for m, p in plans.items()}
     table = Table(title=f"{spec.name} on {clu.num_devices} devices, batch {global_batch} x {seq_len}")
-    for col in ("method", "pipelines", "iteration s", "tokens/s", "eth speedup", "balance eff.", "MFU", "planning s"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+    for col in ("method", "pipelines", "iteration s", "worst case s", "tokens/s", "eth speedup", "balance eff.",
+                "largest losses", "MFU", "planning s"):
+        table.add_column(col, justify="left" if col in ("method", "largest losses") else "right")
     for m, r in rows.items():
-        table.add_row(m, str(r["num_pipelines"]), f"{r['iteration_time_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['eth_speedup']:.2f}x", f"{r['balance_efficiency']:.3f}", f"{r['mfu']:.3f}",
+        losses = sorted(r["efficiency_factors"].items(), key=lambda kv: kv[1])[:2]
+        table.add_row(m, str(r["num_pipelines"]), f"{r['iteration_time_s']:.3f}", f"{r['worst_case_time_s']:.3f}",
+                      f"{r['tokens_per_s']:,.0f}", f"{r['eth_speedup']:.2f}x", f"{r['balance_efficiency']:.3f}",
+                      ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in losses), f"{r['mfu']:.3f}",
                       f"{r['planning_time_s']:.3f}")
     result = {"model": spec.name, "num_devices": clu.num_devices, "global_batch_size": global_batch,
               "seq_len": seq_len, "cluster": clu.source, "methods": rows}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ethpipe.catalog import GpuSpec
-from ethpipe.cost import comm, ops
+from ethpipe.cost import comm, links, ops
 from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, ArchConstants, Calibration, DeviceCompute
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
 from ethpipe.errors import UserError
@@ -33,8 +33,16 @@ _UPPER = np.array([20.0, 20.0, 20.0, 1e-3, 5e-3])
 LinkFn = Callable[[GpuSpec, int, float], float]
 
 
+TP_ALLREDUCES_PER_BLOCK_PASS = 2  # Megatron: after attention and after the MLP (= CostModel's)
+
+
 def catalog_link_gbps(gpu: GpuSpec, tp: int, num_bytes: float) -> float:
     return gpu.intra_node_gbps
+
+
+def shipped_link_gbps(gpu: GpuSpec, tp: int, num_bytes: float) -> float:
+    """The cost model's own intra-node pricing: the shipped measured curve where the type has one."""
+    return links.intra_gbps(gpu, tp, num_bytes)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,7 @@ def profile_dtype_tf32(profile: MeasuredProfile) -> tuple[str, bool]:
     return profile.dtype, True if profile.tf32 is None else profile.tf32
 
 
-def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = catalog_link_gbps,
+def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shipped_link_gbps,
                  attention: ops.Attention | None = None) -> list[Observation]:
     """Every (kind, pass, micro-batch) of ``profile`` measured on ``gpu`` (zero times are 'not captured')."""
     if not gpu.arch or gpu.memory_bandwidth_gbps <= 0:

@@ -4,9 +4,13 @@ Bandwidths are per-direction GB/s (1e9 bytes/s), latencies seconds. Collectives 
 for the ring algorithm; when the participants span nodes the hierarchical variant (intra-node
 reduce-scatter, inter-node ring on the node's share, intra-node all-gather) is priced too and
 the cheaper one is taken, as NCCL's tuner does. The slowest link of the ring sets its bandwidth.
+Where the intra-node link has a measured curve (``cost/links.py``), its bandwidth at the
+collective's message size replaces the flat figure (``intra_curve``).
 """
 
 from __future__ import annotations
+
+from ethpipe.cost.links import LinkCurve
 
 
 def p2p_s(num_bytes: float, gbps: float, latency_s: float) -> float:
@@ -32,14 +36,18 @@ def allreduce_shape_s(
     inter_gbps: float,
     intra_latency_s: float,
     inter_latency_s: float,
+    intra_curve: LinkCurve | None = None,
 ) -> float:
     """All-reduce of ``num_bytes`` over ranks spread on ``num_nodes`` nodes.
 
     ``inter_gbps`` is the slowest participating node's NIC bandwidth available to this
-    collective; with one node only the intra-node ring is priced.
+    collective; with one node only the intra-node ring is priced. ``intra_curve`` (measured,
+    for the node's GPU count) prices the intra-node link at ``num_bytes`` instead of ``intra_gbps``.
     """
     if num_ranks <= 1 or num_bytes <= 0:
         return 0.0
+    if intra_curve is not None:
+        intra_gbps = intra_curve.gbps(num_bytes)
     if num_nodes <= 1:
         return ring_allreduce_s(num_ranks, num_bytes, intra_gbps, intra_latency_s)
     flat = 2 * (num_ranks - 1) * inter_latency_s + 2.0 * (num_ranks - 1) / num_ranks * num_bytes / (

@@ -65,3 +65,35 @@ def block_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_by
 def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
     """Unfused fp32 cross-entropy keeps two logits-sized fp32 tensors (logits and softmax), measured."""
     return seq_len * (2 * dtype_bytes * model.hidden_size + 2 * LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
+
+
+def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """What ethpipe's own runtime (runtime/model.py) keeps for backward per decoder block and sample.
+
+    Counted tensor by tensor from autograd's saved tensors (tests/unit/test_activation_inventory.py
+    checks it exactly against ``saved_tensors_hooks``), attention through SDPA without the s x s
+    scores. RMSNorm + RoPE + SwiGLU: the two norms' inputs and normalised values, their outputs
+    (the Q/K/V and gate/up inputs) and the attention output's reshaped copy (7h), rotated Q, K and
+    V as SDPA reads them plus its output (4q: GQA repeats K and V to q width), the gate and up
+    outputs, SiLU's output and their product (4f), SDPA's log-sum-exp and the norms' rsqrt.
+    LayerNorm + learned positions + GELU: 5h + 3q + 2f. Norm-side tensors are replicated over TP,
+    the rest split. Exact in fp32; under autocast the 16-bit casts add copies it does not count.
+    """
+    if model.norm == "rmsnorm":
+        replicated = 7 * model.hidden_size + 2
+        split = 4 * model.q_dim + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
+    else:
+        replicated = 5 * model.hidden_size + 4
+        split = 3 * model.q_dim + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
+    return seq_len * dtype_bytes * (replicated + (split + model.num_heads) / tp)
+
+
+def runtime_head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """The final norm's saved tensors and the log-softmax output (vocab-parallel: 1/tp of it) per sample."""
+    norm = 3 * model.hidden_size + 1 if model.norm == "rmsnorm" else 2 * model.hidden_size + 2
+    return seq_len * (dtype_bytes * norm + LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
+
+
+def score_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+    """The s x s softmax per head that attention without a fused kernel keeps, per sample."""
+    return seq_len * seq_len * dtype_bytes * model.num_heads / tp

@@ -9,12 +9,14 @@ decoder blocks are identical: that linearity is what makes the exact partition s
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
-from ethpipe.cost import comm, compute, memory, ops
+from ethpipe.cost import comm, compute, links, memory, ops
+from ethpipe.cost.p2p import P2pFlows, p2p_flows
 from ethpipe.cost.hardware import Calibration, DeviceCompute, calibration_from_dict, has_hardware_model, shipped_calibration
 from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
 from ethpipe.cost.profile import MeasuredProfile
@@ -63,6 +65,8 @@ class CostModel:
     dtype: str | None = None  # precision name; None = from dtype_bytes (4 -> fp32, else bf16)
     tf32: bool = True  # fp32 matmuls on TF32 tensor cores where the GPU has them (PyTorch/Megatron training)
     calibration: Calibration | None = field(default=None, compare=False)  # None = the shipped constants
+    # Cross-node p2p NIC sharing of one plan (``cost/p2p.py``; ``with_plan_p2p``); None = every flow alone.
+    p2p_flows: P2pFlows | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -155,7 +159,14 @@ class CostModel:
                 notes[t] = f"{t} uncalibrated (peak x efficiency {self.gpu(t).efficiency:g}: no architecture / bandwidth)"
             else:
                 notes[t] = f"{hw.describe()}, {self.attention(t)} attention"
+            notes[t] += f"; {self._link_note(t)}"
         return notes
+
+    def _link_note(self, device_type: str) -> str:
+        gpu = self.gpu(device_type)
+        if links.intra_curve(gpu, 2) is not None:
+            return f"intra-node link: measured NCCL curve ({links.shipped_link_curves().source})"
+        return f"intra-node link: flat {gpu.intra_node_gbps:g} GB/s (datasheet or cluster spec; no measured curve)"
 
     # -- compute -----------------------------------------------------------------------
 
@@ -207,11 +218,11 @@ class CostModel:
         return (self.seq_len * self.model.hidden_size) / (prof.seq_len * other.hidden_size)
 
     def tp_allreduce_s(self, device_type: str, tp: int, micro_batch: int) -> float:
-        """One Megatron TP all-reduce of a micro-batch's activation on the intra-node link."""
+        """One Megatron TP all-reduce of a micro-batch's activation on the intra-node link (measured curve if any)."""
         if tp <= 1:
             return 0.0
-        gpu = self.gpu(device_type)
-        return comm.ring_allreduce_s(tp, micro_batch * self._act_bytes, gpu.intra_node_gbps,  # type: ignore[attr-defined]
+        num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
+        return comm.ring_allreduce_s(tp, num_bytes, links.intra_gbps(self.gpu(device_type), tp, num_bytes),
                                      self.cluster.intra_node_latency_s)
 
     def layer_times_s(self, device_type: str, micro_batch: int, tp: int = 1, recompute: bool = False) -> tuple[float, float]:
@@ -241,9 +252,25 @@ class CostModel:
 
     # -- communication -----------------------------------------------------------------
 
+    def with_plan_p2p(self, plan: Plan) -> CostModel:
+        """This cost model with ``plan``'s cross-node p2p NIC sharing (caches shared: they do not depend on it)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "p2p_flows", p2p_flows(plan, self.cluster))
+        return out
+
+    def p2p_link_gbps(self, src_rank: int, dst_rank: int, num_bytes: float) -> float:
+        """Per-direction bandwidth of one message: intra-node the measured curve (2 GPUs) or the flat link;
+        across nodes one GPU's rail, each end's NIC shared by the pipelines crossing it (``p2p_flows``)."""
+        a, b = self.cluster.devices[src_rank], self.cluster.devices[dst_rank]
+        if a.node == b.node:
+            return min(links.intra_gbps(a.gpu, 2, num_bytes), links.intra_gbps(b.gpu, 2, num_bytes))
+        fa, fb = (self.p2p_flows or {}).get((src_rank, dst_rank), (1, 1))
+        return min(a.flow_gbps, a.nic_gbps / fa, b.flow_gbps, b.nic_gbps / fb)
+
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         """Send one micro-batch's activation (or its gradient) between two ranks."""
-        return comm.p2p_s(micro_batch * self._act_bytes, self.cluster.link_gbps(src_rank, dst_rank),  # type: ignore[attr-defined]
+        num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
+        return comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
                           self.cluster.link_latency_s(src_rank, dst_rank))
 
     def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
@@ -255,15 +282,20 @@ class CostModel:
             node = self.cluster.devices[r].node
             per_node[node] = per_node.get(node, 0) + 1
         devs = [self.cluster.devices[r] for r in ranks]
+        count = max(per_node.values()) if len(per_node) > 1 else len(ranks)
+        # One rail per participating GPU on a node, capped by the node's NIC and its share of it.
+        inter = min(min(c * d.flow_gbps, d.nic_gbps / max(nic_share, 1.0))
+                    for n, c in per_node.items() for d in devs if d.node == n)
         return comm.allreduce_shape_s(
             num_bytes,
             num_ranks=len(ranks),
             num_nodes=len(per_node),
             max_ranks_per_node=max(per_node.values()),
             intra_gbps=min(d.gpu.intra_node_gbps for d in devs),
-            inter_gbps=min(d.nic_gbps for d in devs) / max(nic_share, 1.0),
+            inter_gbps=inter,
             intra_latency_s=self.cluster.intra_node_latency_s,
             inter_latency_s=self.cluster.inter_node_latency_s,
+            intra_curve=links.slowest_intra([d.gpu for d in devs], count)[1],
         )
 
     def sync_s(self, shape: SyncShape | None) -> float:
@@ -318,12 +350,17 @@ class CostModel:
         return fixed, per_layer
 
     def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
+        """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the
+        device has no fused attention kernel for the dtype; a measured profile rescales them."""
         m, s, d = self.model, self.seq_len, self.dtype_bytes
-        if device is not None and self.attention(device) == "materialised":
-            analytic = (memory.block_activation_bytes_materialised if kind == "block"
-                        else memory.head_activation_bytes_materialised)
-        else:
-            analytic = memory.block_activation_bytes if kind == "block" else memory.head_activation_bytes
+        materialised = device is not None and self.attention(device) == "materialised"
+
+        def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+            if kind != "block":
+                return memory.runtime_head_activation_bytes(spec, seq_len, dtype_bytes, tp)
+            scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if materialised else 0.0
+            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp) + scores
+
         ours = analytic(m, s, d, tp) * micro_batch
         prof = self.profiles.get(device) if self.profiles and device else None
         measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]

@@ -16,11 +16,12 @@ gradients through its NIC, while a pipeline spanning ``k`` nodes pushes ``1/k`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster
-from ethpipe.cost import comm
+from ethpipe.cost import comm, links
 from ethpipe.plan import Block, Plan
 
 
@@ -34,16 +35,34 @@ class SyncShape:
     max_ranks_per_node: int
     intra_gbps: float
     nic_gbps: float  # min over its nodes of NIC / (collectives sharing that NIC)
+    gpus: tuple[GpuSpec, ...] = ()  # the holders' GPU types: their measured intra-node curves, if any
+
+
+def nic_share_gbps(nic_gbps: float, flow_gbps: float, ranks_here: int, ranks_sharing: int) -> float:
+    """A collective's inter-node bandwidth on one node: its ranks' rails, capped by its share of the NIC.
+
+    ``ranks_here`` of its ranks sit on the node, ``ranks_sharing`` (>= ranks_here) of the node's ranks
+    are in cross-node collectives at once; one rail per GPU (``flow_gbps``, = nic without rails).
+    """
+    return min(ranks_here * flow_gbps, nic_gbps * min(1.0, ranks_here / max(ranks_sharing, 1)))
+
+
+def distinct_gpus(gpus: Iterable[GpuSpec]) -> tuple[GpuSpec, ...]:
+    return tuple(dict.fromkeys(gpus))
 
 
 def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:
     if shape.num_ranks <= 1 or shape.num_bytes <= 0:
         return 0.0
+    curve = None
+    if shape.gpus:
+        count = shape.max_ranks_per_node if shape.num_nodes > 1 else shape.num_ranks
+        curve = links.slowest_intra(shape.gpus, count)[1]
     return comm.allreduce_shape_s(
         shape.num_bytes, num_ranks=shape.num_ranks, num_nodes=shape.num_nodes,
         max_ranks_per_node=shape.max_ranks_per_node, intra_gbps=shape.intra_gbps,
         inter_gbps=shape.nic_gbps, intra_latency_s=cluster.intra_node_latency_s,
-        inter_latency_s=cluster.inter_node_latency_s)
+        inter_latency_s=cluster.inter_node_latency_s, intra_curve=curve)
 
 
 def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
@@ -82,13 +101,14 @@ def block_sync_shapes(plan: Plan, cluster: Cluster, grad_bytes: Callable[[Block,
         stages = [plan.pipelines[p].stages[s] for p, s in holders]
         heads = [devices[st.ranks[0]] for st in stages]
         here: dict[int, int] = {}
-        nic: dict[int, float] = {}
+        nic: dict[int, tuple[float, float]] = {}
         for d in heads:
             here[d.node] = here.get(d.node, 0) + 1
-            nic[d.node] = d.nic_gbps
+            nic[d.node] = (d.nic_gbps, d.flow_gbps)
         out.append(SyncShape(
             num_bytes=grad_bytes(block, k == 0, k == last) / min(st.tp for st in stages), num_ranks=len(heads),
             num_nodes=len(here), max_ranks_per_node=max(here.values()),
             intra_gbps=min(d.gpu.intra_node_gbps for d in heads),
-            nic_gbps=min(nic[n] / max(syncing[n] / c, 1.0) if cross else nic[n] for n, c in here.items())))
+            nic_gbps=min(nic_share_gbps(*nic[n], c, syncing[n] if cross else c) for n, c in here.items()),
+            gpus=distinct_gpus(d.gpu for d in heads)))
     return out

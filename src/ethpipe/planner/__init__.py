@@ -24,7 +24,8 @@ RECOMPUTE_MODES = ("auto", "never", "always")
 def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_len: int, method: str = "eth", *,
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
-              dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None) -> Plan:
+              dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
+              robust: bool = False) -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -33,6 +34,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     precision the runtime will use (activation and gradient bytes); ``auto`` is bf16 where every
     device has it, else fp16, and bf16 on a device without it is refused (``ethpipe.precision``).
     It is recorded in the plan (``extra["dtype"]``) so the simulator prices the plan the same way.
+    ``robust`` (eth only): pick the best worst case under per-type speed perturbations among the
+    best few candidates (``planner/robust.py``) and record it in ``predicted`` (``worst_case_time_s``,
+    ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -42,13 +46,15 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"global batch size must be a positive integer, got {global_batch_size!r}")
     if max_tp < 1:
         raise UserError(f"--max-tp must be >= 1, got {max_tp}")
+    if robust and method != "eth":
+        raise UserError(f"--robust applies to --method eth only, not '{method}': drop --robust or use eth")
     dtype = plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration)
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
 
-        plan = plan_eth(cost, global_batch_size, max_tp=max_tp, recompute=recompute, options=options)
+        plan = plan_eth(cost, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust)
     else:
         from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
 

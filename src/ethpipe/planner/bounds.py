@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.sync import SyncShape
+from ethpipe.cost.sync import SyncShape, distinct_gpus
 
 
 class LowerBounds:
@@ -205,4 +205,7 @@ class LowerBounds:
         first_rank = {devs[r].node: r for r in reversed(heads)}
         nic = min(devs[first_rank[n]].nic_gbps / max((self._node_ranks[n] if crossing else c * tp) / c, 1.0)
                   for n, c in here.items()) if len(here) > 1 else devs[heads[0]].nic_gbps
-        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic))
+        # Rails only lower the exact price's NIC share, so the whole NIC keeps this a bound; the intra-node
+        # curves must be the exact ones (a measured curve may beat the flat figure).
+        return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic,
+                                          distinct_gpus(devs[r].gpu for r in heads)))

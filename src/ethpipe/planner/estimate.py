@@ -33,6 +33,7 @@ class Estimate:
     optimizer_s: float  # slowest optimizer step
     busy_s: dict[int, float]  # per rank: compute seconds in the iteration
     memory_bytes: dict[int, int]  # per rank: peak bytes
+    no_sync_iteration_s: float = 0.0  # the iteration if gradient sync were free (efficiency factors)
 
 
 def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.ndarray:
@@ -41,7 +42,8 @@ def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.nda
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
     layers = [s.num_layers for s in pipe.stages]
     rc = [s.recompute for s in pipe.stages]
-    links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]))
+    links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]),
+                   cost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1), cost.p2p_link_gbps(b.ranks[0], a.ranks[0], 1))
                   for a, b in zip(slots, slots[1:]))
     key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links)
     if (key, pipe.micro_batch_sizes) not in cache:
@@ -56,7 +58,9 @@ def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.nda
     return cache[(key, pipe.micro_batch_sizes)]
 
 
-def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Estimate:
+def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detail: bool = True) -> Estimate:
+    """``detail=False`` leaves ``busy_s`` / ``memory_bytes`` empty (robust pricing needs only the times)."""
+    cost = cost.with_plan_p2p(plan)  # pipelines crossing the same NIC share it (cost/p2p.py)
     cache: dict = {}
     finish = [_pipeline_finish(plan, cost, p, cache) for p in range(len(plan.pipelines))]
     times = tuple(float(f[0]) for f in finish)
@@ -70,15 +74,21 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Es
             for h in holders:
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
-    iteration, opt_max = 0.0, 0.0
+    iteration, opt_max, no_sync = 0.0, 0.0, 0.0
     busy: dict[int, float] = {}
     memory: dict[int, int] = {}
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             first, last = s == 0, s == pipe.depth - 1
-            opt = cost.optimizer_s(stage, first=first, last=last)
+            opt_key = ("opt", stage.device, stage.tp, stage.num_layers, first, last)
+            if opt_key not in cache:
+                cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
+            opt = cache[opt_key]
             opt_max = max(opt_max, opt)
             iteration = max(iteration, max(free[(p, s)], float(finish[p][s])) + opt)
+            no_sync = max(no_sync, float(finish[p][s]) + opt)
+            if not detail:
+                continue
             in_flight = min(pipe.depth - s, pipe.num_microbatches)
             mem = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last)
             work = sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))
@@ -86,12 +96,12 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Es
             for r in stage.ranks:
                 busy[r] = work
                 memory[r] = mem
-    return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory)
+    return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory, no_sync)
 
 
 def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> float:
     """The planner's closed-form iteration time of any valid plan (the simulator is checked against it)."""
-    return estimate_plan(plan, cost, flat_sync=flat_sync).iteration_time_s
+    return estimate_plan(plan, cost, flat_sync=flat_sync, detail=False).iteration_time_s
 
 
 def ideal_time_s(cost: CostModel, global_batch: int) -> float:
@@ -102,6 +112,8 @@ def ideal_time_s(cost: CostModel, global_batch: int) -> float:
 
 def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, flat_sync: bool = False) -> dict:
     """What `ethpipe plan` writes under ``predicted``: times, throughput, efficiency, per device."""
+    from ethpipe.planner.efficiency import efficiency_factors  # it builds on this module
+
     est = estimate_plan(plan, cost, flat_sync=flat_sync)
     it = est.iteration_time_s
     ideal = ideal_time_s(cost, plan.global_batch_size)
@@ -118,6 +130,7 @@ def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, fl
         "tokens_per_s": plan.global_batch_size * plan.seq_len / it,
         "samples_per_s": plan.global_batch_size / it,
         "balance_efficiency": ideal / it,
+        "efficiency_factors": efficiency_factors(plan, cost, est, flat_sync=flat_sync),
         "ideal_time_s": ideal,
         "mfu": flops / (it * peak),
         "makespan_s": est.makespan_s,

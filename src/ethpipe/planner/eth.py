@@ -21,6 +21,7 @@ pipelines and identical pipelines priced once.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -32,12 +33,14 @@ from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
 from ethpipe.planner.grouping import Group, evaluate_groups, group_iteration_s, homogeneous_group, make_group
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.replicated import search_replicated
+from ethpipe.planner.robust import robust_record
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
                                        pool_shapes, pools_of, shape_slots, slots_for)
 
 MIN_SHAPES_PER_POOL = 3
 MAX_COMBINATIONS = 27
 SHAPES_BUILT_PER_POOL = 6  # shapes partitioned and scored exactly, after the analytic pre-score
+ROBUST_CANDIDATES = 4  # best layouts by nominal time priced under the speed perturbations (robust=True)
 
 
 def _prescore_s(cost: CostModel, pool: Pool, depth: int, tp: int, span: int, share: int) -> float:
@@ -194,7 +197,9 @@ def _structure_groups(cost: CostModel, instances: Sequence[tuple], b: int, recom
 
 
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
-             options: PlannerOptions | None = None) -> Plan:
+             options: PlannerOptions | None = None, robust: bool = False) -> Plan:
+    """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
+    least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time)."""
     started = time.perf_counter()
     options = options or PlannerOptions()
     cache: dict = {}
@@ -205,6 +210,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     keep = max(MIN_SHAPES_PER_POOL, int(round(MAX_COMBINATIONS ** (1 / len(pools)))))
     best: tuple[float, list[Group], list[list[int]]] | None = None
     layouts, error = 0, None
+    finalists: list[tuple[float, list[Group], list[list[int]]]] = []  # each layout's best, for robust
     for mbs in mb_sets:
         own: dict[int, list[list[Group]]] = {}
         for i in range(len(pools)):
@@ -231,6 +237,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
             except Infeasible as err:  # e.g. more pipelines than samples: another layout may still work
                 error = err
                 continue
+            finalists.append(found)
             if best is None or found[0] < best[0]:
                 best = found
         if options.allow_mixed and len(pools) > 1:
@@ -242,6 +249,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 except Infeasible as err:
                     error = err
                     continue
+                finalists.append(found)
                 if best is None or found[0] < best[0]:
                     best = found
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
@@ -249,15 +257,37 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         layouts += priced
         if replicated is not None:
             best = replicated
+            finalists.append(replicated)
     if best is None:
         raise error if error is not None else memory_error(cost, recompute)
-    score, groups, samples = best
+    search = {"pools": len(pools), "layouts_evaluated": layouts, "templates_evaluated": len(cache),
+              "options": options.to_dict()}
+    if not robust:
+        return _build(cost, global_batch, best, search, started, options)
+    return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
+
+
+def _build(cost: CostModel, global_batch: int, found: tuple[float, list[Group], list[list[int]]], search: dict,
+           started: float, options: PlannerOptions) -> Plan:
+    score, groups, samples = found
     pipelines = [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
                  for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
-    search = {"pools": len(pools), "layouts_evaluated": layouts, "templates_evaluated": len(cache),
-              "estimated_iteration_s": score, "options": options.to_dict()}
-    return assemble_plan("eth", cost, global_batch, pipelines, started_s=started, search=search,
-                         flat_sync=not options.block_sync)
+    return assemble_plan("eth", cost, global_batch, pipelines, started_s=started,
+                         search={**search, "estimated_iteration_s": score}, flat_sync=not options.block_sync)
+
+
+def _most_robust(cost: CostModel, global_batch: int, finalists: list[tuple[float, list[Group], list[list[int]]]],
+                 search: dict, started: float, options: PlannerOptions) -> Plan:
+    """The finalist with the least worst case; the nominal best is always priced, so robust never
+    has a worse worst case than the nominal plan."""
+    plans: list[tuple[float, float, Plan, dict]] = []
+    for found in finalists[:ROBUST_CANDIDATES]:
+        plan = _build(cost, global_batch, found, {**search, "robust": True}, started, options)
+        record = robust_record(plan, cost)
+        plans.append((record["worst_case_time_s"], plan.predicted["iteration_time_s"], plan, record))
+    _, _, plan, record = min(plans, key=lambda x: (x[0], x[1]))
+    predicted = {**plan.predicted, **record, "planning_time_s": time.perf_counter() - started}
+    return dataclasses.replace(plan, predicted=predicted)
 
 
 def _mixed_sets(cost: CostModel, pools: Sequence[Pool], own: dict[int, list[list[Group]]]) -> list[tuple[int, ...]]:

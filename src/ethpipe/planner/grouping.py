@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ethpipe.catalog import GpuSpec
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.sync import SyncShape
+from ethpipe.cost.sync import SyncShape, distinct_gpus, nic_share_gbps
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.balance import balance_samples
@@ -26,6 +27,8 @@ class StageNodes:
 
     heads: tuple[tuple[int, int, float], ...]  # (node, pipelines whose stage head is on it, node NIC GB/s)
     intra_gbps: float
+    flow_gbps: tuple[tuple[int, float], ...] = ()  # (node, one GPU's NIC rail GB/s)
+    gpus: tuple[GpuSpec, ...] = ()  # the heads' GPU types (measured intra-node curves)
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,16 @@ def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[St
     for s in range(template.depth):
         heads: dict[int, int] = {}
         nic: dict[int, float] = {}
+        flow: dict[int, float] = {}
         intra = float("inf")
         for slots in instances:
             d = devices[slots[s].ranks[0]]
             heads[d.node] = heads.get(d.node, 0) + 1
             nic[d.node] = d.nic_gbps
+            flow[d.node] = d.flow_gbps
             intra = min(intra, d.gpu.intra_node_gbps)
-        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra))
+        gpus = distinct_gpus(devices[slots[s].ranks[0]].gpu for slots in instances)
+        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra, tuple(flow.items()), gpus))
     ranks: dict[int, int] = {}
     for slots in instances:
         for slot in slots:
@@ -85,11 +91,12 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
     for lo in cuts[:-1]:
         holders = _holders(groups, lo)
         here: dict[int, int] = {}
-        nic: dict[int, float] = {}
+        nic: dict[int, tuple[float, float]] = {}
         for gr, s in zip(groups, holders):
+            flow = dict(gr.stages[s].flow_gbps)
             for node, c, bw in gr.stages[s].heads:
                 here[node] = here.get(node, 0) + c
-                nic[node] = bw
+                nic[node] = (bw, flow.get(node, bw))
         blocks.append((holders, here, nic))
     syncing: dict[int, int] = {}
     counted: set[tuple[int, int]] = set()
@@ -111,9 +118,9 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
         tp = min(gr.template.slots[s].tp for gr, s in zip(groups, holders))
         num_bytes = cost.block_grad_bytes(Block((lo, hi), ()), first=lo == 0, last=hi == num_layers) / tp
         cross = len(here) > 1
-        bw = min(nic[n] / max(syncing[n] / c, 1.0) if cross else nic[n] for n, c in here.items())
+        bw = min(nic_share_gbps(*nic[n], c, syncing[n] if cross else c) for n, c in here.items())
         out.append((holders, SyncShape(num_bytes, num_pipes, len(here), max(here.values()),
-                                       min(x.intra_gbps for x in st), bw)))
+                                       min(x.intra_gbps for x in st), bw, distinct_gpus(g for x in st for g in x.gpus))))
     return out
 
 

@@ -8,6 +8,20 @@ check (take as many layers as fit under the threshold, leaving one per remaining
 greedy prefix dominates every feasible partition's prefix, so it fails only if none exists.
 Each stage may have several options (with / without activation recomputation); it takes the
 cheapest option that holds its layers.
+
+Tie-break. The greedy alone fills early stages up to the bottleneck and leaves one layer on
+the rest: every loaded stage is then critical (any slowdown of it is a slowdown of the whole
+pipeline) and the early stages, which keep the most micro-batches in flight, carry the most
+layers. Among the splits with the optimal bottleneck we therefore return one minimising the
+sum of squared stage times, found exactly by a DP over (stage, layers so far) restricted to
+stage times within the bottleneck. Why that criterion: it is additive over stages (so the DP
+is exact and a few numpy passes of ``depth x layers^2``), strictly Schur-convex (of two splits
+with the same total it prefers the more even one, so slack is spread over all non-bottleneck
+stages instead of piled on one), and it also penalises recomputation, which makes a stage
+slower. The bottleneck is never worse than the greedy's (checked; the greedy split is kept
+otherwise). On homogeneous pipelines the sum of stage times, hence the 1F1B fill and drain,
+is unchanged; on mixed ones it may move a layer to a slower stage, which the level-1 pricing
+of the resulting timing sees.
 """
 
 from __future__ import annotations
@@ -98,8 +112,55 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
     counts = _greedy(stages, num_layers, float(candidates[lo]))
     assert counts is not None
     chosen = [_choose(opts, k) for opts, k in zip(stages, counts)]
-    return Partition(tuple(counts), tuple(o.recompute for o in chosen),
-                     max(o.time_s(k) for o, k in zip(chosen, counts)))
+    greedy = Partition(tuple(counts), tuple(o.recompute for o in chosen),
+                       max(o.time_s(k) for o, k in zip(chosen, counts)))
+    if depth == 1:
+        return greedy
+    balanced = _balanced_counts(stages, num_layers, float(candidates[lo]))
+    if balanced is None:
+        return greedy
+    chosen = [_choose(opts, k) for opts, k in zip(stages, balanced)]
+    bottleneck = max(o.time_s(k) for o, k in zip(chosen, balanced))
+    if bottleneck > greedy.bottleneck_s:
+        return greedy
+    return Partition(tuple(balanced), tuple(o.recompute for o in chosen), bottleneck)
+
+
+def _stage_time_table(options: Sequence[StageOption], num_layers: int, threshold_s: float) -> np.ndarray:
+    """Time of the stage holding k = 0..num_layers layers (its cheapest fitting option); inf where
+    k = 0, no option holds k layers, or k exceeds what fits under the threshold (the greedy's caps)."""
+    cap = max(o.layers_within(threshold_s) for o in options)
+    out = np.full(num_layers + 1, np.inf)
+    ks = np.arange(num_layers + 1, dtype=np.float64)
+    for o in options:
+        fits = (ks >= 1) & (ks <= min(o.max_layers, cap))
+        out = np.where(fits, np.minimum(out, o.fixed_s + ks * o.per_layer_s), out)
+    return out
+
+
+def _balanced_counts(stages: Sequence[Sequence[StageOption]], num_layers: int, threshold_s: float) -> list[int] | None:
+    """Layers per stage minimising the sum of squared stage times, every stage within the threshold."""
+    depth, n = len(stages), num_layers
+    j = np.arange(n + 1)
+    back = j[:, None] - j[None, :]  # back[j, k] = layers before a stage that ends at j and holds k
+    valid = back >= 0
+    back = np.where(valid, back, 0)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    choice = np.zeros((depth, n + 1), dtype=np.int64)
+    for i, options in enumerate(stages):
+        sq = _stage_time_table(options, n, threshold_s) ** 2
+        total = np.where(valid, best[back] + sq[None, :], np.inf)
+        choice[i] = np.argmin(total, axis=1)
+        best = total[j, choice[i]]
+    if not np.isfinite(best[n]):
+        return None
+    counts, end = [], n
+    for i in range(depth - 1, -1, -1):
+        k = int(choice[i, end])
+        counts.append(k)
+        end -= k
+    return counts[::-1]
 
 
 def bottleneck_of(stages: Sequence[Sequence[StageOption]], counts: Sequence[int]) -> float | None:

@@ -103,7 +103,7 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
     node_sizes = {len(p.nodes[0]) for p in pools_of(cost)}
     ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
     devs = cost.cluster.devices
-    nics = [d.nic_gbps for d in devs]
+    nics = [(d.nic_gbps, d.flow_gbps) for d in devs]
     for t in (t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)
               and cost.model.tp_problem(t) is None):
         for d in divisors(n // t):

@@ -116,6 +116,9 @@ def _simulate_pipeline(
 
 def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimReport:
     """Simulate one iteration of ``plan`` priced by ``cost``."""
+    with_p2p = getattr(cost, "with_plan_p2p", None)  # the real cost model: the plan's NIC sharing (cost/p2p.py)
+    if with_p2p is not None:
+        cost = with_p2p(plan)
     rec = _Recorder()
     flush: dict[tuple[int, int], float] = {}
     tail: dict[tuple[int, int], int] = {}

@@ -1,0 +1,77 @@
+"""Balance efficiency, decomposed (docs/cost-model.md, "Efficiency factors").
+
+``balance_efficiency = ideal / T`` is written as a telescoping product over a chain of times
+
+    ideal <= X(A) <= X(B) <= X(F') <= X(F) <= M <= T_nosync <= T
+
+so every factor is a ratio of two neighbours, lies in (0, 1] and their product is exactly the
+efficiency. ``X(.)`` is the capacity-weighted mean over pipelines (weight = the pipeline's
+share of the cluster's achievable FLOP/s), so each factor reads as "the fraction of the
+cluster's compute capacity lost to this cause"; per pipeline p:
+
+* ``A_p`` capacity-weighted mean of its ranks' compute seconds, ``B_p`` its slowest stage's;
+* ``F'_p`` its flush with compute only (no p2p receives), ``F_p`` its flush as priced.
+
+``M`` = slowest flush, ``T_nosync`` = the iteration if gradient sync were free (each stage's
+last backward plus its optimizer step), ``T`` = the iteration. Why a chain, not independent
+ratios: independent ratios do not multiply to the efficiency, so they cannot say which cause
+dominates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.pipeline import stage_finish_s
+from ethpipe.plan import Pipeline, Plan
+from ethpipe.planner.estimate import Estimate, estimate_plan, ideal_time_s
+
+FACTORS = ("compute", "layer_granularity", "bubble", "p2p", "data_balance", "optimizer", "grad_sync")
+
+
+def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> float:
+    """Pipeline p's flush with every receive removed (stage compute only), by the same closed form."""
+    pipe = plan.pipelines[p]
+    key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes)
+    if key not in cache:
+        cache[key] = _flush_s(pipe, cost)
+    return cache[key]
+
+
+def _flush_s(pipe: Pipeline, cost: CostModel) -> float:
+    last = pipe.depth - 1
+    per_size = {x: [cost.stage_compute_s(s, x, first=i == 0, last=i == last) for i, s in enumerate(pipe.stages)]
+                for x in set(pipe.micro_batch_sizes)}
+    fwd = np.array([[per_size[x][i][0] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
+    bwd = np.array([[per_size[x][i][1] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
+    return float(stage_finish_s(fwd, bwd)[0])
+
+
+def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None, *,
+                       flat_sync: bool = False) -> dict[str, float]:
+    """The factors of ``FACTORS`` (each in (0, 1] on analytic cost models), product = ideal / iteration."""
+    est = est or estimate_plan(plan, cost, flat_sync=flat_sync)
+    rate: Mapping[str, float] = {t: cost.achievable_flops(t) for t in cost.cluster.gpu_types}
+    capacity = sum(rate[d.gpu.id] for d in cost.cluster.devices)
+    cache: dict = {}
+    x_a = x_b = x_fc = x_f = 0.0
+    for p, pipe in enumerate(plan.pipelines):
+        ranks = [(r, stage.device) for stage in pipe.stages for r in stage.ranks]
+        pipe_rate = sum(rate[dev] for _, dev in ranks)
+        weight = pipe_rate / capacity
+        x_a += weight * sum(rate[dev] * est.busy_s[r] for r, dev in ranks) / pipe_rate
+        x_b += weight * max(est.busy_s[r] for r, _ in ranks)
+        x_fc += weight * _compute_only_flush_s(plan, cost, p, cache)
+        x_f += weight * est.pipeline_times_s[p]
+    chain = (ideal_time_s(cost, plan.global_batch_size), x_a, x_b, x_fc, x_f, est.makespan_s, est.no_sync_iteration_s,
+             est.iteration_time_s)
+    return {name: lo / hi for name, lo, hi in zip(FACTORS, chain, chain[1:])}
+
+
+def format_factors(factors: Mapping[str, float]) -> str:
+    """One line for `ethpipe plan`: the factors, largest loss first."""
+    ordered = sorted(factors.items(), key=lambda kv: kv[1])
+    return "  ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in ordered)

@@ -1,0 +1,65 @@
+"""Balance efficiency decomposed into factors (planner/efficiency.py, docs/cost-model.md)."""
+
+import math
+
+import pytest
+
+from ethpipe.cluster import cluster_from_dict, load_cluster
+from ethpipe.model_spec import load_model_spec
+from ethpipe.planner import PlannerOptions, make_plan
+from ethpipe.planner.efficiency import FACTORS
+
+DEMO = "examples/clusters/cpu_demo.yaml"
+
+
+def _a100_v100():
+    return cluster_from_dict({"nodes": [
+        {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 1600},
+        {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800}]})
+
+
+CASES = [
+    (DEMO, "tiny", 32, 64, "eth", None),
+    (DEMO, "tiny", 32, 64, "uniform", None),
+    (DEMO, "tiny", 24, 64, "eth", PlannerOptions(block_sync=False, fine_grained=False)),
+    ("a100_v100", "gpt3-1.3b", 64, 2048, "eth", None),
+    ("a100_v100", "gpt3-1.3b", 64, 2048, "uniform", None),
+    ("a100_v100", "gpt3-1.3b", 16, 2048, "layer-balanced", None),
+]
+
+
+@pytest.mark.parametrize("cluster, model, batch, seq, method, options", CASES)
+def test_factors_multiply_to_balance_efficiency(cluster, model, batch, seq, method, options) -> None:
+    clu = _a100_v100() if cluster == "a100_v100" else load_cluster(cluster)
+    plan = make_plan(clu, load_model_spec(model), batch, seq, method, max_tp=1, options=options)
+    factors = plan.predicted["efficiency_factors"]
+    assert tuple(factors) == FACTORS
+    assert math.prod(factors.values()) == pytest.approx(plan.predicted["balance_efficiency"], rel=1e-9)
+    for name, value in factors.items():
+        assert 0.0 < value <= 1.0 + 1e-12, (name, value)
+
+
+def test_single_stage_pipeline_has_no_granularity_bubble_or_p2p_loss() -> None:
+    """One device, one stage: nothing to balance, no bubble beyond the one micro-batch in flight, no receives."""
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 200}]})
+    plan = make_plan(clu, load_model_spec("gpt3-125m"), 8, 512, max_tp=1)
+    factors = plan.predicted["efficiency_factors"]
+    assert len(plan.pipelines) == 1 and plan.pipelines[0].depth == 1
+    assert factors["layer_granularity"] == pytest.approx(1.0)
+    assert factors["bubble"] == pytest.approx(1.0)
+    assert factors["p2p"] == pytest.approx(1.0)
+    assert factors["data_balance"] == pytest.approx(1.0)
+    assert factors["grad_sync"] == pytest.approx(1.0)
+
+
+def test_equal_data_over_unequal_pipelines_shows_as_data_balance() -> None:
+    """uniform gives equal data to pipelines of different types (rank order): that loss is data balance."""
+    clu = cluster_from_dict({"nodes": [
+        {"gpu": g, "num_nodes": 2, "gpus_per_node": 8, "nic_gbit_s": nic}
+        for g, nic in (("a100_40gb_sxm", 1600), ("v100_16gb", 800), ("t4", 200))]})
+    spec = load_model_spec("gpt3-1.3b")
+    uniform = make_plan(clu, spec, 96, 2048, "uniform", max_tp=1)
+    eth = make_plan(clu, spec, 96, 2048, "eth", max_tp=1)
+    assert len({p.stages[0].device for p in uniform.pipelines}) > 1
+    assert uniform.predicted["efficiency_factors"]["data_balance"] < 0.5
+    assert eth.predicted["efficiency_factors"]["data_balance"] > 0.9
