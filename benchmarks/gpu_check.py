@@ -1,0 +1,180 @@
+"""GPU check, prepared for a short lease: measure, compare with the calibrated model, run tests/gpu.
+
+On the GPU it finds (matched to a catalog id by its name), it profiles one decoder block, the
+embedding and the head of a few model widths in fp32 (TF32 off), fp32 (TF32 on) and bf16 with
+``ethpipe.profiler`` (the runtime's own modules), prices the same layers with the calibrated cost
+model for that GPU type, runs ``pytest tests/gpu``, and writes docs/benchmarks/gpu.{md,json}.
+Meant to finish in under 8 minutes on one GPU; ``--device cpu`` runs the same logic on the CPU
+with tiny widths (what the tests do here).
+
+    python benchmarks/gpu_check.py                       # on the GPU machine
+    python benchmarks/gpu_check.py --device cpu --widths 64 --seq-len 32 --skip-tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "benchmarks"
+MODES = (("fp32", False), ("fp32", True), ("bf16", True))  # (dtype, tf32)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One layer pass measured and predicted."""
+
+    width: int
+    dtype: str
+    tf32: bool
+    kind: str
+    micro_batch: int
+    measured_ms: tuple[float, float]  # fwd, bwd
+    predicted_ms: tuple[float, float]
+
+    @property
+    def errors(self) -> tuple[float, float]:
+        return tuple(p / m - 1 for p, m in zip(self.predicted_ms, self.measured_ms))  # type: ignore[return-value]
+
+
+def match_gpu(device_name: str) -> str | None:
+    """The catalog id of a CUDA device name ("NVIDIA H200" -> "h200_sxm"), None if nothing matches.
+
+    Matches the model token (H200, A100, L4, ...) and, where the catalog has several, the memory
+    size in the name; the SXM part wins over PCIe when the name does not say.
+    """
+    from ethpipe.catalog import gpu_catalog
+
+    name = device_name.upper()
+    token = next((t for t in re.findall(r"[A-Z]+\d+[A-Z]*", name) if t not in ("NVIDIA", "TESLA", "GEFORCE")), None)
+    if token is None:
+        return None
+    memory = re.search(r"(\d+)\s*GB", name)
+    candidates = [g for g in gpu_catalog().values() if re.search(rf"\b{token}\b", g.name.upper())]
+    if memory is not None:
+        sized = [g for g in candidates if f"{memory.group(1)}GB" in g.name.upper().replace(" ", "")]
+        candidates = sized or candidates
+    if not candidates:
+        return None
+    return sorted(candidates, key=lambda g: ("PCIE" in g.name.upper(), len(g.id)))[0].id
+
+
+def _spec(width: int, seq_len: int):  # type: ignore[no-untyped-def]
+    from ethpipe.model_spec import ModelSpec
+
+    heads = max(1, width // 64)  # Llama-style: head dim 64, GQA 4:1 where it divides, SwiGLU 8/3 h
+    kv_heads = heads // 4 if heads % 4 == 0 else heads
+    ffn = (8 * width // 3 + 63) // 64 * 64
+    return ModelSpec(name=f"check-{width}", num_layers=2, hidden_size=width, num_heads=heads, num_kv_heads=kv_heads,
+                     ffn_hidden_size=ffn, vocab_size=32000, max_seq_len=seq_len)
+
+
+def measure(device: str, gpu_id: str, widths: list[int], seq_len: int, micro_batches: tuple[int, ...],
+            repeats: int) -> list[Row]:
+    from ethpipe.cluster import cluster_from_dict
+    from ethpipe.cost.model import CostModel, dtype_bytes
+    from ethpipe.profiler import ProfileSettings, profile_model
+
+    rows = []
+    node = {"gpu": gpu_id, "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}
+    cluster = cluster_from_dict({"nodes": [node]})
+    for width in widths:
+        spec = _spec(width, seq_len)
+        for dtype, tf32 in MODES:
+            if device == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                torch.backends.cudnn.allow_tf32 = tf32
+            prof = profile_model(spec, ProfileSettings(seq_len=seq_len, micro_batch_sizes=micro_batches,
+                                                       device=device, dtype=dtype, repeats=repeats, warmup=2))
+            cost = CostModel(cluster, spec, seq_len, dtype_bytes=dtype_bytes(dtype), dtype=dtype, tf32=tf32)
+            for b in micro_batches:
+                predicted = {"block": cost.layer_times_s(gpu_id, b),
+                             "embedding": cost.end_times_s(gpu_id, b, 1, first=True, last=False),
+                             "head": cost.end_times_s(gpu_id, b, 1, first=False, last=True)}
+                for kind, (fwd_s, bwd_s) in predicted.items():
+                    t = prof.layers[kind][b]
+                    rows.append(Row(width, dtype, tf32, kind, b, (t.fwd_s * 1e3, t.bwd_s * 1e3),
+                                    (fwd_s * 1e3, bwd_s * 1e3)))
+    return rows
+
+
+def run_gpu_tests() -> dict[str, Any]:
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    summary = next((line for line in reversed(proc.stdout.splitlines()) if "passed" in line or "failed" in line
+                    or "skipped" in line), proc.stdout[-200:])
+    return {"returncode": proc.returncode, "summary": summary.strip("= "), "wall_s": time.time() - start,
+            "tail": proc.stdout[-3000:]}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = ["# GPU check (generated)", "",
+             f"Measured on {result['device_name']} (catalog id `{result['gpu_id']}`), {result['machine']}, "
+             f"{result['wall_s']:.0f} s in all. Reproduce: `python benchmarks/gpu_check.py`. Times are one layer "
+             "pass of ethpipe's own modules (`ethpipe.profiler`, median of the repeats) vs the calibrated cost "
+             "model for that GPU type (`ethpipe.cost`), ms; error = predicted / measured - 1.", "",
+             "| width | dtype | TF32 | layer | micro-batch | measured fwd / bwd | predicted fwd / bwd | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        mf, mb = r["measured_ms"]
+        pf, pb = r["predicted_ms"]
+        ef, eb = (p / m - 1 for p, m in zip(r["predicted_ms"], r["measured_ms"]))
+        lines.append(f"| {r['width']} | {r['dtype']} | {'on' if r['tf32'] else 'off'} | {r['kind']} | "
+                     f"{r['micro_batch']} | {mf:.3f} / {mb:.3f} | {pf:.3f} / {pb:.3f} | {ef:+.0%} / {eb:+.0%} |")
+    block = [abs(e) for r in result["rows"] if r["kind"] == "block"
+             for e in (p / m - 1 for p, m in zip(r["predicted_ms"], r["measured_ms"]))]
+    if block:
+        block.sort()
+        lines += ["", f"Block passes: median |error| {block[len(block) // 2]:.0%}, worst {block[-1]:.0%} "
+                      f"over {len(block)} passes."]
+    tests = result.get("tests")
+    lines += ["", "## tests/gpu", "", f"`{tests['summary']}` (exit {tests['returncode']}, {tests['wall_s']:.0f} s)"
+              if tests else "not run (`--skip-tests`)", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--gpu-id", help="catalog id to price against (default: matched from the device name)")
+    parser.add_argument("--widths", default="1024,2048,4096")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batches", default="1,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--out-dir", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    started = time.time()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on the GPU machine, or --device cpu for a dry run")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
+    gpu_id = args.gpu_id or match_gpu(name) or "a100_80gb_sxm"
+    rows = measure(args.device, gpu_id, [int(w) for w in args.widths.split(",")], args.seq_len,
+                   tuple(int(b) for b in args.micro_batches.split(",")), args.repeats)
+    result: dict[str, Any] = {
+        "device_name": name, "gpu_id": gpu_id, "gpu_id_matched": args.gpu_id is None and match_gpu(name) is not None,
+        "machine": f"torch {torch.__version__}, CUDA {torch.version.cuda}", "rows": [r.__dict__ for r in rows],
+        "tests": None if args.skip_tests else run_gpu_tests(),
+    }
+    result["wall_s"] = time.time() - started
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out_dir / "gpu.md").write_text(render(result))
+    print(render(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

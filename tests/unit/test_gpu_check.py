@@ -1,0 +1,38 @@
+"""The GPU check's CPU-side logic: GPU-name matching, measuring vs pricing, the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+@pytest.mark.parametrize("name,want", [
+    ("NVIDIA H200", "h200_sxm"),
+    ("NVIDIA H100 80GB HBM3", "h100_sxm"),
+    ("NVIDIA A100-SXM4-40GB", "a100_40gb_sxm"),
+    ("NVIDIA A100-SXM4-80GB", "a100_80gb_sxm"),
+    ("Tesla V100-SXM2-16GB", "v100_16gb"),
+    ("NVIDIA L4", "l4"),
+    ("Some Unknown Accelerator", None),
+])
+def test_device_names_match_catalog_ids(name: str, want: str | None) -> None:
+    assert gpu_check.match_gpu(name) == want
+
+
+def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
+    result = gpu_check.main(["--device", "cpu", "--gpu-id", "a100_80gb_sxm", "--widths", "64", "--seq-len", "32",
+                             "--micro-batches", "1,2", "--repeats", "1", "--skip-tests", "--out-dir", str(tmp_path)])
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert {(r["dtype"], r["tf32"]) for r in rows} == set(gpu_check.MODES)
+    assert {r["kind"] for r in rows} == {"embedding", "block", "head"} and {r["micro_batch"] for r in rows} == {1, 2}
+    assert all(m > 0 and p > 0 and math.isfinite(p) for r in rows for m, p in zip(r["measured_ms"], r["predicted_ms"]))
+    report = (tmp_path / "gpu.md").read_text()
+    assert report.count("| 64 |") == len(rows) and "not run" in report and result["gpu_id"] == "a100_80gb_sxm"
