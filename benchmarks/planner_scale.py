@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.cost.model import CostModel
+from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.exhaustive import exhaustive_eth
@@ -73,7 +74,7 @@ def _row(name: str, cluster: Cluster, model: str, seq: int, batch: int, batch_la
                  "seq_len": seq, "global_batch": batch, "batch": batch_label}
     try:
         make_plan(cluster, spec, batch, seq)  # warm-up
-    except ValueError as err:
+    except UserError as err:  # no feasible plan (a bug would propagate)
         return row | {"error": str(err)}
     runs = [_timed(lambda: make_plan(cluster, spec, batch, seq)) for _ in range(3)]
     eth = runs[0][1]

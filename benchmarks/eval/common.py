@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ethpipe.cluster import Cluster
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner import CostModel, ideal_time_s, make_plan
@@ -107,7 +108,7 @@ def run_method(cluster: Cluster, spec: ModelSpec, batch: int, seq_len: int, meth
         kwargs["options"] = options
     try:
         planning_s, plan = timed(lambda: make_plan(cluster, spec, batch, seq_len, method, **kwargs))
-    except ValueError as err:
+    except UserError as err:  # no feasible plan (a bug would propagate)
         return {"feasible": False, "error": str(err)}
     cost = CostModel.for_plan(plan)
     return {**evaluate_plan(plan, cost, flat_sync=flat_sync), "planning_s": planning_s,

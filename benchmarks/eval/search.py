@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ethpipe.cluster import cluster_from_dict
+from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import CostModel, make_plan
 from ethpipe.planner.exhaustive import exhaustive_eth
@@ -62,7 +63,7 @@ def _quality(cluster_key: str, model_name: str, budget_s: float) -> dict[str, An
                            "model": model.name, "gpus": cluster.num_devices}
     try:
         eth_s, eth = timed(lambda: make_plan(cluster, spec, batch, model.seq_len))
-    except ValueError as err:
+    except UserError as err:  # no feasible plan (a bug would propagate)
         return {**row, "error": str(err)}
     it = eth.predicted["iteration_time_s"]
     return {**row, "eth": {"planning_s": eth_s, "iteration_s": it},

@@ -1,13 +1,16 @@
 """The memory model's activation term is what ethpipe's runtime really keeps for backward.
 
 Counted with ``torch.autograd.graph.saved_tensors_hooks`` (each storage once, parameters left
-out) over one stage's forward in fp32, and compared exactly with ``memory.runtime_*``; TP splits
-are measured in benchmarks/tp_cpu.py (the same formulas, 0.2% off at tp 2 and 4).
+out) over one stage's forward, in fp32 and under bf16 autocast, for several widths, and compared
+exactly with ``memory.runtime_*`` (+ ``autocast_weight_bytes``: the 16-bit weight copies autocast
+keeps); TP splits are measured in benchmarks/tp_cpu.py with the same formulas.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -16,18 +19,19 @@ from ethpipe.cost import memory
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import build_stage
 
-LLAMA = ModelSpec(name="l", num_layers=3, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=96,
-                  vocab_size=200, max_seq_len=64)
-SPECS = {
-    "llama-gqa": LLAMA,
-    "llama-mha": dataclasses.replace(LLAMA, num_kv_heads=8),
-    "gpt": dataclasses.replace(LLAMA, num_kv_heads=8, activation="gelu", norm="layernorm", position="learned",
-                               attention_bias=True, mlp_bias=True),
-}
+
+def _spec(family: str, hidden: int, head_dim: int, ffn: int) -> ModelSpec:
+    spec = ModelSpec(name=family, num_layers=3, hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                     ffn_hidden_size=ffn, vocab_size=200, max_seq_len=64)
+    if family == "gpt":
+        spec = dataclasses.replace(spec, num_kv_heads=4, activation="gelu", norm="layernorm", position="learned",
+                                   attention_bias=True, mlp_bias=True)
+    return spec
 
 
-def _saved_bytes(spec: ModelSpec, layers: tuple[int, int], last: bool, seq_len: int, batch: int) -> int:
-    module = build_stage(spec, layers, first=False, last=last)
+def _saved_bytes(spec: ModelSpec, last: bool, autocast: bool, seq_len: int, batch: int) -> int:
+    """Non-parameter storages autograd keeps over one forward of layers 1-2 (+ the head)."""
+    module = build_stage(spec, (1, 3), first=False, last=last)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[tuple[int, int], int] = {}
 
@@ -37,21 +41,32 @@ def _saved_bytes(spec: ModelSpec, layers: tuple[int, int], last: bool, seq_len: 
             seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         return t
 
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     x = torch.randn(batch, seq_len, spec.hidden_size, requires_grad=True)
-    targets = torch.randint(0, spec.vocab_size, (batch, seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region:
         out = module(x)
-        (module.loss_sum(out, targets) if last else out.sum()).backward()
+        if last:
+            logits = out.float()
+            with torch.autocast("cpu", enabled=False):
+                module.loss_sum(logits, torch.randint(0, spec.vocab_size, (batch, seq_len)))
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-def test_runtime_inventory_is_exact_in_fp32(name: str) -> None:
-    spec, s, b = SPECS[name], 16, 2
-    rope = s * spec.head_dim_resolved * 4 if spec.position == "rope" else 0  # cos/sin tables, once per stage
-    blocks = _saved_bytes(spec, (0, 2), last=False, seq_len=s, batch=b)
-    assert blocks == 2 * memory.runtime_block_activation_bytes(spec, s, 4, 1) * b + rope
-    with_head = _saved_bytes(spec, (1, 3), last=True, seq_len=s, batch=b)
-    want = (2 * memory.runtime_block_activation_bytes(spec, s, 4, 1) + memory.runtime_head_activation_bytes(
-        spec, s, 4, 1)) * b + rope
-    assert with_head == pytest.approx(want, abs=8 * b)  # the summed loss: one scalar
+@pytest.mark.parametrize("family,autocast", list(itertools.product(("llama", "gpt"), (False, True))))
+def test_runtime_inventory_is_exact(family: str, autocast: bool) -> None:
+    s, b, d = 16, 2, 2 if autocast else 4
+    for hidden, head_dim, ffn in ((64, 16, 96), (96, 32, 160)):
+        spec = _spec(family, hidden, head_dim, ffn)
+        rope = s * spec.head_dim_resolved * 4 if spec.position == "rope" else 0  # cos/sin tables, once per stage
+        copies = 2 * memory.autocast_weight_bytes(spec.params_per_layer() - _norm_and_bias_params(spec), d, 1)
+        blocks = 2 * memory.runtime_block_activation_bytes(spec, s, d, 1) * b + rope + copies
+        assert _saved_bytes(spec, False, autocast, s, b) == blocks, (hidden, head_dim, ffn)
+        head = memory.runtime_head_activation_bytes(spec, s, d, 1) * b
+        head += memory.autocast_weight_bytes(spec.vocab_size * spec.hidden_size, d, 1)
+        assert _saved_bytes(spec, True, autocast, s, b) == pytest.approx(blocks + head, abs=8 * b)  # + the scalar loss
+
+
+def _norm_and_bias_params(spec: ModelSpec) -> int:
+    """Per layer, the parameters autocast does not cast (norms, biases: 1-D)."""
+    module = build_stage(spec, (0, 1), first=False, last=False)
+    return sum(p.numel() for p in module.parameters() if p.dim() < 2)

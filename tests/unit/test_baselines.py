@@ -37,8 +37,8 @@ def test_layer_balanced_replicates_one_mixed_shape() -> None:
 def test_layer_balanced_is_at_least_as_good_as_uniform_when_uniform_is_in_its_space() -> None:
     # One DP replica per GPU-type pair: uniform's in-rank-order shape (a100 x4 then v100 x4) is a
     # layer-balanced candidate with a non-optimal split, so exhaustive layer-balanced cannot lose.
-    # llama2-13b fits these 8 GPUs only as one 8-deep pipeline, so uniform picks exactly that shape.
-    spec = load_model_spec("llama2-13b")
+    # llama2-7b fits these 8 GPUs only as one 8-deep pipeline, so uniform picks exactly that shape.
+    spec = load_model_spec("llama2-7b")
     lb = make_plan(CLUSTER, spec, 64, 2048, "layer-balanced", max_tp=1)
     uni = make_plan(CLUSTER, spec, 64, 2048, "uniform", max_tp=1)
     assert [[s.device for s in p.stages] for p in uni.pipelines] == [["a100_80gb_sxm"] * 4 + ["v100_32gb_sxm2"] * 4]

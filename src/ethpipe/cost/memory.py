@@ -70,28 +70,42 @@ def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_byt
 def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
     """What ethpipe's own runtime (runtime/model.py) keeps for backward per decoder block and sample.
 
-    Counted tensor by tensor from autograd's saved tensors (tests/unit/test_activation_inventory.py
-    checks it exactly against ``saved_tensors_hooks``), attention through SDPA without the s x s
-    scores. RMSNorm + RoPE + SwiGLU: the two norms' inputs and normalised values, their outputs
-    (the Q/K/V and gate/up inputs) and the attention output's reshaped copy (7h), rotated Q, K and
-    V as SDPA reads them plus its output (4q: GQA repeats K and V to q width), the gate and up
-    outputs, SiLU's output and their product (4f), SDPA's log-sum-exp and the norms' rsqrt.
-    LayerNorm + learned positions + GELU: 5h + 3q + 2f. Norm-side tensors are replicated over TP,
-    the rest split. Exact in fp32; under autocast the 16-bit casts add copies it does not count.
+    Counted from autograd's saved tensors (tests/unit/test_activation_inventory.py fits nothing: it
+    checks these exactly against ``saved_tensors_hooks`` over several widths). Attention through SDPA
+    without the s x s scores. Per token, in elements: RMSNorm + RoPE: the norms' inputs, normalised
+    values and outputs (6h), rotated Q, K and V as SDPA reads them (GQA repeats K and V to q width),
+    its output and the reshaped copy the output projection reads (5q), SDPA's log-sum-exp (heads)
+    and the norms' rsqrt (2); LayerNorm + learned positions: 4h + 4q + heads + 4. The MLP adds 4f
+    (SwiGLU: gate and up outputs, SiLU's output, their product) or 2f (GELU). Under 16-bit autocast
+    (``dtype_bytes`` 2) the matmul inputs are kept as 16-bit casts (RMSNorm: 5h + 5q + MLP; LayerNorm:
+    4h + 4q + MLP) and the norms' internals in fp32 (4h + 2 + heads; 2h + 4 + heads). Norm-side
+    tensors are replicated over TP, the rest split. RoPE's cos/sin tables (head_dim per token, once
+    per stage) and the autocast weight copies (``autocast_weight_bytes``) are counted elsewhere.
     """
-    if model.norm == "rmsnorm":
-        replicated = 7 * model.hidden_size + 2
-        split = 4 * model.q_dim + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
-    else:
-        replicated = 5 * model.hidden_size + 4
-        split = 3 * model.q_dim + (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
-    return seq_len * dtype_bytes * (replicated + (split + model.num_heads) / tp)
+    h, rms = model.hidden_size, model.norm == "rmsnorm"
+    split = (5 if model.position == "rope" else 4) * model.q_dim
+    split += (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
+    small = 2 if rms else 4
+    if dtype_bytes >= 4:
+        return seq_len * dtype_bytes * ((6 if rms else 4) * h + small + (split + model.num_heads) / tp)
+    wide = (4 if rms else 2) * h + small + model.num_heads / tp
+    return seq_len * (dtype_bytes * ((5 if rms else 4) * h + split / tp) + 4 * wide)
 
 
 def runtime_head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
-    """The final norm's saved tensors and the log-softmax output (vocab-parallel: 1/tp of it) per sample."""
-    norm = 3 * model.hidden_size + 1 if model.norm == "rmsnorm" else 2 * model.hidden_size + 2
-    return seq_len * (dtype_bytes * norm + LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
+    """The final norm's saved tensors and the log-softmax output (vocab-parallel: 1/tp of it) per sample;
+    under 16-bit autocast the head's input is kept as a 16-bit cast and the norm in fp32."""
+    h, rms = model.hidden_size, model.norm == "rmsnorm"
+    logits = max(LOGITS_BYTES_PER_ELEMENT, dtype_bytes) * model.vocab_size / tp
+    if dtype_bytes >= 4:
+        return seq_len * (dtype_bytes * ((3 * h + 1) if rms else (2 * h + 2)) + logits)
+    return seq_len * (dtype_bytes * h + 4 * ((2 * h + 1) if rms else (h + 2)) + logits)
+
+
+def autocast_weight_bytes(num_params: float, dtype_bytes: int, tp: int) -> float:
+    """The 16-bit copy of a stage's weights that autocast keeps for backward (one per step: the
+    executor runs the whole step in one autocast region); none outside autocast."""
+    return dtype_bytes * num_params / tp if dtype_bytes < 4 else 0.0
 
 
 def score_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:

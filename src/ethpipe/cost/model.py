@@ -343,8 +343,10 @@ class CostModel:
         bpp = self._state_bpp  # type: ignore[attr-defined]
         full = self._activation_bytes(device, "block", micro_batch, tp)
         kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
-        per_layer = bpp * m.params_per_layer() / tp + in_flight * kept
+        per_layer = (bpp * m.params_per_layer() / tp + in_flight * kept
+                     + memory.autocast_weight_bytes(m.params_per_layer(), d, tp))
         fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
+        fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
         fixed += full if recompute else 0.0
         fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
         return fixed, per_layer

@@ -50,9 +50,13 @@ def memory_error(cost: CostModel, recompute: str) -> Infeasible:
             break
     usable, total = cost.usable_memory_bytes(device), cost.gpu(device).memory_bytes
     short_bytes = math.ceil(need - usable)
-    fit = (f"{format_bytes(short_bytes)} ({short_bytes} bytes) more than" if short_bytes > 0
-           else "within, yet no layout fits,")
+    if short_bytes <= 0:  # each stage fits alone; the method's layouts (equal layers, shapes) do not
+        return Infeasible(
+            f"no layout of {cost.model.name} fits in memory with this method: a depth-{depth} stage alone needs "
+            f"{format_bytes(need)} on {device} (of its {format_bytes(usable)} usable), but the layouts the method "
+            f"may use put more on some device: {fix}, or plan with --method eth")
     return Infeasible(
-        f"{cost.model.name} needs {format_bytes(need)} per stage at depth {depth} on {device}, {fit} its "
-        f"{format_bytes(usable)} usable (of {format_bytes(total)}): {fix}"
+        f"{cost.model.name} needs {format_bytes(need)} per stage at depth {depth} on {device}, "
+        f"{format_bytes(short_bytes)} ({short_bytes} bytes) more than its {format_bytes(usable)} usable "
+        f"(of {format_bytes(total)}): {fix}"
     )

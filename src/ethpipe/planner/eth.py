@@ -262,8 +262,11 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         raise error if error is not None else memory_error(cost, recompute)
     search = {"pools": len(pools), "layouts_evaluated": layouts, "templates_evaluated": len(cache),
               "options": options.to_dict()}
-    if not robust:
-        return _build(cost, global_batch, best, search, started, options)
+    if not robust:  # the search's score misses what only the final pricing sees (p2p NIC sharing)
+        candidates = sorted(finalists, key=lambda f: f[0])[:ROBUST_CANDIDATES]
+        plans = [_build(cost, global_batch, found, search, started, options)
+                 for found in candidates + ([best] if all(f is not best for f in candidates) else [])]
+        return min(plans, key=lambda p: p.predicted["iteration_time_s"])
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
 
 

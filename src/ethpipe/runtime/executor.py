@@ -114,51 +114,55 @@ def run_stage_step(
         timeline.add(str(action), start, end)
         return out
 
-    for action in actions:
-        mb = action.microbatch
-        size = micro_batch_sizes[mb]
-        if action.kind == "F":
-            if first:
-                x: torch.Tensor | None = None
-                inp = inputs[mb]  # type: ignore[index]
-            else:
-                buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=io.act_dtype, device=device)
-                dist.recv(buf, src=io.prev_rank, group=io.group)
-                x = inp = buf.requires_grad_()
+    # One autocast region for the whole step: its cache keeps ONE 16-bit copy of each weight for all
+    # micro-batches in flight (a region per forward would keep one copy per in-flight micro-batch).
+    with autocast():
+        for action in actions:
+            mb = action.microbatch
+            size = micro_batch_sizes[mb]
+            if action.kind == "F":
+                if first:
+                    x: torch.Tensor | None = None
+                    inp = inputs[mb]  # type: ignore[index]
+                else:
+                    buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=io.act_dtype, device=device)
+                    dist.recv(buf, src=io.prev_rank, group=io.group)
+                    x = inp = buf.requires_grad_()
 
-            def forward() -> torch.Tensor:
-                with autocast():
+                def forward() -> torch.Tensor:
                     out = module(inp)
-                if last:
-                    return module.loss_sum(out.to(io.act_dtype), targets[mb]) * loss_scale  # type: ignore[index,operator]
-                return out.to(io.act_dtype)
+                    if last:
+                        logits, labels = out.to(io.act_dtype), targets[mb]  # type: ignore[index]
+                        with torch.autocast(device_type=device.type, enabled=False):  # the loss in act_dtype
+                            return module.loss_sum(logits, labels) * loss_scale  # type: ignore[operator]
+                    return out.to(io.act_dtype)
 
-            out = timed(action, size, forward)
-            assert out is not None
-            if last:
-                if io.count_loss:
-                    loss_total += out.detach()
+                out = timed(action, size, forward)
+                assert out is not None
+                if last:
+                    if io.count_loss:
+                        loss_total += out.detach()
+                else:
+                    payload = out.detach()
+                    sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.output_ranks)
+                stash[mb] = (x, out)
             else:
-                payload = out.detach()
-                sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.output_ranks)
-            stash[mb] = (x, out)
-        else:
-            x, out = stash.pop(mb)
-            if last:
-                timed(action, size, lambda: out.backward())  # type: ignore[func-returns-value]
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, src=io.next_rank, group=io.group)
-                timed(action, size, lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
-            if not first:
-                assert x is not None and x.grad is not None
-                payload = x.grad
-                sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.input_grad_ranks)
-            done_backward += 1
-            if done_backward == num_backward:
-                timeline.phase_s = time.time() - step_start
-                if on_last_backward is not None:
-                    on_last_backward()
+                x, out = stash.pop(mb)
+                if last:
+                    timed(action, size, lambda: out.backward())  # type: ignore[func-returns-value]
+                else:
+                    grad = torch.empty_like(out)
+                    dist.recv(grad, src=io.next_rank, group=io.group)
+                    timed(action, size, lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
+                if not first:
+                    assert x is not None and x.grad is not None
+                    payload = x.grad
+                    sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.input_grad_ranks)
+                done_backward += 1
+                if done_backward == num_backward:
+                    timeline.phase_s = time.time() - step_start
+                    if on_last_backward is not None:
+                        on_last_backward()
     for work, _payload in sends:
         work.wait()
     assert not stash, "every forwarded micro-batch must be backwarded"
