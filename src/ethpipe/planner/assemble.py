@@ -24,15 +24,21 @@ def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int,
 def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Sequence[Pipeline], *,
                   started_s: float, search: dict[str, Any], flat_sync: bool = False) -> Plan:
     """Order pipelines by first rank, compute blocks, and price the plan rank by rank."""
-    ordered = tuple(sorted(pipelines, key=lambda p: p.stages[0].ranks[0]))
-    used = sorted(r for p in ordered for r in p.ranks)
-    assert used == list(range(cost.cluster.num_devices)), "a plan must use every device exactly once"
-    plan = Plan(method=method, model=cost.model.name, global_batch_size=global_batch, seq_len=cost.seq_len,
-                pipelines=ordered, blocks=compute_blocks(ordered), model_spec=cost.model, cluster=cost.cluster.source,
-                extra={"device_speeds": cost.device_speeds(), "search": search})
+    plan = unpriced_plan(method, cost, global_batch, pipelines, search)
     planning_s = time.perf_counter() - started_s
     predicted = predicted_metrics(plan, cost, planning_s, flat_sync=flat_sync)
     return Plan(**{**plan.__dict__, "predicted": predicted})
+
+
+def unpriced_plan(method: str, cost: CostModel, global_batch: int, pipelines: Sequence[Pipeline],
+                  search: dict[str, Any]) -> Plan:
+    """The plan without its ``predicted`` record (cheap: what comparing candidates needs)."""
+    ordered = tuple(sorted(pipelines, key=lambda p: p.stages[0].ranks[0]))
+    used = sorted(r for p in ordered for r in p.ranks)
+    assert used == list(range(cost.cluster.num_devices)), "a plan must use every device exactly once"
+    return Plan(method=method, model=cost.model.name, global_batch_size=global_batch, seq_len=cost.seq_len,
+                pipelines=ordered, blocks=compute_blocks(ordered), model_spec=cost.model, cluster=cost.cluster.source,
+                extra={"device_speeds": cost.device_speeds(), "search": search})
 
 
 def memory_error(cost: CostModel, recompute: str) -> Infeasible:

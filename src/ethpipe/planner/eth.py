@@ -28,8 +28,9 @@ from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
-from ethpipe.plan import Plan
-from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
+from ethpipe.plan import Pipeline, Plan
+from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error, unpriced_plan
+from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.grouping import Group, evaluate_groups, group_iteration_s, homogeneous_group, make_group
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.replicated import search_replicated
@@ -264,19 +265,23 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
               "options": options.to_dict()}
     if not robust:  # the search's score misses what only the final pricing sees (p2p NIC sharing)
         candidates = sorted(finalists, key=lambda f: f[0])[:ROBUST_CANDIDATES]
-        plans = [_build(cost, global_batch, found, search, started, options)
-                 for found in candidates + ([best] if all(f is not best for f in candidates) else [])]
-        return min(plans, key=lambda p: p.predicted["iteration_time_s"])
+        candidates += [best] if all(f is not best for f in candidates) else []
+        final = min(candidates, key=lambda f: estimate_iteration_s(
+            unpriced_plan("eth", cost, global_batch, _pipelines(f), search), cost, flat_sync=not options.block_sync))
+        return _build(cost, global_batch, final, search, started, options)
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
 
 
 def _build(cost: CostModel, global_batch: int, found: tuple[float, list[Group], list[list[int]]], search: dict,
            started: float, options: PlannerOptions) -> Plan:
-    score, groups, samples = found
-    pipelines = [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
-                 for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
-    return assemble_plan("eth", cost, global_batch, pipelines, started_s=started,
-                         search={**search, "estimated_iteration_s": score}, flat_sync=not options.block_sync)
+    return assemble_plan("eth", cost, global_batch, _pipelines(found), started_s=started,
+                         search={**search, "estimated_iteration_s": found[0]}, flat_sync=not options.block_sync)
+
+
+def _pipelines(found: tuple[float, list[Group], list[list[int]]]) -> list[Pipeline]:
+    _, groups, samples = found
+    return [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
+            for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
 
 
 def _most_robust(cost: CostModel, global_batch: int, finalists: list[tuple[float, list[Group], list[list[int]]]],
