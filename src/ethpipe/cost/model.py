@@ -130,7 +130,7 @@ class CostModel:
 
     def achievable_flops(self, device_type: str) -> float:
         """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
-        if device_type in self._hw and not (self.profiles and device_type in self.profiles):  # type: ignore[attr-defined]
+        if self._priced_by_kernels(device_type):
             # Per-sample (marginal) rate over the whole model: fixed per-layer costs amortise away at
             # large micro-batches, so this bounds what any plan reaches (balance efficiency <= 1).
             slope = [self._kernel_times_s(device_type, k, 2, 1) for k in ("block", "embedding", "head")]
@@ -200,9 +200,13 @@ class CostModel:
         (f0, f1), (b0, b1) = lines
         return f0 + f1 * (micro_batch - 1), b0 + b1 * (micro_batch - 1)
 
+    def _priced_by_kernels(self, device_type: str) -> bool:
+        """The per-kernel hardware model prices this type: it has one, and no measured profile replaces it."""
+        return device_type in self._hw and not (self.profiles and device_type in self.profiles)  # type: ignore[attr-defined]
+
     def _compute_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
         """(fwd, bwd) compute of one layer on one of ``tp`` ranks (no TP communication)."""
-        if device_type in self._hw and not (self.profiles and device_type in self.profiles):  # type: ignore[attr-defined]
+        if self._priced_by_kernels(device_type):
             return self._kernel_times_s(device_type, kind, micro_batch, tp)
         fwd, bwd = self._profile_or_analytic(device_type, kind, micro_batch)
         return fwd / tp, bwd / tp

@@ -169,6 +169,11 @@ def optim_key(kind: str, name: str) -> str:
     return f"optim.{kind}.{name}"
 
 
+def param_of_key(key: str) -> str:
+    """The parameter a flat checkpoint key belongs to (the inverse of ``optim_key`` on its name part)."""
+    return key.split(".", 2)[2] if key.startswith("optim.") else key
+
+
 OPTIM_KINDS = ("step", "exp_avg", "exp_avg_sq")
 
 

@@ -34,7 +34,7 @@ from ethpipe.runtime.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe
 from ethpipe.runtime.ckpt_layout import (
     FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files,
     check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
-    optim_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
+    optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
 from ethpipe.runtime.model import state_dict_shapes
 from ethpipe.runtime.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
@@ -88,14 +88,9 @@ def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimi
     return flat, optim
 
 
-def _param_name(key: str) -> str:
-    """The parameter a flat key belongs to (``optim.exp_avg.layers.0.attn.wq.weight`` -> ``layers.0...``)."""
-    return key.split(".", 2)[2] if key.startswith("optim.") else key
-
-
 def _sharded(key: str, tp: TPGroup | None) -> bool:
     """Whether a TP rank holds only a slice of this key's tensor (AdamW's scalar step never)."""
-    return tp is not None and not key.startswith("optim.step.") and shard_dim(_param_name(key)) is not None
+    return tp is not None and not key.startswith(optim_key("step", "")) and shard_dim(param_of_key(key)) is not None
 
 
 def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None) -> dict[str, torch.Tensor]:
@@ -106,7 +101,7 @@ def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None) -> dict[s
         return flat
     out = {}
     for key in sorted(flat):
-        value = gather_full(flat[key], _param_name(key), tp) if _sharded(key, tp) else flat[key]
+        value = gather_full(flat[key], param_of_key(key), tp) if _sharded(key, tp) else flat[key]
         if tp.rank == 0:
             out[key] = value
     return out
@@ -234,7 +229,7 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)))
     for key, value in local.items():
         if _sharded(key, tp):
-            value.copy_(local_slice(flat[key], _param_name(key), tp))
+            value.copy_(local_slice(flat[key], param_of_key(key), tp))
     for param, state in optim.items():
         optimizer.state[param] = state
     _set_rng_states(rng, device)

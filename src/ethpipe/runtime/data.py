@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ethpipe.atomic import write_bytes_atomic
 from ethpipe.errors import UserError
 
 MAX_UINT16_VOCAB = 65536
@@ -29,7 +28,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= MAX_UINT16_VOCAB else np.uint32)
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar_path(path: Path) -> Path:
+    """The ``.bin.json`` beside a token file: its dtype and vocabulary (and EOS id)."""
     return path.with_name(path.name + ".json")
 
 
@@ -52,7 +52,7 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
     if not path.is_file():
         raise UserError(f"data file '{path}' not found: make one with `ethpipe data prepare --out {path}`")
     dtype = token_dtype(vocab_size)
-    side = _sidecar(path)
+    side = sidecar_path(path)
     if side.is_file():
         dtype = np.dtype(json.loads(side.read_text())["dtype"])
     if path.stat().st_size % dtype.itemsize:
@@ -105,40 +105,17 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
 # -- making token files ----------------------------------------------------------------
 
 
-def _load_tokenizer(path: str | Path):  # type: ignore[no-untyped-def]
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UserError(
-            "--tokenizer needs the optional 'tokenizers' package: `pip install tokenizers`, or omit --tokenizer "
-            "for byte-level tokens"
-        ) from None
-    if not Path(path).is_file():
-        raise UserError(f"tokenizer file '{path}' not found: give a Hugging Face tokenizer.json")
-    return Tokenizer.from_file(str(path))
-
-
 def prepare_tokens(texts: Iterable[str], out: str | Path, tokenizer: str | Path | None = None) -> int:
-    """Tokenize texts into a ``.bin`` (+ ``.json`` sidecar with dtype and vocab); returns the token count.
+    """Tokenize texts into a ``.bin`` (+ ``.json`` sidecar); returns the token count.
 
-    Byte-level (vocab 256) by default; with ``tokenizer`` a Hugging Face ``tokenizer.json``.
-    Documents are separated by a blank line (bytes) or the tokenizer's own encoding of it.
+    The same as ``ethpipe data prepare`` (``runtime/prepare.write_tokens``), with each text a
+    document: byte-level (vocab 256, a blank line between documents) by default; with
+    ``tokenizer`` a Hugging Face tokenizer, its EOS between documents.
     """
-    if tokenizer is None:
-        ids = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-        vocab_size = 256
-    else:
-        tok = _load_tokenizer(tokenizer)
-        vocab_size = tok.get_vocab_size()
-        ids = np.asarray([i for enc in tok.encode_batch(list(texts)) for i in [*enc.ids]],
-                         dtype=token_dtype(vocab_size))
-    if ids.size < 2:
-        raise UserError("the given text is empty: nothing to tokenize")
-    out = Path(out)
-    write_bytes_atomic(out, ids.astype(token_dtype(vocab_size)).tobytes())
-    write_bytes_atomic(_sidecar(out), json.dumps({"dtype": str(token_dtype(vocab_size)),
-                                                   "vocab_size": vocab_size}).encode())
-    return int(ids.size)
+    from ethpipe.runtime.prepare import Doc, write_tokens  # prepare builds on this module
+
+    docs = (Doc(text, True, len(text.encode("utf-8"))) for text in texts)
+    return write_tokens(docs, out, tokenizer)
 
 
 def builtin_text(max_bytes: int = 4_000_000) -> list[str]:

@@ -45,7 +45,7 @@ def block_of_parameter(plan: Plan, name: str) -> int:
 
 def params_by_block(plan: Plan, module: nn.Module, tied: bool = False) -> dict[int, list[str]]:
     """This stage's parameter names grouped by block, each list in the module's (deterministic) order;
-    ``tied``: without the tied embedding matrix (``tied_parameters`` syncs it)."""
+    ``tied``: without the tied embedding matrix (``sync_layout.tied_units`` syncs it)."""
     out: dict[int, list[str]] = {}
     for name, _ in module.named_parameters():
         if not (tied and name == TIED_WEIGHT):

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ethpipe.plan import Plan, RankPosition
-from ethpipe.runtime.sync_layout import holder_sets
+from ethpipe.runtime.sync_layout import holder_sets, tied_stages
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,7 @@ class RankGroups:
 def tied_ranks(plan: Plan) -> tuple[int, ...]:
     """Ranks holding a copy of a tied embedding, in plan order: each pipeline's first-stage ranks, then
     its last-stage ranks (a depth-1 pipeline's one stage uses its one copy twice and is listed once)."""
-    out: list[int] = []
-    for pipe in plan.pipelines:
-        for stage in (pipe.stages[0], pipe.stages[-1]):
-            out.extend(r for r in stage.ranks if r not in out)
-    return tuple(out)
+    return tuple(r for ranks in tied_stages(plan) for r in ranks)
 
 
 def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False) -> RankGroups:

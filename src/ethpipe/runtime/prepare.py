@@ -19,7 +19,7 @@ import numpy as np
 
 from ethpipe.atomic import atomic_path, write_bytes_atomic
 from ethpipe.errors import UserError
-from ethpipe.runtime.data import token_dtype
+from ethpipe.runtime.data import sidecar_path, token_dtype
 
 BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once
 PIECE_CHARS = 1 << 20  # a plain text file is read in pieces of about this size, cut at line ends
@@ -211,5 +211,5 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
             raise UserError("the given text is empty: nothing to tokenize")
         f.flush()
     meta = {"dtype": str(dtype), "vocab_size": vocab_size, **({"eos_id": eos} if eos is not None else {})}
-    write_bytes_atomic(out.with_name(out.name + ".json"), json.dumps(meta).encode())
+    write_bytes_atomic(sidecar_path(out), json.dumps(meta).encode())
     return writer.count

@@ -41,9 +41,9 @@ from ethpipe.runtime.groups import build_groups, destroy_groups
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
 from ethpipe.runtime.loss_scale import LossScaler, count_nonfinite, unscale_gradients
 from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, state_dict_shapes
+from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
 from ethpipe.runtime.sync_layout import sync_units, tied_units
 from ethpipe.runtime.tensor_parallel import TPGroup
-from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
 from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
 
