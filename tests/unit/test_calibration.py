@@ -204,3 +204,19 @@ def test_calibrate_cli_end_to_end_on_sailor_profiles(tmp_path: Path) -> None:
                                    "--seq-len", "1024", "--max-tp", "1", "--dtype", "fp32", "--catalog", str(out)])
     assert res.exit_code == 0, res.output
     assert "compute model: gh200_96gb calibrated" in res.output
+
+
+@needs_shared
+def test_replanned_clusters_predict_within_20_percent_and_rebalance_within_3() -> None:
+    """The issue's four clusters planned without profiles: the plan's own prediction is within 20% of
+    its time under the measured profiles, and after the online batch re-split the runtime performs
+    (`--rebalance`) it is within 3% of the plan made from the profiles themselves."""
+    import calibration as bench
+    from ethpipe.cost.hardware import shipped_calibration
+
+    rows = bench.replan_rows(ROOT, shipped_calibration(), 512)
+    assert len(rows) == len(bench.CLUSTERS)
+    for r in rows:
+        assert abs(r["prediction_error"]) < 0.20, r
+        assert r["rebalanced_quality"] < 0.03, r
+        assert r["rebalanced_under_profiles_s"] <= r["calibrated_plan_under_profiles_s"] * (1 + 1e-9), r
