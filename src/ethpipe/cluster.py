@@ -2,13 +2,15 @@
 
 The YAML/JSON format is a public contract (other tools write it), so it is validated with
 pydantic at the boundary and turned into a frozen ``Cluster`` the planner works with.
-Global ranks are numbered in the order the node groups are listed.
+Global ranks are numbered in the order the node groups are listed; a plan's idle devices get
+none (``Cluster.without_devices``: the others, renumbered in the same order).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +76,41 @@ class Cluster:
     inter_node_latency_s: float
     intra_node_latency_s: float
     source: dict[str, Any]  # the validated spec, for writing into plans
+    # Devices of ``source`` left out by ``without_devices``; each one's ``rank`` is its index in the full cluster.
+    idle_devices: tuple[Device, ...] = ()
 
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def device_indices(self) -> tuple[int, ...]:
+        """Each device's index in the full cluster's device order (``source``): rank r is device_indices[r]."""
+        idle = {d.rank for d in self.idle_devices}
+        return tuple(i for i in range(len(self.devices) + len(idle)) if i not in idle)
+
+    def without_devices(self, indices: Iterable[int]) -> Cluster:
+        """The cluster without the devices at ``indices`` (this cluster's ranks), the rest renumbered 0..n-1.
+
+        Node ids and NIC figures stay, so intra-node links and NIC sharing price as on the full
+        cluster; ``local_rank`` counts the remaining devices of each node; ``source`` stays the full spec.
+        """
+        drop = set(indices)
+        bad = [i for i in drop if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_devices]
+        if bad:
+            raise ValueError(f"device index {bad[0]!r} is not a device of this cluster (0..{self.num_devices - 1})")
+        if len(drop) == self.num_devices:
+            raise ValueError("without_devices would leave no device: keep at least one")
+        full_index = self.device_indices
+        kept: list[Device] = []
+        per_node: dict[int, int] = {}
+        for d in self.devices:
+            if d.rank not in drop:
+                local = per_node.get(d.node, 0)
+                per_node[d.node] = local + 1
+                kept.append(replace(d, rank=len(kept), local_rank=local))
+        idle = self.idle_devices + tuple(replace(self.devices[i], rank=full_index[i]) for i in drop)
+        return replace(self, devices=tuple(kept), idle_devices=tuple(sorted(idle, key=lambda d: d.rank)))
 
     @property
     def gpu_types(self) -> tuple[str, ...]:

@@ -109,10 +109,13 @@ class Prediction:
 
 
 def predict(plan: Plan, cost: CostModel) -> Prediction:
-    """Iteration time of ``plan`` as run with ``--emulate``, priced by the emulated cost model."""
+    """Iteration time of ``plan`` as run with ``--emulate``, priced by the emulated cost model (of the whole
+    cluster: a plan's idle devices are left out, so its ranks price as the devices they run on)."""
     from ethpipe.planner import estimate_iteration_s
     from ethpipe.sim import simulate
 
+    if plan.idle_devices:
+        cost = cost.on_cluster(cost.cluster.without_devices(plan.idle_device_indices))
     return Prediction(simulate(plan, cost).iteration_time_s, estimate_iteration_s(plan, cost))
 
 

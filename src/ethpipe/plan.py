@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ethpipe.atomic import write_text_atomic
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict
+
+if TYPE_CHECKING:
+    from ethpipe.cluster import Cluster
 
 PLAN_VERSION = 1
 
@@ -75,6 +78,15 @@ class RankPosition:
 
 
 @dataclass(frozen=True)
+class IdleDevice:
+    """A cluster device the plan leaves idle: it gets no rank and runs no process (docs/plan-format.md)."""
+
+    device_index: int  # index in the cluster's device order (``cluster_from_dict(plan.cluster).devices``)
+    device: str  # its GPU type id
+    reason: str
+
+
+@dataclass(frozen=True)
 class Plan:
     method: str
     model: str
@@ -87,6 +99,7 @@ class Plan:
     predicted: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # unknown top-level fields, preserved on save
     version: int = PLAN_VERSION
+    idle_devices: tuple[IdleDevice, ...] = ()  # ranks 0..world-1 are the other devices, in cluster order
 
     # -- derived views -------------------------------------------------------------
 
@@ -97,6 +110,19 @@ class Plan:
     @property
     def num_layers(self) -> int:
         return self.pipelines[0].stages[-1].layers[1]
+
+    @property
+    def idle_device_indices(self) -> tuple[int, ...]:
+        return tuple(d.device_index for d in self.idle_devices)
+
+    def active_cluster(self) -> Cluster:
+        """The devices the ranks run on: the plan's cluster without its idle devices (rank r = the r-th)."""
+        from ethpipe.cluster import cluster_from_dict
+
+        if self.cluster is None:
+            raise UserError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
+        full = cluster_from_dict(self.cluster)
+        return full.without_devices(self.idle_device_indices) if self.idle_devices else full
 
     def resolve_model(self) -> ModelSpec:
         """The model spec embedded in the plan, or the preset/file the ``model`` field names."""
@@ -157,6 +183,9 @@ class Plan:
             out["model_spec"] = self.model_spec.to_dict()
         if self.cluster is not None:
             out["cluster"] = self.cluster
+        if self.idle_devices:
+            out["idle_devices"] = [{"device_index": d.device_index, "device": d.device, "reason": d.reason}
+                                   for d in self.idle_devices]
         if self.predicted is not None:
             out["predicted"] = self.predicted
         out.update(self.extra)
@@ -202,6 +231,6 @@ def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Bl
 
 
 __all__ = [
-    "PLAN_VERSION", "Block", "Pipeline", "Plan", "RankPosition", "Stage", "compute_blocks",
+    "PLAN_VERSION", "Block", "IdleDevice", "Pipeline", "Plan", "RankPosition", "Stage", "compute_blocks",
     "spec_from_dict", "write_text_atomic",
 ]

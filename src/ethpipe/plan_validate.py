@@ -10,10 +10,10 @@ from typing import Any
 
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
-from ethpipe.plan import PLAN_VERSION, Block, Pipeline, Plan, Stage, compute_blocks
+from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
-          "model_spec", "cluster", "predicted"}
+          "model_spec", "cluster", "predicted", "idle_devices"}
 
 
 def _req(data: dict[str, Any], key: str, where: str) -> Any:
@@ -96,6 +96,62 @@ def _check_ranks(pipes: tuple[Pipeline, ...]) -> None:
         raise UserError(f"plan ranks must be 0..{world - 1} with no gaps: rank {missing[0]} is missing")
 
 
+def _idle_devices(raw: Any, cluster: Any, pipes: tuple[Pipeline, ...]) -> tuple[IdleDevice, ...]:
+    """``idle_devices`` against the plan's cluster: the other devices, in cluster order, are ranks 0..world-1."""
+    from ethpipe.cluster import cluster_from_dict
+
+    usage = "a list of {device_index, device, reason}"
+    if not isinstance(raw, list):
+        raise UserError(f"plan field 'idle_devices' must be {usage}, got {type(raw).__name__}")
+    if not raw:
+        return ()
+    if cluster is None:
+        raise UserError("plan field 'idle_devices' needs the plan's 'cluster' (device_index counts its devices): "
+                        "add the cluster or drop idle_devices")
+    try:
+        devices = cluster_from_dict(cluster).devices
+    except UserError as err:
+        raise UserError(f"plan field 'cluster' is invalid: {err}") from None
+    out: list[IdleDevice] = []
+    for i, entry in enumerate(raw):
+        where = f"idle_devices[{i}]"
+        if not isinstance(entry, dict):
+            raise UserError(f"plan field '{where}' must be an object with device_index, device, reason")
+        index = _req(entry, "device_index", where + ".")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise UserError(f"plan field '{where}.device_index' must be an integer (the device's index in the "
+                            f"cluster's device order), got {index!r}")
+        if not 0 <= index < len(devices):
+            raise UserError(f"plan field '{where}.device_index' is {index} but the cluster has {len(devices)} "
+                            f"devices: use an index in 0..{len(devices) - 1}")
+        if index in {d.device_index for d in out}:
+            raise UserError(f"plan field '{where}.device_index' {index} is listed twice: list each idle device once")
+        device = _req(entry, "device", where + ".")
+        if device != devices[index].gpu.id:
+            raise UserError(f"plan field '{where}.device' is {device!r} but cluster device {index} is a "
+                            f"'{devices[index].gpu.id}': fix the device_index or the device")
+        reason = _req(entry, "reason", where + ".")
+        if not isinstance(reason, str) or not reason.strip():
+            raise UserError(f"plan field '{where}.reason' must be a non-empty string saying why the device is idle")
+        out.append(IdleDevice(index, device, reason))
+    idle = {d.device_index for d in out}
+    active = [d for d in devices if d.rank not in idle]
+    world = sum(len(p.ranks) for p in pipes)
+    if world != len(active):
+        raise UserError(f"plan field 'idle_devices' leaves {len(active)} of the cluster's {len(devices)} devices "
+                        f"active but the pipelines use {world} ranks: give every active device one rank, or list "
+                        "the unused ones in idle_devices")
+    for p_idx, pipe in enumerate(pipes):
+        for s_idx, stage in enumerate(pipe.stages):
+            for r in stage.ranks:
+                if stage.device != active[r].gpu.id:
+                    raise UserError(f"plan field 'pipelines[{p_idx}].stages[{s_idx}].device' is '{stage.device}' "
+                                    f"but rank {r} is cluster device {active[r].rank}, a '{active[r].gpu.id}' "
+                                    "(ranks number the non-idle devices in cluster order): fix the device or "
+                                    "idle_devices")
+    return tuple(out)
+
+
 def check_tp(pipes: tuple[Pipeline, ...], spec: ModelSpec) -> None:
     """Every stage's tensor-parallel degree must split the model evenly (the planner emits no other)."""
     for p_idx, pipe in enumerate(pipes):
@@ -156,7 +212,8 @@ def plan_from_dict(data: Any) -> Plan:
             "with one holder per pipeline (regenerate with `ethpipe plan`)"
         )
     cluster = data.get("cluster")
+    idle = _idle_devices(data.get("idle_devices", []), cluster, pipes)
     predicted = data.get("predicted")
     extra = {k: v for k, v in data.items() if k not in _KNOWN}
     return Plan(str(data["method"]) if "method" in data else "custom", model, batch, seq_len, pipes, blocks,
-                spec, cluster, predicted, extra, version)
+                spec, cluster, predicted, extra, version, idle)

@@ -1,13 +1,15 @@
 """Every plan shape trains to the same parameters as plain single-process PyTorch (docs/design.md §2.2).
 
-Three plans run one after another in the SAME six forked processes (fresh groups per plan),
-so the whole check costs one spawn. Parameters, per-step losses and gradient norms are
+Four plans run one after another in the SAME six forked processes (fresh groups per plan),
+so the whole check costs one spawn; the fourth leaves two of its cluster's eight devices idle
+(no rank: to the runtime it is just a six-rank world). Parameters, per-step losses and gradient norms are
 compared with a single-process AdamW reference on the same global batches and init, in
 float64 with the tolerances derived in ``exactness.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ethpipe.plan import IdleDevice, Plan
 from ethpipe.runtime.checkpoint import save_atomic
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.model import build_full_model
@@ -30,6 +33,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 STEPS = 3
 LR = 1e-3
+CPU = {"id": "cpu", "memory_gib": 1.0, "peak_tflops": 1.0}
+# Devices 4-5 (a "spare" node) are idle, so ranks 0..5 are devices 0-3 and 6-7.
+IDLE_CLUSTER = {"nodes": [
+    {"gpu": CPU, "num_nodes": 2, "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": {**CPU, "id": "spare"}, "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": CPU, "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 10},
+]}
 
 
 def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dict]]:
@@ -45,6 +55,13 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
         ([(0, (0, 1), "fast"), (1, (1, 4), "fast"), (2, (4, 6), "fast")], (1, 1, 1, 1)),
         ([(3, (0, 3), "slow"), (4, (3, 5), "slow", True), (5, (5, 6), "slow")], (3, 1)),
     ], extra={"device_speeds": {"fast": 1.0, "slow": 0.5}})
+    idle = dataclasses.replace(make_plan(LLAMA_LIKE, [
+        ([(0, (0, 2)), (1, (2, 4)), (2, (4, 6))], (2, 1)),
+        ([(3, (0, 4)), (4, (4, 6))], (2, 2)),
+        ([(5, (0, 6))], (1,)),
+    ]), cluster=IDLE_CLUSTER, idle_devices=tuple(IdleDevice(i, "spare", "idle: test") for i in (4, 5)))
+    idle = Plan.from_dict(json.loads(idle.to_json()))  # validated as a plan file is
+    assert idle.idle_device_indices == (4, 5) and idle.world_size == 6
     init_file = str(tmp / "init.safetensors")
     save_atomic(build_full_model(GPT_LIKE, seed=7).state_dict(), init_file)
     return [
@@ -58,6 +75,8 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
          TrainConfig(**common, clip_grad=0.5, seed=3, shuffle=True, warmup_steps=1, lr_schedule="cosine",
                      emulate=True, init_from=init_file, save_final=str(tmp / "c.safetensors")),
          dict(clip_grad=0.5, seed=3, shuffle=True, warmup_steps=1, cosine=True, init_seed=7)),
+        ("idle-devices", idle, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "d.safetensors")),
+         dict(clip_grad=0.05)),
     ]
 
 

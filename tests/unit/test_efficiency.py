@@ -63,3 +63,28 @@ def test_equal_data_over_unequal_pipelines_shows_as_data_balance() -> None:
     assert len({p.stages[0].device for p in uniform.pipelines}) > 1
     assert uniform.predicted["efficiency_factors"]["data_balance"] < 0.5
     assert eth.predicted["efficiency_factors"]["data_balance"] > 0.9
+
+
+def test_idle_devices_show_as_the_idle_factor() -> None:
+    """A plan that leaves a type idle is measured against the whole cluster: the idle type's capacity is
+    the `idle` factor, and the factors still multiply to the balance efficiency."""
+    from ethpipe.cost.model import CostModel
+    from ethpipe.planner.estimate import ideal_time_s
+
+    clu = cluster_from_dict({"nodes": [
+        {"gpu": {"id": "slow", "memory_gib": 16, "peak_tflops": 2, "intra_node_gbps": 1.0}, "num_nodes": 2,
+         "gpus_per_node": 2, "nic_gbit_s": 10},
+        {"gpu": {"id": "fast", "memory_gib": 16, "peak_tflops": 100, "intra_node_gbps": 100.0}, "num_nodes": 1,
+         "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    spec = load_model_spec("tiny")
+    plan = make_plan(clu, spec, 8, 128, max_tp=1)
+    assert plan.idle_devices, "precondition: eth leaves the slow type idle here"
+    factors = plan.predicted["efficiency_factors"]
+    full = CostModel(clu, spec, 128, dtype_bytes=2, dtype=plan.extra["dtype"])
+    active = CostModel.for_plan(plan)
+    assert factors["idle"] == pytest.approx(ideal_time_s(full, 8) / ideal_time_s(active, 8), rel=1e-9)
+    assert factors["idle"] < 1.0
+    assert plan.predicted["ideal_time_s"] == pytest.approx(ideal_time_s(full, 8), rel=1e-9)
+    assert math.prod(factors.values()) == pytest.approx(plan.predicted["balance_efficiency"], rel=1e-9)
+    every = make_plan(clu, spec, 8, 128, max_tp=1, options=PlannerOptions(allow_idle=False))
+    assert every.predicted["efficiency_factors"]["idle"] == 1.0

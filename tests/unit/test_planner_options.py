@@ -48,10 +48,12 @@ def test_homogeneous_only() -> None:
         {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800},
         {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 100}]})
     spec = load_model_spec("llama2-7b")
-    mixed = make_plan(cluster, spec, 64, 2048)
+    mixed = make_plan(cluster, spec, 64, 2048, options=PlannerOptions(allow_idle=False))
     assert any(len({s.device for s in p.stages}) > 1 for p in mixed.pipelines)
     with pytest.raises(ValueError, match="homogeneous pipelines of t4"):
-        make_plan(cluster, spec, 64, 2048, options=PlannerOptions(allow_mixed=False))
+        make_plan(cluster, spec, 64, 2048, options=PlannerOptions(allow_mixed=False, allow_idle=False))
+    alone = make_plan(cluster, spec, 64, 2048, options=PlannerOptions(allow_mixed=False))  # the T4 node idles
+    assert [d.device for d in alone.idle_devices] == ["t4", "t4"] and "no plan fits" in alone.idle_devices[0].reason
     plan = _plan(PlannerOptions(allow_mixed=False))
     assert all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
 

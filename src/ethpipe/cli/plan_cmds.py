@@ -60,6 +60,33 @@ def _summary(plan: Any) -> Table:
     return table
 
 
+def idle_lines(plan: Any) -> list[str]:
+    """Which nodes / devices the plan leaves idle (no rank, no process), and where to start ethpipe."""
+    if not plan.idle_devices:
+        return []
+    from ethpipe.cluster import cluster_from_dict
+
+    full = cluster_from_dict(plan.cluster)
+    group_of: list[tuple[int, int]] = []  # global node -> (node group, node within it)
+    for g, group in enumerate(full.source["nodes"]):
+        group_of += [(g, k) for k in range(int(group["num_nodes"]))]
+    by_node: dict[int, list[Any]] = {}
+    for d in sorted(plan.idle_devices, key=lambda d: d.device_index):
+        by_node.setdefault(full.devices[d.device_index].node, []).append(d)
+    lines = []
+    for node, idle in sorted(by_node.items()):
+        g, k = group_of[node]
+        indices = [d.device_index for d in idle]
+        whole = len(indices) == sum(1 for d in full.devices if d.node == node)
+        what = "whole node" if whole else f"{len(indices)} devices of node"
+        lines.append(f"idle: {what} {node} (cluster nodes[{g}] node {k}: {len(indices)} x "
+                     f"{full.devices[indices[0]].gpu.id}, devices {indices[0]}-{indices[-1]}): no rank, start no "
+                     f"process there ({idle[0].reason})")
+    lines.append(f"start ethpipe on the other {plan.world_size} of {full.num_devices} devices only (world size "
+                 f"{plan.world_size}; ranks number them in cluster order)")
+    return lines
+
+
 def _metrics_line(plan: Any) -> str:
     p = plan.predicted
     return (f"iteration {p['iteration_time_s']:.3f} s  |  {p['tokens_per_s']:,.0f} tokens/s  |  balance efficiency "
@@ -93,6 +120,8 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
         return
     console.print(_summary(result))
     console.print(_metrics_line(result))
+    for line in idle_lines(result):
+        console.print(line, highlight=False)
     factors = result.predicted.get("efficiency_factors")
     if factors:
         from ethpipe.planner.efficiency import format_factors
@@ -134,6 +163,7 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",
                                            "grad_sync_exposed_s", "planning_time_s")}
             | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines),
+               "num_idle_devices": len(p.idle_devices),
                "efficiency_factors": p.predicted.get("efficiency_factors", {}),
                "worst_case_time_s": worst[m]["worst_case_time_s"], "worst_scenario": worst[m]["worst_scenario"]}
             for m, p in plans.items()}

@@ -8,6 +8,7 @@ differs from the plan's. This is CLI-layer code: the runtime never imports the p
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -21,18 +22,20 @@ from ethpipe.plan import Plan
 from ethpipe.precision import AUTO, plan_dtype
 
 
-def replan(old: Plan, cluster: Cluster) -> Plan:
-    """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs)."""
-    from ethpipe.planner import METHODS, make_plan
+def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
+    """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs).
+
+    ``allow_idle=False`` when the world is already running on every device of ``cluster``."""
+    from ethpipe.planner import METHODS, PlannerOptions, make_plan
 
     method = old.method if old.method in METHODS else "eth"
     dtype = plan_dtype(str(old.extra.get("dtype", AUTO)), cluster, source="the plan's dtype bf16 on the new cluster",
                        fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
-    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype)
+    new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
+                    options=PlannerOptions(allow_idle=allow_idle))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
-        new = Plan(new.method, new.model, new.global_batch_size, new.seq_len, new.pipelines, new.blocks,
-                   new.model_spec, new.cluster, new.predicted, {**new.extra, "emulation": emulation}, new.version)
+        new = dataclasses.replace(new, extra={**new.extra, "emulation": emulation})
     return new
 
 
@@ -63,7 +66,7 @@ def plan_for_world(old: Plan, cluster_path: Path, world_size: int) -> Plan:
     """``old`` if it fits the world, else a fresh plan for the world's devices of ``cluster_path``."""
     if world_size == old.world_size:
         return old
-    return replan(old, first_devices(load_cluster(cluster_path), world_size))
+    return replan(old, first_devices(load_cluster(cluster_path), world_size), allow_idle=False)  # world is fixed
 
 
 def _shape(plan: Plan) -> str:
@@ -79,6 +82,9 @@ def describe_changes(old: Plan, new: Plan) -> list[str]:
     """What a person needs to know: world, pipelines, split, predicted iteration time."""
     lines = [f"world size {old.world_size} -> {new.world_size}, pipelines {len(old.pipelines)} -> {len(new.pipelines)}",
              f"old: {_shape(old)}", f"new: {_shape(new)}  (device[layers per stage] x samples)"]
+    if new.idle_devices:
+        lines.append(f"new plan leaves {len(new.idle_devices)} devices idle (no rank, start no process there): "
+                     f"{new.idle_devices[0].reason}")
     old_t = (old.predicted or {}).get("iteration_time_s")
     new_t = (new.predicted or {}).get("iteration_time_s")
     if new_t is not None:

@@ -78,6 +78,9 @@ def _print_report(plan: object, report: object) -> None:
         console.print(f"planner estimate {predicted * 1e3:.3f} ms   (simulator {err:+.1f}%)")
     console.print(f"exposed gradient sync {report.exposed_comm_s * 1e3:.3f} ms "
                   f"({'flat' if report.flat_sync else 'block-wise'})")
+    if plan.idle_devices:
+        console.print(f"{len(plan.idle_devices)} cluster devices idle (no rank, not simulated): "
+                      f"{plan.idle_devices[0].reason}", highlight=False)
     pipes = Table("pipeline", "depth", "micro-batches", "samples", "flush (ms)", title="pipelines")
     for p, pipe in enumerate(plan.pipelines):
         pipes.add_row(str(p), str(pipe.depth), str(pipe.num_microbatches), str(pipe.num_samples),

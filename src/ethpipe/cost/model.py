@@ -105,9 +105,17 @@ class CostModel:
         dtype = str(plan.extra.get("dtype", "bf16"))
         recorded = (plan.extra.get("compute_model") or {}).get("calibration")
         calibration = calibration_from_dict(recorded, "plan field 'compute_model.calibration'") if recorded else None
-        return cls(cluster_from_dict(plan.cluster), plan.resolve_model(), plan.seq_len,
-                   dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
-                   tf32=bool(plan.extra.get("tf32", True)), calibration=calibration)
+        full = cluster_from_dict(plan.cluster)
+        cost = cls(full, plan.resolve_model(), plan.seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles,
+                   dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration)
+        # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
+        return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
+
+    def on_cluster(self, cluster: Cluster) -> CostModel:
+        """The same pricing on ``cluster`` (e.g. ``without_devices``); profiles of types it lacks are dropped."""
+        profiles = {t: p for t, p in (self.profiles or {}).items() if t in cluster.gpu_types}
+        return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
+                         dtype=self.dtype, tf32=self.tf32, calibration=self.calibration)
 
     # -- device facts ------------------------------------------------------------------
 

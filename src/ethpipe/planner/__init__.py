@@ -37,6 +37,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     ``robust`` (eth only): pick the best worst case under per-type speed perturbations among the
     best few candidates (``planner/robust.py``) and record it in ``predicted`` (``worst_case_time_s``,
     ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
+    eth with ``options.allow_idle`` (the default) may leave the slowest GPU types' nodes idle where
+    that is predicted faster (``planner/idle.py``): the plan's ``idle_devices`` lists them.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -53,8 +55,15 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
                      tf32=tf32, calibration=calibration)
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
+        from ethpipe.planner.idle import plan_with_idle
 
-        plan = plan_eth(cost, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust)
+        def plan_on(on: CostModel) -> Plan:
+            return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust)
+
+        if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
+            plan, cost = plan_with_idle(cost, global_batch_size, plan_on)
+        else:
+            plan = plan_on(cost)
     else:
         from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
 

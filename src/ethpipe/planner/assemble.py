@@ -9,11 +9,13 @@ from typing import Any
 
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
-from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+from ethpipe.plan import IdleDevice, Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.estimate import predicted_metrics
 from ethpipe.planner.partition import Partition
 from ethpipe.planner.timing import StageSlot, split_sizes
 from ethpipe.units import format_bytes
+
+IDLE_REASON = "idle: left out of the cluster the plan was made on"  # ``planner/idle.py`` says why
 
 
 def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int, micro_batch: int) -> Pipeline:
@@ -35,10 +37,12 @@ def unpriced_plan(method: str, cost: CostModel, global_batch: int, pipelines: Se
     """The plan without its ``predicted`` record (cheap: what comparing candidates needs)."""
     ordered = tuple(sorted(pipelines, key=lambda p: p.stages[0].ranks[0]))
     used = sorted(r for p in ordered for r in p.ranks)
-    assert used == list(range(cost.cluster.num_devices)), "a plan must use every device exactly once"
+    assert used == list(range(cost.cluster.num_devices)), "a plan must use every device of its cluster exactly once"
+    # On a sub-cluster (``Cluster.without_devices``) the left-out devices are the plan's idle ones.
+    idle = tuple(IdleDevice(d.rank, d.gpu.id, IDLE_REASON) for d in cost.cluster.idle_devices)
     return Plan(method=method, model=cost.model.name, global_batch_size=global_batch, seq_len=cost.seq_len,
                 pipelines=ordered, blocks=compute_blocks(ordered), model_spec=cost.model, cluster=cost.cluster.source,
-                extra={"device_speeds": cost.device_speeds(), "search": search})
+                extra={"device_speeds": cost.device_speeds(), "search": search}, idle_devices=idle)
 
 
 def memory_error(cost: CostModel, recompute: str) -> Infeasible:

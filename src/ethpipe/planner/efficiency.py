@@ -2,12 +2,14 @@
 
 ``balance_efficiency = ideal / T`` is written as a telescoping product over a chain of times
 
-    ideal <= X(A) <= X(B) <= X(F') <= X(F) <= M <= T_nosync <= T
+    ideal <= ideal_active <= X(A) <= X(B) <= X(F') <= X(F) <= M <= T_nosync <= T
 
 so every factor is a ratio of two neighbours, lies in (0, 1] and their product is exactly the
 efficiency. ``X(.)`` is the capacity-weighted mean over pipelines (weight = the pipeline's
 share of the cluster's achievable FLOP/s), so each factor reads as "the fraction of the
-cluster's compute capacity lost to this cause"; per pipeline p:
+cluster's compute capacity lost to this cause". ``ideal`` counts every device of the cluster,
+``ideal_active`` only those with a rank (the first factor, ``idle``, is the capacity of the
+devices the plan leaves idle); per pipeline p:
 
 * ``A_p`` capacity-weighted mean of its ranks' compute seconds, ``B_p`` its slowest stage's;
 * ``F'_p`` its flush with compute only (no p2p receives), ``F_p`` its flush as priced.
@@ -27,9 +29,9 @@ import numpy as np
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import stage_finish_s
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.planner.estimate import Estimate, estimate_plan, ideal_time_s
+from ethpipe.planner.estimate import Estimate, estimate_plan, full_ideal_time_s, ideal_time_s
 
-FACTORS = ("compute", "layer_granularity", "bubble", "p2p", "data_balance", "optimizer", "grad_sync")
+FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balance", "optimizer", "grad_sync")
 
 
 def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> float:
@@ -66,7 +68,7 @@ def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None,
         x_b += weight * max(est.busy_s[r] for r, _ in ranks)
         x_fc += weight * _compute_only_flush_s(plan, cost, p, cache)
         x_f += weight * est.pipeline_times_s[p]
-    chain = (ideal_time_s(cost, plan.global_batch_size), x_a, x_b, x_fc, x_f, est.makespan_s, est.no_sync_iteration_s,
+    chain = (full_ideal_time_s(cost, plan.global_batch_size), ideal_time_s(cost, plan.global_batch_size), x_a, x_b, x_fc, x_f, est.makespan_s, est.no_sync_iteration_s,
              est.iteration_time_s)
     return {name: lo / hi for name, lo, hi in zip(FACTORS, chain, chain[1:])}
 

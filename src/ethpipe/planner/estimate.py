@@ -110,13 +110,23 @@ def ideal_time_s(cost: CostModel, global_batch: int) -> float:
     return model_train_flops(cost.model, cost.seq_len, global_batch) / total
 
 
+def full_ideal_time_s(cost: CostModel, global_batch: int) -> float:
+    """``ideal_time_s`` over every device of the cluster, the idle ones included (``Cluster.idle_devices``):
+    what balance efficiency is measured against, so leaving a device idle shows as a loss."""
+    if not cost.cluster.idle_devices:
+        return ideal_time_s(cost, global_batch)
+    from ethpipe.cluster import cluster_from_dict
+
+    return ideal_time_s(cost.on_cluster(cluster_from_dict(cost.cluster.source)), global_batch)
+
+
 def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, flat_sync: bool = False) -> dict:
     """What `ethpipe plan` writes under ``predicted``: times, throughput, efficiency, per device."""
     from ethpipe.planner.efficiency import efficiency_factors  # it builds on this module
 
     est = estimate_plan(plan, cost, flat_sync=flat_sync)
     it = est.iteration_time_s
-    ideal = ideal_time_s(cost, plan.global_batch_size)
+    ideal = full_ideal_time_s(cost, plan.global_batch_size)
     flops = model_train_flops(cost.model, cost.seq_len, plan.global_batch_size)
     peak = sum(d.gpu.peak_tflops * 1e12 for d in cost.cluster.devices)
     devices = [

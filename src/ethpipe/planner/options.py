@@ -23,12 +23,15 @@ class PlannerOptions:
       False: homogeneous pipelines only (an error if some type cannot hold a replica).
     * ``balance``: ``data+layers`` (ETH), ``data`` (equal layers per stage, data balanced),
       ``layers`` (layers balanced per pipeline, equal data per pipeline).
+    * ``allow_idle``: also plan without the slowest GPU type(s) and leave those nodes idle where
+      that is predicted faster (``planner/idle.py``). False: every device gets a rank.
     """
 
     fine_grained: bool = True
     block_sync: bool = True
     allow_mixed: bool = True
     balance: str = "data+layers"
+    allow_idle: bool = True
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:

@@ -1,0 +1,85 @@
+"""Leave the slowest GPU types idle when a plan without them is predicted faster (``allow_idle``).
+
+A slow type can cost more than it adds: its share of the batch may be under one sample per
+pipeline, or the pipelines that must include it (memory) run at its pace. So besides the plan
+on every device, the planner is run on sub-clusters without the slowest type, then the two
+slowest, ... while at least one type remains (whole types, so whole nodes: a node either runs
+or is not started). A candidate is skipped when its compute-only lower bound (model FLOPs over
+the sub-cluster's summed achievable FLOP/s, ``ideal_time_s``) is already no better than the
+best plan so far; as the bound only grows with more types idle, the search stops there. The
+fastest plan by predicted iteration time wins (ties: the plan with more devices). The idle
+devices get no rank (docs/plan-format.md, "Idle devices"): the plan's ``idle_devices`` lists
+them with the comparison that made them idle, and ``search.idle`` what was tried.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
+from ethpipe.plan import Plan
+from ethpipe.planner.estimate import ideal_time_s
+
+
+def _time_s(plan: Plan) -> float:
+    return float((plan.predicted or {})["iteration_time_s"])
+
+
+def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
+    """The GPU types to leave idle, candidate by candidate: the slowest, the two slowest, ... (>= 1 type kept)."""
+    slowest = sorted(cost.cluster.gpu_types, key=cost.device_speed)
+    return [tuple(slowest[:k]) for k in range(1, len(slowest))]
+
+
+def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None) -> str:
+    names = ", ".join(idle_types)
+    pronoun = "it" if len(idle_types) == 1 else "them"
+    if full_s is None:
+        return f"idle: plan without {names} predicted {time_s:.4g} s; with {pronoun} no plan fits"
+    return f"idle: plan without {names} predicted {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
+
+
+def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel], Plan]
+                   ) -> tuple[Plan, CostModel]:
+    """The fastest of ``plan_on(cost)`` and ``plan_on`` on each idle candidate's sub-cluster, with the cost
+    model that priced it. Infeasible sub-clusters are skipped; if nothing fits, the full cluster's error."""
+    started = time.perf_counter()
+    best: tuple[Plan, CostModel, tuple[str, ...]] | None = None
+    error: Infeasible | None = None
+    try:
+        best = (plan_on(cost), cost, ())
+    except Infeasible as err:
+        error = err
+    full_s = _time_s(best[0]) if best is not None else None
+    tried: list[dict[str, Any]] = []
+    for idle_types in idle_candidates(cost):
+        indices = [d.rank for d in cost.cluster.devices if d.gpu.id in idle_types]
+        sub = cost.on_cluster(cost.cluster.without_devices(indices))
+        record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
+        if best is not None and record["lower_bound_s"] >= _time_s(best[0]):
+            tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})
+            break
+        try:
+            plan = plan_on(sub)
+        except Infeasible as err:
+            tried.append({**record, "skipped": f"infeasible: {err}"})
+            continue
+        tried.append({**record, "iteration_time_s": _time_s(plan)})
+        if best is None or _time_s(plan) < _time_s(best[0]):
+            best = (plan, sub, idle_types)
+    if best is None:
+        assert error is not None, "every candidate was skipped or infeasible, and the full cluster raised"
+        raise error
+    plan, chosen, idle_types = best
+    if not tried:
+        return plan, chosen
+    reason = _reason(idle_types, _time_s(plan), full_s)
+    idle = tuple(dataclasses.replace(d, reason=reason) for d in plan.idle_devices)
+    search = {**plan.extra.get("search", {}), "idle": {"full_cluster_iteration_time_s": full_s, "candidates": tried}}
+    predicted = {**(plan.predicted or {}), "planning_time_s": time.perf_counter() - started}
+    return dataclasses.replace(plan, idle_devices=idle, extra={**plan.extra, "search": search},
+                               predicted=predicted), chosen

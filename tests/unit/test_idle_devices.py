@@ -1,0 +1,217 @@
+"""Plans that leave devices idle: no rank, listed in ``idle_devices`` (docs/plan-format.md, "Idle devices")."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from ethpipe.cli import commands  # noqa: F401  (registers the commands)
+from ethpipe.cli.app import app
+from ethpipe.cli.replan_cmds import replan
+from ethpipe.cluster import cluster_from_dict, load_cluster
+from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible, UserError
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import IdleDevice, Plan
+from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
+from ethpipe.planner.idle import plan_with_idle
+from ethpipe.sim import simulate
+
+TINY = load_model_spec("tiny")
+SEQ = 128
+# The slow type is listed first, so idling it shifts every rank: rank r is cluster device r + 4. Its slow
+# intra-node link makes pricing a rank on the wrong device visible.
+SLOW_FIRST = {"nodes": [
+    {"gpu": {"id": "slow", "memory_gib": 16, "peak_tflops": 2, "intra_node_gbps": 1.0}, "num_nodes": 2,
+     "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": {"id": "fast", "memory_gib": 16, "peak_tflops": 100, "intra_node_gbps": 100.0}, "num_nodes": 1,
+     "gpus_per_node": 4, "nic_gbit_s": 100},
+]}
+IDLE = [{"device_index": i, "device": "slow", "reason": "idle: hand-written"} for i in range(4)]
+PLAN = {
+    "version": 1, "method": "eth", "model": "tiny", "global_batch_size": 6, "seq_len": SEQ,
+    "pipelines": [
+        {"stages": [{"ranks": [0], "device": "fast", "layers": [0, 4]},
+                    {"ranks": [1], "device": "fast", "layers": [4, 8]}], "micro_batch_sizes": [2, 1]},
+        {"stages": [{"ranks": [2], "device": "fast", "layers": [0, 3]},
+                    {"ranks": [3], "device": "fast", "layers": [3, 8]}], "micro_batch_sizes": [3]},
+    ],
+    "blocks": [{"layers": [0, 3], "ranks": [0, 2]}, {"layers": [3, 4], "ranks": [0, 3]},
+               {"layers": [4, 8], "ranks": [1, 3]}],
+    "cluster": SLOW_FIRST, "idle_devices": IDLE,
+}
+
+
+def _plan_dict(**changes: object) -> dict:
+    data = copy.deepcopy(PLAN)
+    data.update(copy.deepcopy(changes))
+    return data
+
+
+# -- Cluster.without_devices ---------------------------------------------------------------
+
+def test_without_devices_renumbers_and_keeps_nodes() -> None:
+    full = cluster_from_dict(SLOW_FIRST)
+    sub = full.without_devices(range(4))
+    assert [d.rank for d in sub.devices] == [0, 1, 2, 3] and {d.gpu.id for d in sub.devices} == {"fast"}
+    assert [(d.node, d.local_rank) for d in sub.devices] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    assert all(d.nic_gbps == full.devices[4].nic_gbps for d in sub.devices)
+    assert sub.source == full.source and sub.device_indices == (4, 5, 6, 7)
+    assert [d.rank for d in sub.idle_devices] == [0, 1, 2, 3]
+    assert sub.link_gbps(0, 3) == 100.0  # still one node: the fast node's intra-node link
+
+    part = full.without_devices([1, 5])  # one device of node 0, one of node 2
+    assert part.device_indices == (0, 2, 3, 4, 6, 7)
+    assert [(d.node, d.local_rank) for d in part.devices] == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+    assert part.link_gbps(1, 2) == 1.0 and part.link_gbps(3, 5) == 100.0
+    assert part.link_gbps(0, 1) == full.link_gbps(0, 2)  # across nodes: the NIC figures are kept
+    again = part.without_devices([0])  # indices are this cluster's ranks; the idle list is in full indices
+    assert again.device_indices == (2, 3, 4, 6, 7) and [d.rank for d in again.idle_devices] == [0, 1, 5]
+
+
+@pytest.mark.parametrize("indices, message", [([8], "not a device"), ([-1], "not a device"),
+                                              (range(8), "leave no device")])
+def test_without_devices_refuses_bad_indices(indices, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        cluster_from_dict(SLOW_FIRST).without_devices(indices)
+
+
+# -- the plan field -----------------------------------------------------------------------
+
+def test_plan_round_trip_with_idle_devices(tmp_path: Path) -> None:
+    plan = Plan.from_dict(_plan_dict())
+    assert plan.idle_devices == tuple(IdleDevice(i, "slow", "idle: hand-written") for i in range(4))
+    assert plan.world_size == 4 and plan.idle_device_indices == (0, 1, 2, 3)
+    assert plan.to_dict()["idle_devices"] == IDLE and "idle_devices" not in plan.extra
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+    assert plan.active_cluster().device_indices == (4, 5, 6, 7)
+    old = {k: v for k, v in _plan_dict().items() if k != "idle_devices"}  # a plan without the field
+    old["cluster"] = {"nodes": [SLOW_FIRST["nodes"][1]]}
+    loaded = Plan.from_dict(old)
+    assert loaded.idle_devices == () and "idle_devices" not in loaded.to_dict()
+
+
+def _idle(**entry: object) -> list:
+    return [{**IDLE[0], **entry}] + copy.deepcopy(IDLE[1:])
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"idle_devices": {"device_index": 0}}, "'idle_devices' must be a list"),
+    ({"idle_devices": ["slow"]}, "'idle_devices[0]' must be an object"),
+    ({"idle_devices": _idle(device_index="0")}, "'idle_devices[0].device_index' must be an integer"),
+    ({"idle_devices": _idle(device_index=True)}, "'idle_devices[0].device_index' must be an integer"),
+    ({"idle_devices": _idle(device_index=8)}, "'idle_devices[0].device_index' is 8 but the cluster has 8 devices: "
+                                              "use an index in 0..7"),
+    ({"idle_devices": _idle(device_index=1)}, "'idle_devices[1].device_index' 1 is listed twice"),
+    ({"idle_devices": _idle(device="fast")}, "'idle_devices[0].device' is 'fast' but cluster device 0 is a 'slow'"),
+    ({"idle_devices": _idle(reason="  ")}, "'idle_devices[0].reason' must be a non-empty string"),
+    ({"idle_devices": [{"device_index": 0, "device": "slow"}]}, "'idle_devices[0].reason' is missing"),
+    ({"idle_devices": IDLE[:3]}, "'idle_devices' leaves 5 of the cluster's 8 devices active but the pipelines use 4"),
+    ({"cluster": None}, "'idle_devices' needs the plan's 'cluster'"),
+    ({"cluster": {"nodes": []}}, "plan field 'cluster' is invalid"),
+    ({"idle_devices": [{**e, "device_index": e["device_index"] + 4, "device": "fast"} for e in IDLE]},
+     "'pipelines[0].stages[0].device' is 'fast' but rank 0 is cluster device 0, a 'slow'"),
+])
+def test_idle_devices_validation_errors(changes, needle) -> None:
+    data = _plan_dict(**changes)
+    if data["cluster"] is None:
+        del data["cluster"]
+    with pytest.raises(UserError) as err:
+        Plan.from_dict(data)
+    message = str(err.value)
+    assert needle in message and "\n" not in message, message
+
+
+# -- pricing and the planner ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def idle_plan() -> Plan:
+    return make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1)
+
+
+def test_eth_leaves_the_slow_nodes_idle_when_faster(idle_plan: Plan) -> None:
+    every = make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+    assert every.world_size == 8 and every.idle_devices == ()
+    assert idle_plan.world_size == 4 and idle_plan.idle_device_indices == (0, 1, 2, 3)
+    fast_s, every_s = idle_plan.predicted["iteration_time_s"], every.predicted["iteration_time_s"]
+    assert fast_s <= every_s
+    reason = f"idle: plan without slow predicted {fast_s:.4g} s vs {every_s:.4g} s with it"
+    assert {d.reason for d in idle_plan.idle_devices} == {reason}
+    tried = idle_plan.extra["search"]["idle"]
+    assert tried["full_cluster_iteration_time_s"] == every_s
+    assert tried["candidates"][0]["idle_types"] == ["slow"] and tried["candidates"][0]["iteration_time_s"] == fast_s
+    assert idle_plan.extra["device_speeds"] == {"fast": 1.0}
+    assert Plan.from_dict(json.loads(idle_plan.to_json())) == idle_plan  # valid, and it round-trips
+
+
+def test_for_plan_prices_ranks_as_the_active_devices(idle_plan: Plan) -> None:
+    cost = CostModel.for_plan(idle_plan)
+    assert cost.cluster.device_indices == (4, 5, 6, 7) and {d.gpu.id for d in cost.cluster.devices} == {"fast"}
+    assert estimate_iteration_s(idle_plan, cost) == pytest.approx(idle_plan.predicted["iteration_time_s"], rel=1e-12)
+    wrong = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)  # ranks as devices 0..3: the slow node's links
+    assert estimate_iteration_s(idle_plan, wrong) > 1.01 * estimate_iteration_s(idle_plan, cost)
+    assert simulate(idle_plan, cost).iteration_time_s == pytest.approx(idle_plan.predicted["iteration_time_s"],
+                                                                        rel=0.05)
+
+
+def test_cli_plan_and_simulate_with_idle_devices(tmp_path: Path) -> None:
+    cluster, out = tmp_path / "c.yaml", tmp_path / "p.json"
+    cluster.write_text(yaml.safe_dump(SLOW_FIRST))
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", "--cluster", str(cluster), "--model", "tiny", "--global-batch", "8",
+                              "--seq-len", str(SEQ), "--max-tp", "1", "--out", str(out)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert "idle: whole node 0 (cluster nodes[0] node 0: 2 x slow, devices 0-1): no rank, start no" in res.output
+    assert "idle: whole node 1 (cluster nodes[0] node 1" in res.output
+    assert "start ethpipe on the other 4 of 8 devices only (world size 4" in res.output
+    res = runner.invoke(app, ["simulate", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert [r["device"] for r in json.loads(res.stdout)["ranks"]] == ["fast"] * 4
+    res = runner.invoke(app, ["simulate", str(out)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0 and "4 cluster devices idle (no rank, not simulated)" in res.output
+
+
+def test_no_idle_when_every_device_helps() -> None:
+    demo = load_cluster("examples/clusters/cpu_demo.yaml")
+    plan = make_plan(demo, TINY, 32, 64, max_tp=1)
+    assert plan.idle_devices == () and plan.world_size == demo.num_devices
+    (candidate,) = plan.extra["search"]["idle"]["candidates"]
+    assert candidate["iteration_time_s"] > plan.predicted["iteration_time_s"]
+    one_type = cluster_from_dict({"nodes": [SLOW_FIRST["nodes"][1]]})
+    assert "idle" not in make_plan(one_type, TINY, 8, SEQ, max_tp=1).extra["search"]
+
+
+def test_plan_with_idle_skips_infeasible_and_bounded_candidates() -> None:
+    cost = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)
+
+    def only_full(on: CostModel) -> Plan:
+        if on.cluster.num_devices < 8:
+            raise Infeasible("does not fit")
+        return make_plan(on.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+
+    plan, chosen = plan_with_idle(cost, 8, only_full)
+    assert plan.idle_devices == () and chosen is cost
+    assert plan.extra["search"]["idle"]["candidates"][0]["skipped"] == "infeasible: does not fit"
+
+    def never(on: CostModel) -> Plan:
+        raise Infeasible(f"nothing fits on {on.cluster.num_devices}")
+
+    with pytest.raises(Infeasible, match="nothing fits on 8"):  # the full cluster's error
+        plan_with_idle(cost, 8, never)
+    full = make_plan(cost.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+    hopeless = dataclasses.replace(full, predicted={**full.predicted, "iteration_time_s": 1e-9})
+    plan, _ = plan_with_idle(cost, 8, lambda on: hopeless if on is cost else never(on))
+    assert plan.extra["search"]["idle"]["candidates"][0]["skipped"].startswith("lower bound")
+
+
+def test_replan_for_a_running_world_uses_every_device(idle_plan: Plan) -> None:
+    cluster = cluster_from_dict(SLOW_FIRST)
+    assert replan(idle_plan, cluster).world_size == 4
+    assert replan(idle_plan, cluster, allow_idle=False).world_size == 8
