@@ -6,7 +6,9 @@ on every device, the planner is run on sub-clusters without the slowest type, th
 slowest, ... while at least one type remains (whole types, so whole nodes: a node either runs
 or is not started). A candidate is skipped when its compute-only lower bound (model FLOPs over
 the sub-cluster's summed achievable FLOP/s, ``ideal_time_s``) is already no better than the
-best plan so far; as the bound only grows with more types idle, the search stops there. The
+best plan so far; as the bound only grows with more types idle, the search stops there. It also
+stops at the first candidate that is not faster than the best so far (each candidate costs a whole
+plan, and a type that is needed, for memory or throughput, stays needed with fewer types). The
 fastest plan by predicted iteration time wins (ties: the plan with more devices). The idle
 devices get no rank (docs/plan-format.md, "Idle devices"): the plan's ``idle_devices`` lists
 them with the comparison that made them idle, and ``search.idle`` what was tried.
@@ -69,8 +71,9 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
         tried.append({**record, "iteration_time_s": _time_s(plan)})
-        if best is None or _time_s(plan) < _time_s(best[0]):
-            best = (plan, sub, idle_types)
+        if best is not None and _time_s(plan) >= _time_s(best[0]):
+            break  # idling one more type rarely helps where this one did not; each try is a whole plan
+        best = (plan, sub, idle_types)
     if best is None:
         assert error is not None, "every candidate was skipped or infeasible, and the full cluster raised"
         raise error
