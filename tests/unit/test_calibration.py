@@ -131,6 +131,26 @@ def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
     assert apply_tf32(plan, torch.device("cpu")) is None
 
 
+def test_replan_keeps_the_plans_tf32_setting_and_compute_constants() -> None:
+    """A re-plan is priced as the original was: same TF32 choice, same (user-fitted) constants."""
+    from ethpipe.cli.replan_cmds import replan
+    from ethpipe.planner import make_plan
+
+    def cluster(num_nodes: int):
+        return cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": num_nodes, "gpus_per_node": 4,
+                                             "nic_gbit_s": 200}]})
+
+    slow = Calibration({"ampere": ArchConstants(0.3, 0.5, 0.5, 2e-5, 1e-4, "user fit", ("tensor_eff",))})
+    spec = load_model_spec("gpt3-125m")
+    old = make_plan(cluster(2), spec, 32, 512, max_tp=1, dtype="fp32", tf32=False, calibration=slow)
+    new = replan(old, cluster(1))
+    assert new.extra["tf32"] is False
+    assert new.extra["compute_model"]["calibration"]["architectures"]["ampere"]["tensor_eff"] == 0.3
+    shipped = replan(make_plan(cluster(2), spec, 32, 512, max_tp=1, dtype="fp32"), cluster(1))
+    assert shipped.extra["tf32"] is True
+    assert new.predicted["iteration_time_s"] > shipped.predicted["iteration_time_s"]
+
+
 # -- shared measured data (CI has ../shared beside the clone) ---------------------------------------------
 
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -17,13 +17,15 @@ import typer
 
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
+from ethpipe.cost.hardware import Calibration, calibration_from_dict, shipped_calibration
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import AUTO, plan_dtype
 
 
 def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
-    """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs).
+    """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs), with
+    its dtype, TF32 setting and compute constants, so the new plan is priced as the old one was.
 
     ``allow_idle=False`` when the world is already running on every device of ``cluster``."""
     from ethpipe.planner import METHODS, PlannerOptions, make_plan
@@ -32,11 +34,21 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
     dtype = plan_dtype(str(old.extra.get("dtype", AUTO)), cluster, source="the plan's dtype bf16 on the new cluster",
                        fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
     new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
-                    options=PlannerOptions(allow_idle=allow_idle))
+                    options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
+                    calibration=recorded_calibration(old))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
         new = dataclasses.replace(new, extra={**new.extra, "emulation": emulation})
     return new
+
+
+def recorded_calibration(plan: Plan) -> Calibration | None:
+    """The compute constants the plan was priced with (a user's `--catalog` fit), over the shipped ones
+    for architecture families the plan did not use; None for plans that record none."""
+    recorded = (plan.extra.get("compute_model") or {}).get("calibration")
+    if not recorded:
+        return None
+    return shipped_calibration().merged(calibration_from_dict(recorded, "plan field 'compute_model.calibration'"))
 
 
 def first_devices(cluster: Cluster, world_size: int) -> Cluster:
