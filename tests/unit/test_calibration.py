@@ -151,6 +151,35 @@ def test_replan_keeps_the_plans_tf32_setting_and_compute_constants() -> None:
     assert new.predicted["iteration_time_s"] > shipped.predicted["iteration_time_s"]
 
 
+def test_simulate_catalog_reprices_a_plan_with_other_constants(tmp_path: Path) -> None:
+    """`ethpipe simulate --catalog` prices with the given constants; without it, with the plan's own."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from ethpipe.cli import commands  # noqa: F401
+    from ethpipe.cli.app import app
+    from ethpipe.planner import make_plan
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})
+    plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1, dtype="fp32")
+    plan.save(tmp_path / "plan.json")
+    slow = Calibration({"ampere": ArchConstants(0.2, 0.3, 0.3, 2e-5, 1e-4, "user fit", ("tensor_eff",))})
+    (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow.to_dict()))
+
+    def simulated_s(*extra: str) -> float:
+        res = CliRunner().invoke(app, ["simulate", str(tmp_path / "plan.json"), "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)["iteration_time_s"]
+
+    own = simulated_s()
+    assert own == pytest.approx(plan.predicted["iteration_time_s"], rel=0.05)
+    assert simulated_s("--catalog", str(tmp_path / "slow.yaml")) > 1.5 * own
+    res = CliRunner().invoke(app, ["simulate", str(tmp_path / "plan.json"), "--catalog", str(tmp_path / "none.yaml")])
+    assert res.exit_code == 2 and "not found" in res.output
+
+
 # -- shared measured data (CI has ../shared beside the clone) ---------------------------------------------
 
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -40,8 +40,14 @@ def simulate(
     flat_sync: Annotated[bool, typer.Option(help="sync all gradients after the slowest pipeline flushes")] = False,
     profile: Annotated[list[Path] | None, typer.Option(help="measured profile (repeatable)")] = None,
     profile_as: Annotated[list[str] | None, typer.Option(help="plan device type of each --profile")] = None,
+    catalog: Annotated[Path | None, typer.Option(
+        "--catalog", help="re-price with these compute constants (`ethpipe calibrate --out`) instead of the ones "
+                          "the plan records")] = None,
 ) -> None:
     """Replay one training iteration of a plan event by event and report where the time goes."""
+    import dataclasses
+
+    from ethpipe.cost.hardware import load_calibration
     from ethpipe.cost.model import CostModel
     from ethpipe.plan import Plan
     from ethpipe.sim import simulate as run_simulation
@@ -50,6 +56,8 @@ def simulate(
 
     plan = Plan.load(plan_path)
     cost = CostModel.for_plan(plan, profiles=load_profiles(profile or [], profile_as or []))  # type: ignore[arg-type]
+    if catalog is not None:
+        cost = dataclasses.replace(cost, calibration=load_calibration(catalog))
     report = run_simulation(plan, cost, flat_sync=flat_sync)
     if trace is not None or timeline is not None:
         sim_trace = trace_from_report(plan, report)
