@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -12,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ethpipe.cluster import Cluster
+from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner import CostModel, ideal_time_s, make_plan
-from ethpipe.sim import simulate
+from ethpipe.sim import SimReport, simulate
 
 from eval.scenarios import short
 
@@ -63,18 +64,51 @@ def plan_shape(plan: Plan) -> dict[str, Any]:
         key = f"{'+'.join(types)} d{pipe.depth}" + (f" tp{tps[0]}" if tps != [1] else "")
         groups[key] = groups.get(key, 0) + 1
     depths = [p.depth for p in plan.pipelines]
+    idle = len(getattr(plan, "idle_devices", ()) or ())  # plans may leave devices out (recorded there)
     return {
         "num_pipelines": len(plan.pipelines),
         "depth_min": min(depths), "depth_max": max(depths),
         "mixed_pipelines": sum(1 for p in plan.pipelines if len({s.device for s in p.stages}) > 1),
-        "summary": ", ".join(f"{n}x {k}" for k, n in groups.items()),
+        "idle_devices": idle,
+        "summary": ", ".join(f"{n}x {k}" for k, n in groups.items()) + (f" ({idle} GPUs idle)" if idle else ""),
     }
 
 
-def evaluate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> dict[str, Any]:
+def layout_signature(plan: Plan) -> dict[str, Any]:
+    """What two plans must share to count as "the same layout" / "the same plan", independent of ranks.
+
+    ``layout``: pipeline kinds (device, layers, tp of every stage) with their counts; ``plan``: the same
+    with each pipeline's micro-batch size, recomputation and sample count (the data split) added.
+    ``kinds``: distinct device-type sequences (pipelines a per-type slowdown can hit differently);
+    ``unequal_data``: pipelines get different sample counts; ``devices_used``: GPUs holding a stage.
+    """
+    layout: dict[str, int] = {}
+    full: dict[str, int] = {}
+    for pipe in plan.pipelines:
+        key = " | ".join(f"{short(s.device)}:{s.num_layers}" + (f"/tp{s.tp}" if s.tp > 1 else "") for s in pipe.stages)
+        layout[key] = layout.get(key, 0) + 1
+        extra = "".join("r" if s.recompute else "-" for s in pipe.stages)
+        long_key = f"{key} b{max(pipe.micro_batch_sizes)} {extra} n{pipe.num_samples}"
+        full[long_key] = full.get(long_key, 0) + 1
+    kinds = {tuple((s.device, s.tp) for s in pipe.stages) for pipe in plan.pipelines}
+    samples = {pipe.num_samples for pipe in plan.pipelines}
+    return {"layout": dict(sorted(layout.items())), "plan": dict(sorted(full.items())), "kinds": len(kinds),
+            "devices_used": sum(len(s.ranks) for pipe in plan.pipelines for s in pipe.stages),
+            "unequal_data": len(samples) > 1,
+            "uneven_layers": any(len({s.num_layers for s in pipe.stages}) > 1 for pipe in plan.pipelines)}
+
+
+def cluster_ideal_s(plan: Plan, cost: CostModel) -> float:
+    """The physical limit of the plan's whole cluster, idle devices included (``CostModel.for_plan``
+    prices only the devices the plan runs on, which would flatter a plan that leaves some idle)."""
+    if not getattr(plan, "idle_devices", ()) or plan.cluster is None:
+        return ideal_time_s(cost, plan.global_batch_size)
+    return ideal_time_s(dataclasses.replace(cost, cluster=cluster_from_dict(plan.cluster)), plan.global_batch_size)
+
+
+def describe(plan: Plan, cost: CostModel, report: SimReport) -> dict[str, Any]:
     """Simulated throughput, efficiency against the physical limit, and per-device memory headroom."""
-    report = simulate(plan, cost, flat_sync=flat_sync)
-    ideal = ideal_time_s(cost, plan.global_batch_size)
+    ideal = cluster_ideal_s(plan, cost)
     headroom: dict[str, float] = {}
     headroom_gib = float("inf")
     for r in report.ranks:
@@ -96,6 +130,11 @@ def evaluate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> di
         "headroom_by_type": headroom,
         **plan_shape(plan),
     }
+
+
+def evaluate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> dict[str, Any]:
+    """``describe`` of the plan's simulated iteration."""
+    return describe(plan, cost, simulate(plan, cost, flat_sync=flat_sync))
 
 
 def run_method(cluster: Cluster, spec: ModelSpec, batch: int, seq_len: int, method: str, *,

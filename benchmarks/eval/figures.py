@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eval.common import METHODS  # noqa: E402
 
-COLORS = {"eth": "#1b7837", "layer-balanced": "#762a83", "uniform": "#999999"}
+COLORS = {"eth": "#1b7837", "eth-robust": "#7fbf7b", "layer-balanced": "#762a83", "uniform": "#999999"}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -23,30 +23,85 @@ def _save(fig: Any, path: Path) -> None:
 
 
 def throughput(section: dict[str, Any], docs: Path) -> None:
-    """One grouped bar chart per cluster: simulated tokens/s per model and method, as a share of the
-    physical limit (so models of different sizes share one linear axis), with eth's speedups on top."""
+    """One grouped bar chart per cluster: each method's simulated tokens/s at nominal speeds per model and
+    samples per GPU, as a share of the physical limit (so models of different sizes share one axis)."""
+    methods = section["methods"]
     for cluster in section["clusters"]:
         rows = [r for r in section["rows"] if r["cluster"] == cluster["key"]]
-        fig, ax = plt.subplots(figsize=(8, 4))
-        width = 0.8 / len(METHODS)
-        for i, method in enumerate(METHODS):
-            xs = [j + (i - 1) * width for j in range(len(rows))]
-            ys = [r["methods"][method]["tokens_per_s"] / r["ideal_tokens_per_s"] if r["methods"][method]["feasible"]
-                  else 0.0 for r in rows]
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.55 * len(rows) + 2), 4))
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(rows))]
+            ys = [r["methods"][method]["nominal"]["balance_efficiency"] if r["methods"][method]["feasible"] else 0.0
+                  for r in rows]
             ax.bar(xs, ys, width, label=method, color=COLORS[method])
         for j, r in enumerate(rows):
-            if r["methods"]["eth"]["feasible"]:
-                text = "\n".join(f"{v:.2f}x" for v in r["speedup"].values() if v is not None)
-                ax.text(j - width, r["methods"]["eth"]["balance_efficiency"] + 0.02, text, ha="center", fontsize=7)
-            else:
-                ax.text(j, 0.05, "does not fit", ha="center", fontsize=8, rotation=90)
-        ax.set_xticks(range(len(rows)), [r["model"] for r in rows])
-        ax.set_ylim(0, 1.25)
+            if not any(v["feasible"] for v in r["methods"].values()):
+                ax.text(j, 0.05, "does not fit", ha="center", fontsize=7, rotation=90)
+        ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['samples_per_gpu']}/GPU" for r in rows], fontsize=6)
+        ax.set_ylim(0, 1.15)
         ax.axhline(1.0, color="black", lw=0.8, ls=":")
-        ax.set_ylabel("simulated tokens/s / physical limit")
-        ax.set_title(f"{cluster['label']} (labels: eth / layer-balanced, eth / uniform)", fontsize=9)
-        ax.legend(fontsize=8, ncol=3, loc="upper right")
+        ax.set_ylabel("balance efficiency (limit / simulated time)")
+        ax.set_title(f"{cluster['label']}, nominal speeds", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(methods), loc="upper right")
         _save(fig, docs / cluster["figure"])
+
+
+def _label(cond: dict[str, Any]) -> str:
+    return "nominal speeds" if cond["which"] is None else f"{cond['which']} type at {cond['speed']:g}x"
+
+
+def speedups(section: dict[str, Any], docs: Path) -> None:
+    """eth's speedup over each baseline per case, by samples per GPU and condition, static (hollow) and
+    rebalanced (filled), with the geometric mean of each group as a bar."""
+    pairs = ["eth / layer-balanced", "eth / uniform"]
+    conds, spgs, rows = section["conditions"], section["samples_per_gpu"], section["rows"]
+    fig, axes = plt.subplots(len(pairs), len(conds), figsize=(4 * len(conds), 3.2 * len(pairs)), squeeze=False)
+    for i, pair in enumerate(pairs):
+        for j, cond in enumerate(conds):
+            ax = axes[i][j]
+            for k, spg in enumerate(spgs):
+                for mode, dx, face in (("static", -0.15, "none"), ("rebalanced", 0.15, COLORS["eth"])):
+                    vals = [r["speedup"][mode][cond["key"]][pair] for r in rows if r["samples_per_gpu"] == spg]
+                    vals = [v for v in vals if v is not None]
+                    if not vals:
+                        continue
+                    xs = [k + dx + 0.08 * ((n % 5) - 2) / 2 for n in range(len(vals))]
+                    ax.scatter(xs, vals, s=12, facecolors=face, edgecolors=COLORS["eth"], lw=0.8,
+                               label=("without rebalancing" if mode == "static" else "with rebalancing")
+                               if k == 0 else None)
+                    geo = math.exp(sum(math.log(v) for v in vals) / len(vals))
+                    ax.plot([k + dx - 0.1, k + dx + 0.1], [geo, geo], color="black", lw=1.5)
+            ax.axhline(1.0, color="black", lw=0.8, ls=":")
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(spgs)), [f"{s}/GPU" for s in spgs])
+            ax.set_title(f"{pair}, {_label(cond)}", fontsize=8)
+            if j == 0:
+                ax.set_ylabel("simulated speedup (bar: geo-mean)")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    _save(fig, docs / section["figures"]["speedups"])
+
+
+def rebalance(section: dict[str, Any], docs: Path) -> None:
+    """Tokens/s with over without online rebalancing, per method and condition, one dot per case."""
+    conds, methods, rows = section["conditions"], section["methods"], section["rows"]
+    fig, axes = plt.subplots(1, len(conds), figsize=(4 * len(conds), 3.4), squeeze=False, sharey=True)
+    for j, cond in enumerate(conds):
+        ax = axes[0][j]
+        for i, method in enumerate(methods):
+            vals = [r["methods"][method]["replay"][cond["key"]]["rebalanced"]["tokens_per_s"]
+                    / r["methods"][method]["replay"][cond["key"]]["static"]["tokens_per_s"]
+                    for r in rows if r["methods"][method]["feasible"]]
+            xs = [i + 0.3 * (((n * 7) % 11) / 10 - 0.5) for n in range(len(vals))]
+            ax.scatter(xs, vals, s=10, color=COLORS[method])
+        ax.axhline(1.0, color="black", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(methods)), methods, fontsize=7, rotation=20)
+        ax.set_title(_label(cond), fontsize=8)
+        if j == 0:
+            ax.set_ylabel("tokens/s with / without rebalancing")
+    _save(fig, docs / section["figures"]["rebalance"])
 
 
 def search_time(section: dict[str, Any], docs: Path) -> None:
@@ -112,6 +167,8 @@ def sensitivity(section: dict[str, Any], docs: Path) -> None:
 
 def draw_all(results: dict[str, dict[str, Any]], docs: Path) -> None:
     throughput(results["throughput"], docs)
+    speedups(results["throughput"], docs)
+    rebalance(results["throughput"], docs)
     search_time(results["search"], docs)
     ablation(results["ablation"], docs)
     sensitivity(results["sensitivity"], docs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from eval import fmt
+from eval.render_headline import case_name, labels_of
+from eval.render_throughput import losses_under_errors
 
 SWEEP_TITLES = {"speed_ratio": ("Speed ratio between the two GPU types", "fast / slow"),
                 "nic_gbit_s": ("Inter-node bandwidth", "NIC Gbit/s")}
@@ -171,13 +173,20 @@ def sensitivity(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def where_eth_loses(results: dict[str, dict[str, Any]]) -> list[str]:
     """Every place in this run where eth did not beat a baseline, in one list."""
+    labels = labels_of(results)
     lines = ["## Where eth does not win", ""]
     items = []
-    for r in results["throughput"]["rows"]:
-        for baseline, sp in r["speedup"].items():
-            if sp is not None and sp < 1.0:
-                items.append(f"- Throughput: {r['model']} on {r['cluster_label']}, {fmt.x(sp)} vs {baseline} "
-                             "(reason in its cluster's section).")
+    for x in results["summary"]["nominal_loss_causes"]:
+        items.append(f"- **Nominal speeds: eth slower than {x['baseline']}** on {case_name(x, labels)}: "
+                     f"{fmt.x(x['value'])} (most of the gap: {x['cause']}; eth {x['eth_plan']}, {x['baseline']} "
+                     f"{x['baseline_plan']}).")
+    robust = results["summary"]["matrix"]["nominal_losses"].get("eth-robust", [])
+    if robust:
+        worst = min(robust, key=lambda x: x["value"])
+        items.append(f"- Nominal speeds: eth --robust is slower than a baseline in {len(robust)} comparison(s), worst "
+                     f"{fmt.x(worst['value'])} vs {worst['baseline']} on {case_name(worst, labels)} (it trades "
+                     "nominal time for a better worst case by design).")
+    items += losses_under_errors(results)
     for item in results["summary"]["plan_quality"]["below"]:
         items.append(f"- Plan quality: eth reaches {fmt.x(item['value'])} of the exhaustive optimum of its own space "
                      f"on {item['model']} ({item['cluster']}).")
@@ -192,31 +201,33 @@ def where_eth_loses(results: dict[str, dict[str, Any]]) -> list[str]:
             if v.get("relative") is not None and v["relative"] > 1.0:
                 items.append(f"- Ablation: '{name}' beats full eth on {r['model']} on {r['cluster_label']} "
                              f"({fmt.x(v['relative'])}).")
-    lines += items or ["No case in this run where eth is slower than a baseline or than one of its ablations."]
-    if items:
-        lines += ["", "Causes are read off each simulated iteration in the sections above (slowest pipeline flush "
-                  "vs exposed gradient sync); none of them is hidden from the headline numbers."]
-    return lines + [""]
+    return lines + items + [""]
 
 
 def closing_note(results: dict[str, dict[str, Any]]) -> list[str]:
     """The verdict in a few lines, every figure taken from the summary."""
     s = results["summary"]
+    grid = s["matrix"]["grid"]
     lines = ["## Closing note", ""]
-    for baseline, st in s["speedup"].items():
-        if st["num_cases"]:
-            lines.append(f"- Against {baseline}, eth is at least as fast in {st['num_not_slower']} of "
-                         f"{st['num_cases']} cases: geometric-mean speedup {fmt.x(st['geomean'])}, max "
-                         f"{fmt.x(st['max']['value'])}, min {fmt.x(st['min']['value'])}.")
-    if s["loss_causes"]:
-        causes = ", ".join(f"{cause} in {n}" for cause, n in s["loss_causes"].items())
-        lines.append(f"- Where eth loses, the part of the simulated iteration that grew most is {causes} case(s).")
+    for baseline in ("layer-balanced", "uniform"):
+        for g in grid:
+            # nominal speeds without rebalancing, each speed error with every method rebalancing
+            wanted = "static" if g["condition"] == "nominal" else "rebalanced"
+            if g["pair"] != f"eth / {baseline}" or g["samples_per_gpu"] != 0 or g["mode"] != wanted \
+                    or not g["num_cases"]:
+                continue
+            cond = next(c for c in results["throughput"]["conditions"] if c["key"] == g["condition"])
+            name = "nominal speeds" if cond["which"] is None else \
+                f"{cond['which']} type at {fmt.num(cond['speed'])}x, every method rebalancing"
+            lines.append(f"- Against {baseline}, {name}: eth is at least as fast in "
+                         f"{g['num_cases'] - g['num_slower']} of {g['num_cases']} cases, geometric-mean speedup "
+                         f"{fmt.x(g['geomean'])}, max {fmt.x(g['max']['value'])}, min {fmt.x(g['min']['value'])}.")
     for p in s["planning"]:
         lines.append(f"- Planning at {p['gpus']} GPUs: eth {fmt.sec(p['eth_s'])} s, exhaustive layer-balanced "
                      f"{fmt.sec(p['layer_balanced_s'])} s" + (" (timed out)" if p["layer_balanced_timed_out"] else "")
                      + ".")
     eff = s["balance_efficiency"]["eth"]
     if eff is not None:
-        lines.append(f"- eth's balance efficiency ranges from {fmt.pct(eff['min']['value'])} to "
+        lines.append(f"- eth's balance efficiency at nominal speeds ranges from {fmt.pct(eff['min']['value'])} to "
                      f"{fmt.pct(eff['max']['value'])} of the physical limit.")
     return lines + [""]

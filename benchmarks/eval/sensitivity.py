@@ -14,9 +14,15 @@ from ethpipe.model_spec import load_model_spec
 
 from eval import scenarios as sc
 from eval.common import BASELINES, METHODS, Job, run_method
-from eval.throughput import speedups
 
 TIE_TOLERANCE = 0.01  # a speedup within 1% of 1.0 counts as "no gain"
+
+
+def speedups(methods: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """eth's simulated tokens/s over each baseline's; None where either plan is infeasible."""
+    eth = methods["eth"]
+    return {b: (eth["tokens_per_s"] / methods[b]["tokens_per_s"]
+                if eth["feasible"] and methods[b]["feasible"] else None) for b in BASELINES}
 
 
 def _point(sweep: str, x: float, spec_dict: dict[str, Any]) -> dict[str, Any]:

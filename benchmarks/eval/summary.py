@@ -2,43 +2,27 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from eval.common import BASELINES, METHODS
+from eval.headline import summarize_matrix
 
 HEADLINE_SIZES = (1024, 4096)
-TIE_TOLERANCE = 0.01  # a loss smaller than this is reported, but called a tie
 GAP_THRESHOLD = 0.05  # estimate vs simulation differences worth flagging
 
 
 def _where(row: dict[str, Any], value: float) -> dict[str, Any]:
-    return {"value": value, "cluster": row["cluster"], "model": row["model"]}
-
-
-def speedup_stats(rows: list[dict[str, Any]], baseline: str) -> dict[str, Any]:
-    cases = [r for r in rows if r["speedup"][baseline] is not None]
-    if not cases:
-        return {"num_cases": 0}
-    values = [r["speedup"][baseline] for r in cases]
-    best = max(cases, key=lambda r: r["speedup"][baseline])
-    worst = min(cases, key=lambda r: r["speedup"][baseline])
-    slower = [_where(r, r["speedup"][baseline]) for r in cases if r["speedup"][baseline] < 1.0]
-    return {"num_cases": len(cases), "tie_tolerance": TIE_TOLERANCE,
-            "num_slower_beyond_tolerance": sum(1 for s in slower if s["value"] < 1.0 - TIE_TOLERANCE),
-            "geomean": math.exp(sum(math.log(v) for v in values) / len(values)),
-            "max": _where(best, best["speedup"][baseline]), "min": _where(worst, worst["speedup"][baseline]),
-            "num_slower": len(slower), "num_not_slower": len(cases) - len(slower), "slower": slower}
+    return {"value": value, "cluster": row["cluster"], "model": row["model"], "samples_per_gpu": row["samples_per_gpu"]}
 
 
 def efficiency_range(rows: list[dict[str, Any]], method: str) -> dict[str, Any] | None:
+    """Balance efficiency of one method's nominal plans, simulated at nominal speed."""
     cases = [r for r in rows if r["methods"][method]["feasible"]]
     if not cases:
         return None
-    lo = min(cases, key=lambda r: r["methods"][method]["balance_efficiency"])
-    hi = max(cases, key=lambda r: r["methods"][method]["balance_efficiency"])
-    return {"min": _where(lo, lo["methods"][method]["balance_efficiency"]),
-            "max": _where(hi, hi["methods"][method]["balance_efficiency"])}
+    lo = min(cases, key=lambda r: r["methods"][method]["nominal"]["balance_efficiency"])
+    hi = max(cases, key=lambda r: r["methods"][method]["nominal"]["balance_efficiency"])
+    return {"min": _where(lo, lo["methods"][method]["nominal"]["balance_efficiency"]),
+            "max": _where(hi, hi["methods"][method]["nominal"]["balance_efficiency"])}
 
 
 def estimate_gap(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -48,7 +32,8 @@ def estimate_gap(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
 
     def gap(r: dict[str, Any]) -> float:
-        return r["methods"]["eth"]["estimate_tokens_per_s"] / r["methods"]["eth"]["tokens_per_s"] - 1.0
+        nominal = r["methods"]["eth"]["nominal"]
+        return nominal["estimate_tokens_per_s"] / nominal["tokens_per_s"] - 1.0
 
     worst = max(cases, key=lambda r: abs(gap(r)))
     return {**_where(worst, gap(worst)), "threshold": GAP_THRESHOLD,
@@ -77,10 +62,18 @@ def loss_cause(eth: dict[str, Any], base: dict[str, Any]) -> str:
     return max(deltas, key=lambda k: deltas[k])
 
 
-def losses(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"cluster": r["cluster"], "model": r["model"], "baseline": b, "speedup": sp,
-             "cause": loss_cause(r["methods"]["eth"], r["methods"][b])}
-            for r in rows for b, sp in r["speedup"].items() if sp is not None and sp < 1.0]
+def nominal_loss_causes(rows: list[dict[str, Any]], losses: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each nominal loss of eth with the part of the simulated iteration that grew most, and both plans."""
+    out = []
+    for item in losses:
+        row = next(r for r in rows if r["cluster"] == item["cluster"] and r["model"] == item["model"]
+                   and r["samples_per_gpu"] == item["samples_per_gpu"])
+        eth, base = row["methods"]["eth"]["nominal"], row["methods"][item["baseline"]]["nominal"]
+        out.append({**item, "cause": loss_cause(eth, base), "eth_plan": eth["summary"],
+                    "baseline_plan": base["summary"],
+                    "eth_makespan_s": eth["makespan_s"], "baseline_makespan_s": base["makespan_s"],
+                    "eth_exposed_comm_s": eth["exposed_comm_s"], "baseline_exposed_comm_s": base["exposed_comm_s"]})
+    return out
 
 
 def plan_quality(search: dict[str, Any]) -> dict[str, Any]:
@@ -106,13 +99,9 @@ def plan_quality(search: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(throughput: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]:
     rows = throughput["rows"]
-    infeasible = [{"cluster": r["cluster"], "model": r["model"], "method": m, "error": r["methods"][m]["error"]}
-                  for r in rows for m in METHODS if not r["methods"][m]["feasible"]]
-    lost = losses(rows)
-    causes: dict[str, int] = {}
-    for item in lost:
-        causes[item["cause"]] = causes.get(item["cause"], 0) + 1
-    return {"speedup": {b: speedup_stats(rows, b) for b in BASELINES}, "losses": lost, "loss_causes": causes,
-            "balance_efficiency": {m: efficiency_range(rows, m) for m in METHODS},
+    matrix = summarize_matrix(throughput)
+    return {"matrix": matrix, "nominal_loss_causes": nominal_loss_causes(rows, matrix["nominal_losses"]["eth"]),
+            "balance_efficiency": {m: efficiency_range(rows, m) for m in throughput["methods"]},
             "estimate_vs_simulated": estimate_gap(rows),
-            "planning": planning_at(search["scale"]), "plan_quality": plan_quality(search), "infeasible": infeasible}
+            "planning": planning_at(search["scale"]), "plan_quality": plan_quality(search),
+            "infeasible": matrix["infeasible"]}

@@ -1,40 +1,115 @@
-"""Section 1: simulated throughput of eth and the baselines on realistic clusters and models."""
+"""Section 1: simulated throughput on realistic clusters at 1, 4 and 16 samples per GPU, at nominal
+speeds and where one device type runs slower than the cost model believed, each plan replayed
+without and with the runtime's online data rebalancing (``eval/replay.py``).
+
+Four methods, every plan made with the nominal cost model: eth, eth with ``robust=True`` (the best
+worst case under per-type speed perturbations among eth's best candidates), layer-balanced and
+uniform. Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
-from ethpipe.planner import CostModel, ideal_time_s
+from ethpipe.plan import Plan
+from ethpipe.planner import CostModel, ideal_time_s, make_plan
+from ethpipe.sim import simulate
 
+from eval import replay as rp
 from eval import scenarios as sc
-from eval.common import BASELINES, METHODS, Job, run_method
+from eval.common import Job, describe, layout_signature, timed
+
+ROBUST = "eth-robust"
+MATRIX_METHODS = ("eth", ROBUST, "layer-balanced", "uniform")
+PAIRS = (("eth", "layer-balanced"), ("eth", "uniform"), (ROBUST, "layer-balanced"), (ROBUST, "uniform"),
+         (ROBUST, "eth"))
+MODES = ("static", "rebalanced")
+# The layer-balanced baseline's exhaustive search gets more than the search section's budget here, so that
+# the baseline is its best plan, not a timed-out one (a timeout would still be recorded and reported).
+LB_BUDGET_S = 120.0
 
 
-def speedups(methods: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """eth's simulated tokens/s over each baseline's; None where either plan is infeasible."""
-    eth = methods["eth"]
-    return {b: (eth["tokens_per_s"] / methods[b]["tokens_per_s"]
-                if eth["feasible"] and methods[b]["feasible"] else None) for b in BASELINES}
+def pair_key(a: str, b: str) -> str:
+    return f"{a} / {b}"
 
 
-def _case(cluster_key: str, model_name: str, budget_s: float) -> dict[str, Any]:
+def _plan(cluster: Any, spec: Any, batch: int, seq_len: int, method: str,
+          budget_s: float) -> tuple[Plan | None, dict[str, Any]]:
+    kwargs: dict[str, Any] = {}
+    name = method
+    if method == "layer-balanced":
+        kwargs["time_budget_s"] = budget_s
+    if method == ROBUST:
+        name, kwargs["robust"] = "eth", True
+    try:
+        planning_s, plan = timed(lambda: make_plan(cluster, spec, batch, seq_len, name, **kwargs))
+    except UserError as err:  # no feasible plan (a bug would propagate)
+        return None, {"feasible": False, "error": str(err)}
+    return plan, {"feasible": True, "planning_s": planning_s,
+                  "search_timed_out": bool((plan.extra.get("search") or {}).get("timed_out", False))}
+
+
+def run_plan(plan: Plan, slowed: dict[str, str | None]) -> dict[str, Any]:
+    """The plan's nominal description, layout signature and its replay under every condition."""
+    cost = CostModel.for_plan(plan)
+    nominal_report = simulate(plan, cost)
+    replays = {}
+    for cond in rp.CONDITIONS:
+        true_cost = rp.cost_under(cost, cond, slowed[cond.key])
+        replays[cond.key] = rp.replay(plan, true_cost, nominal_report if true_cost is cost else None)
+    return {"nominal": describe(plan, cost, nominal_report), "signature": layout_signature(plan), "replay": replays}
+
+
+def speedup_table(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """mode -> condition -> "a / b" -> a's simulated tokens/s over b's; None where either does not fit."""
+    out: dict[str, dict[str, dict[str, float | None]]] = {}
+    for mode in MODES:
+        out[mode] = {}
+        for cond in rp.CONDITIONS:
+            row: dict[str, float | None] = {}
+            for a, b in PAIRS:
+                ma, mb = methods[a], methods[b]
+                row[pair_key(a, b)] = (ma["replay"][cond.key][mode]["tokens_per_s"]
+                                       / mb["replay"][cond.key][mode]["tokens_per_s"]
+                                       if ma["feasible"] and mb["feasible"] else None)
+            out[mode][cond.key] = row
+    return out
+
+
+def _case(cluster_key: str, model_name: str, samples_per_gpu: int, budget_s: float) -> dict[str, Any]:
     scenario = sc.cluster_scenario(cluster_key)
     cluster, model = sc.load(scenario), sc.model_scenario(model_name)
     spec = load_model_spec(model.name)
-    batch = sc.batch_for(model, cluster.num_devices)
-    ideal_s = ideal_time_s(CostModel(cluster, spec, model.seq_len), batch)
-    methods = {m: run_method(cluster, spec, batch, model.seq_len, m, budget_s=budget_s) for m in METHODS}
+    batch = samples_per_gpu * cluster.num_devices
+    base = CostModel(cluster, spec, model.seq_len)
+    slowed = {c.key: rp.device_type_for(base, c) for c in rp.CONDITIONS}
+    methods: dict[str, dict[str, Any]] = {}
+    for method in MATRIX_METHODS:
+        plan, record = _plan(cluster, spec, batch, model.seq_len, method, budget_s)
+        methods[method] = {**record, **(run_plan(plan, slowed) if plan is not None else {})}
     return {"cluster": cluster_key, "cluster_label": scenario.label, "model": model.name,
-            "params_b": spec.num_params() / 1e9,
-            "global_batch": batch, "seq_len": model.seq_len, "ideal_tokens_per_s": batch * model.seq_len / ideal_s,
-            "methods": methods, "speedup": speedups(methods)}
+            "params_b": spec.num_params() / 1e9, "samples_per_gpu": samples_per_gpu, "global_batch": batch,
+            "seq_len": model.seq_len, "ideal_tokens_per_s": batch * model.seq_len / ideal_time_s(base, batch),
+            "slowed_types": {k: (sc.short(v) if v else None) for k, v in slowed.items()},
+            "condition_labels": {c.key: c.label(slowed[c.key]) for c in rp.CONDITIONS},
+            "methods": methods, "speedup": speedup_table(methods)}
 
 
-def jobs(quick: bool, budget_s: float) -> list[Job]:
+def cases(quick: bool) -> list[tuple[str, str, int]]:
     clusters = [c.key for c in sc.CLUSTERS if not quick or c.key in sc.QUICK_CLUSTERS]
-    models = [m.name for m in sc.MODELS if not quick or m.name in sc.QUICK_MODELS]
-    return [Job(f"throughput {c} {m}", lambda c=c, m=m: _case(c, m, budget_s)) for c in clusters for m in models]
+    spgs = sc.QUICK_SAMPLES_PER_GPU if quick else sc.SAMPLES_PER_GPU
+    out = []
+    for c in clusters:
+        models = sc.QUICK_MODELS if quick else sc.THROUGHPUT_MODELS.get(c, tuple(m.name for m in sc.MODELS))
+        out += [(c, m, n) for m in models for n in spgs]
+    return out
+
+
+def jobs(quick: bool) -> list[Job]:
+    return [Job(f"throughput {c} {m} {n}/GPU", lambda c=c, m=m, n=n: _case(c, m, n, LB_BUDGET_S))
+            for c, m, n in cases(quick)]
 
 
 def cluster_facts(keys: list[str]) -> list[dict[str, Any]]:
@@ -51,6 +126,17 @@ def cluster_facts(keys: list[str]) -> list[dict[str, Any]]:
     return facts
 
 
-def finish(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def finish(rows: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
     keys = list(dict.fromkeys(r["cluster"] for r in rows))
-    return {"section": "throughput", "clusters": cluster_facts(keys), "rows": rows}
+    all_models = [m.name for m in sc.MODELS]
+    subsets = {c: list(sc.THROUGHPUT_MODELS[c]) for c in keys if not quick and c in sc.THROUGHPUT_MODELS}
+    return {"section": "throughput", "clusters": cluster_facts(keys), "models": all_models,
+            "model_subsets": subsets,
+            "samples_per_gpu": list(sc.QUICK_SAMPLES_PER_GPU if quick else sc.SAMPLES_PER_GPU),
+            "methods": list(MATRIX_METHODS), "pairs": [pair_key(a, b) for a, b in PAIRS], "modes": list(MODES),
+            "conditions": [{"key": c.key, "which": c.which, "speed": c.speed} for c in rp.CONDITIONS],
+            "rebalance": {"threshold": rp.THRESHOLD, "max_rounds": rp.MAX_ROUNDS + 1},
+            "layer_balanced_budget_s": LB_BUDGET_S,
+            "figures": {"speedups": "figures/eval_speedups.png", "rebalance": "figures/eval_rebalance.png"},
+            "rows": rows}
+

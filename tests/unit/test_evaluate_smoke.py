@@ -93,8 +93,9 @@ def test_every_output_exists_with_provenance(run: tuple[Path, dict[str, Any], st
         assert data["meta"]["command"].startswith("python benchmarks/evaluate.py --quick")
         assert "CPUs" in data["meta"]["machine"] and data["meta"]["quick"] is True
     figures = [c["figure"] for c in results["throughput"]["clusters"]]
+    figures += list(results["throughput"]["figures"].values())
     figures += [results[s]["figure"] for s in ("search", "ablation", "sensitivity")]
-    assert len(figures) == len(set(figures)) >= 5
+    assert len(figures) == len(set(figures)) >= 7
     for fig in figures:
         data = (docs / fig).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 5_000, fig
@@ -120,38 +121,77 @@ def test_every_number_in_the_markdown_comes_from_the_json(run: tuple[Path, dict[
 
 def test_speedups_and_headline_are_consistent(run: tuple[Path, dict[str, Any], str]) -> None:
     _, results, _ = run
-    rows = results["throughput"]["rows"]
-    assert rows
-    for row in rows + [p for s in results["sensitivity"]["sweeps"].values() for p in s["points"]]:
+    th = results["throughput"]
+    rows = th["rows"]
+    assert rows and {r["samples_per_gpu"] for r in rows} == set(th["samples_per_gpu"])
+    for row in rows:
+        gpus = next(c["gpus"] for c in th["clusters"] if c["key"] == row["cluster"])
+        assert row["global_batch"] == row["samples_per_gpu"] * gpus
         m = row["methods"]
-        for baseline in ("layer-balanced", "uniform"):
-            if m["eth"]["feasible"] and m[baseline]["feasible"]:
-                assert row["speedup"][baseline] == pytest.approx(m["eth"]["tokens_per_s"] / m[baseline]["tokens_per_s"])
-            else:
-                assert row["speedup"][baseline] is None
+        for mode in th["modes"]:
+            for cond in (c["key"] for c in th["conditions"]):
+                for pair in th["pairs"]:
+                    a, b = pair.split(" / ")
+                    value = row["speedup"][mode][cond][pair]
+                    if m[a]["feasible"] and m[b]["feasible"]:
+                        assert value == pytest.approx(m[a]["replay"][cond][mode]["tokens_per_s"]
+                                                      / m[b]["replay"][cond][mode]["tokens_per_s"])
+                    else:
+                        assert value is None
         for v in m.values():
-            if v["feasible"]:
-                assert 0.0 < v["balance_efficiency"] <= 1.0 + 1e-9
-                assert v["tokens_per_s"] == pytest.approx(row["global_batch"] * row["seq_len"] / v["iteration_s"])
+            if not v["feasible"]:
+                continue
+            assert 0.0 < v["nominal"]["balance_efficiency"] <= 1.0 + 1e-9
+            assert v["replay"]["nominal"]["static"]["tokens_per_s"] == pytest.approx(v["nominal"]["tokens_per_s"])
+            for rep in v["replay"].values():
+                for timing in rep.values():
+                    assert timing["tokens_per_s"] == pytest.approx(row["global_batch"] * row["seq_len"]
+                                                                   / timing["iteration_s"])
+                if rep["rebalanced"]["applied"] == 0:  # nothing re-split: the same replay
+                    assert rep["rebalanced"]["tokens_per_s"] == rep["static"]["tokens_per_s"]
+    for p in [p for s in results["sensitivity"]["sweeps"].values() for p in s["points"]]:
+        for baseline in ("layer-balanced", "uniform"):
+            if p["methods"]["eth"]["feasible"] and p["methods"][baseline]["feasible"]:
+                assert p["speedup"][baseline] == pytest.approx(p["methods"]["eth"]["tokens_per_s"]
+                                                               / p["methods"][baseline]["tokens_per_s"])
     for case in results["ablation"]["rows"]:
         for variant in case["variants"].values():
             if variant["feasible"]:
                 assert variant["relative"] == pytest.approx(variant["tokens_per_s"] / case["eth"]["tokens_per_s"])
-    for baseline, st in results["summary"]["speedup"].items():
-        values = [r["speedup"][baseline] for r in rows if r["speedup"][baseline] is not None]
-        assert st["num_cases"] == len(values)
-        assert st["geomean"] == pytest.approx(math.exp(sum(map(math.log, values)) / len(values)))
-        assert st["max"]["value"] == max(values) and st["min"]["value"] == min(values)
-        assert st["num_slower"] == sum(1 for v in values if v < 1.0)
+    for cell in results["summary"]["matrix"]["grid"]:
+        values = [r["speedup"][cell["mode"]][cell["condition"]][cell["pair"]] for r in rows
+                  if cell["samples_per_gpu"] in (0, r["samples_per_gpu"])]
+        values = [v for v in values if v is not None]
+        assert cell["num_cases"] == len(values)
+        if values:
+            assert cell["geomean"] == pytest.approx(math.exp(sum(map(math.log, values)) / len(values)))
+            assert cell["max"]["value"] == max(values) and cell["min"]["value"] == min(values)
+            assert cell["num_slower"] == sum(1 for v in values if v < 1.0)
 
 
 def test_every_loss_of_eth_is_stated(run: tuple[Path, dict[str, Any], str]) -> None:
     _, results, markdown = run
-    for row in results["throughput"]["rows"]:
-        for baseline, sp in row["speedup"].items():
-            stated = f"**eth is slower than {baseline} on {row['model']}**"
-            section = markdown.split(f"### {row['cluster_label']}\n", 1)[1].split("\n### ", 1)[0]
+    th = results["throughput"]
+    losses = 0
+    for row in th["rows"]:
+        section = markdown.split(f"#### {row['cluster_label']}\n", 1)[1].split("\n#### ", 1)[0]
+        for baseline in ("layer-balanced", "uniform"):
+            sp = row["speedup"]["static"]["nominal"][f"eth / {baseline}"]
+            spg = row["samples_per_gpu"]
+            stated = (f"**eth is slower than {baseline} at nominal speed on {row['model']} at "
+                      f"{spg} sample{'' if spg == 1 else 's'}/GPU**")
             assert (stated in section) == (sp is not None and sp < 1.0), (row["cluster"], row["model"], baseline)
+            losses += sp is not None and sp < 1.0
+    assert ("**At nominal speeds eth is never simulated slower" in markdown) == (losses == 0)
+    where = markdown.split("## Where eth does not win\n", 1)[1]
+    tol = results["summary"]["matrix"]["tie_tolerance"]
+    for row in th["rows"]:
+        for cond in (c["key"] for c in th["conditions"] if c["which"] is not None):
+            for baseline in ("layer-balanced", "uniform"):
+                s = row["speedup"]["static"][cond][f"eth / {baseline}"]
+                r = row["speedup"]["rebalanced"][cond][f"eth / {baseline}"]
+                if s is not None and min(s, r) < 1.0 - tol:
+                    assert f"| {row['condition_labels'][cond]} | {baseline} |" in where
     for sweep in results["sensitivity"]["sweeps"].values():
         for baseline, a in sweep["analysis"].items():
             assert ("eth stops helping" in markdown) or not a["no_gain_x"]
