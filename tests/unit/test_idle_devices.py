@@ -215,3 +215,12 @@ def test_replan_for_a_running_world_uses_every_device(idle_plan: Plan) -> None:
     cluster = cluster_from_dict(SLOW_FIRST)
     assert replan(idle_plan, cluster).world_size == 4
     assert replan(idle_plan, cluster, allow_idle=False).world_size == 8
+
+
+def test_robust_idling_is_judged_by_the_worst_case() -> None:
+    """With --robust the idle decision compares worst cases, and the reason says so."""
+    plan = make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1, robust=True)
+    tried = plan.extra["search"]["idle"]["candidates"]
+    assert all("worst_case_time_s" in c for c in tried if "iteration_time_s" in c)
+    assert plan.idle_devices and "worst case" in plan.idle_devices[0].reason
+    assert plan.predicted["worst_case_time_s"] <= plan.extra["search"]["idle"]["full_cluster_iteration_time_s"]

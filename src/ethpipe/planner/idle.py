@@ -28,7 +28,10 @@ from ethpipe.planner.estimate import ideal_time_s
 
 
 def _time_s(plan: Plan) -> float:
-    return float((plan.predicted or {})["iteration_time_s"])
+    """What candidates are compared by: the worst case for robust plans (an idle type cannot help when a
+    used type turns out slow, so idling must win there too), else the nominal iteration time."""
+    predicted = plan.predicted or {}
+    return float(predicted.get("worst_case_time_s", predicted["iteration_time_s"]))
 
 
 def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
@@ -37,12 +40,13 @@ def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
     return [tuple(slowest[:k]) for k in range(1, len(slowest))]
 
 
-def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None) -> str:
+def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, robust: bool) -> str:
     names = ", ".join(idle_types)
     pronoun = "it" if len(idle_types) == 1 else "them"
+    what = "worst case" if robust else "predicted"
     if full_s is None:
-        return f"idle: plan without {names} predicted {time_s:.4g} s; with {pronoun} no plan fits"
-    return f"idle: plan without {names} predicted {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
+        return f"idle: plan without {names} {what} {time_s:.4g} s; with {pronoun} no plan fits"
+    return f"idle: plan without {names} {what} {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
 
 
 def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel], Plan]
@@ -70,7 +74,8 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         except Infeasible as err:
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
-        tried.append({**record, "iteration_time_s": _time_s(plan)})
+        tried.append({**record, "iteration_time_s": float(plan.predicted["iteration_time_s"]),  # type: ignore[index]
+                      **({"worst_case_time_s": _time_s(plan)} if "worst_case_time_s" in plan.predicted else {})})
         if best is not None and _time_s(plan) >= _time_s(best[0]):
             break  # idling one more type rarely helps where this one did not; each try is a whole plan
         best = (plan, sub, idle_types)
@@ -80,7 +85,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     plan, chosen, idle_types = best
     if not tried:
         return plan, chosen
-    reason = _reason(idle_types, _time_s(plan), full_s)
+    reason = _reason(idle_types, _time_s(plan), full_s, "worst_case_time_s" in (plan.predicted or {}))
     idle = tuple(dataclasses.replace(d, reason=reason) for d in plan.idle_devices)
     search = {**plan.extra.get("search", {}), "idle": {"full_cluster_iteration_time_s": full_s, "candidates": tried}}
     predicted = {**(plan.predicted or {}), "planning_time_s": time.perf_counter() - started}
