@@ -1,8 +1,10 @@
 """Every plan shape trains to the same parameters as plain single-process PyTorch (docs/design.md §2.2).
 
-Four plans run one after another in the SAME six forked processes (fresh groups per plan),
+Six plans run one after another in the SAME six forked processes (fresh groups per plan),
 so the whole check costs one spawn; the fourth leaves two of its cluster's eight devices idle
-(no rank: to the runtime it is just a six-rank world). Parameters, per-step losses and gradient norms are
+(no rank: to the runtime it is just a six-rank world). The last two are laid out by ETH itself on
+real GPU clusters (``planned``: a hybrid of mixed and per-type pipelines, and one pipeline with a
+TP degree per device type), then trained on a small model with the same number of layers. Parameters, per-step losses and gradient norms are
 compared with a single-process AdamW reference on the same global batches and init, in
 float64 with the tolerances derived in ``exactness.py``.
 """
@@ -18,7 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ethpipe import planner
+from ethpipe.cluster import Cluster, cluster_from_dict
+from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.plan import IdleDevice, Plan
+from ethpipe.planner import PlannerOptions
 from ethpipe.runtime.checkpoint import save_atomic
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.model import build_full_model
@@ -42,6 +48,33 @@ IDLE_CLUSTER = {"nodes": [
 ]}
 
 
+def _cluster(*parts: tuple[str, int, int]) -> Cluster:
+    return cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": n, "gpus_per_node": k, "nic_gbit_s": 1600}
+                                        for g, n, k in parts]})
+
+
+def planned(parts: tuple, model: str, batch: int, spec: ModelSpec) -> Plan:
+    """ETH's own layout for ``model`` on a real-GPU cluster, retargeted to ``spec`` (same layer count)
+    and sequence 16 so that six CPU ranks can train it."""
+    layout = planner.make_plan(_cluster(*parts), load_model_spec(model), batch, 2048, max_tp=4,
+                               options=PlannerOptions(allow_idle=False))
+    assert spec.num_layers == layout.num_layers
+    out = dataclasses.replace(layout, model=spec.name, model_spec=spec, seq_len=16)
+    return Plan.from_dict(json.loads(out.to_json()))  # validated as a plan file is (TP degrees fit spec)
+
+
+def _planned_plans() -> tuple[Plan, Plan]:
+    hybrid = planned((("a100_80gb_sxm", 1, 2), ("l4", 1, 2), ("h100_sxm", 1, 2)), "gpt3-350m", 16,
+                     dataclasses.replace(GPT_LIKE, name="test-gpt-24", num_layers=24))
+    kinds = [{s.device for s in p.stages} for p in hybrid.pipelines]
+    assert any(len(k) > 1 for k in kinds) and any(len(k) == 1 for k in kinds), "precondition: a hybrid layout"
+    per_type = planned((("a100_80gb_sxm", 1, 2), ("v100_16gb", 1, 4)), "llama2-7b", 8,
+                       dataclasses.replace(LLAMA_LIKE, name="test-llama-32", num_layers=32, num_kv_heads=4))
+    assert any(len({(s.device, s.tp) for s in p.stages}) > 1 and len({s.tp for s in p.stages}) > 1
+               for p in per_type.pipelines), "precondition: TP degree per device type in one pipeline"
+    return hybrid, per_type
+
+
 def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dict]]:
     """(name, plan, config, reference kwargs) for each plan shape."""
     common = dict(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64")
@@ -62,6 +95,7 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
     ]), cluster=IDLE_CLUSTER, idle_devices=tuple(IdleDevice(i, "spare", "idle: test") for i in (4, 5)))
     idle = Plan.from_dict(json.loads(idle.to_json()))  # validated as a plan file is
     assert idle.idle_device_indices == (4, 5) and idle.world_size == 6
+    hybrid, per_type = _planned_plans()
     init_file = str(tmp / "init.safetensors")
     save_atomic(build_full_model(GPT_LIKE, seed=7).state_dict(), init_file)
     return [
@@ -76,6 +110,9 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
                      emulate=True, init_from=init_file, save_final=str(tmp / "c.safetensors")),
          dict(clip_grad=0.5, seed=3, shuffle=True, warmup_steps=1, cosine=True, init_seed=7)),
         ("idle-devices", idle, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "d.safetensors")),
+         dict(clip_grad=0.05)),
+        ("planned-hybrid", hybrid, TrainConfig(**common, save_final=str(tmp / "e.safetensors")), {}),
+        ("planned-per-type-tp", per_type, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "f.safetensors")),
          dict(clip_grad=0.05)),
     ]
 

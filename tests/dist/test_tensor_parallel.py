@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import ModelSpec
-from ethpipe.planner import make_plan
+from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.ckpt_state import export_checkpoint
 from ethpipe.runtime.data import prepare_tokens
@@ -74,7 +74,9 @@ PLAN_C = tp_plan(GPT_LIKE, [([((0,), (0, 2)), ((1, 2), (2, 6))], (2, 1)),
 TWO_LAYERS = dataclasses.replace(GQA, name="test-gqa-2", num_layers=2)
 MIXED = cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 16}
                                      for g in ("h100_sxm", "a100_80gb_sxm")]})
-PLANNED = {batch: make_plan(MIXED, TWO_LAYERS, batch, 16, dtype="fp32", max_tp=4) for batch in (1, 3)}
+PLANNED = {batch: make_plan(MIXED, TWO_LAYERS, batch, 16, dtype="fp32", max_tp=4,
+                           options=PlannerOptions(allow_idle=False))  # every device: the spawn is 8 ranks
+           for batch in (1, 3)}
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, Plan, TrainConfig]], out_dir: str) -> None:

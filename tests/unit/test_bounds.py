@@ -20,7 +20,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.planner.bounds import LowerBounds
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.replicated import _price, _refined_bound, layer_balanced_layouts, uniform_layouts
+from ethpipe.planner.replicated import _order_bound, _price, _refined_bound, layer_balanced_layouts, uniform_layouts
 from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, equal_layers
 
 GPUS = ("h100_sxm", "a100_80gb_sxm", "a100_40gb_sxm", "v100_32gb_sxm2", "l4", "t4")
@@ -70,10 +70,14 @@ def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform:
     named = {
         "enumeration": sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
         "makespan": bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
+        "makespan (any order)": bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=not uniform),
         "first stage sync": sync_s,
         "chain": min(bounds.chain_s(k, t, b, share, layers) for k in kinds),
         "bottleneck": share * min(bounds.per_sample_bottleneck_s(k, t, b, layers) for k in kinds),
     }
+    order_s = _order_bound(bounds, kinds, t, b, share, layers, recompute)
+    assert order_s is not None, ("order bound says infeasible but the candidate priced", where)
+    named["order (memory, fill and drain)"] = sync_s + order_s
     for cutoff_s in (0.0, math.inf):  # 0: the memory-only shortcut where it applies; inf: the templates
         refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, b, uniform, global_batch, recompute, options,
                                  cache, {}, cutoff_s)

@@ -57,8 +57,11 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         from ethpipe.planner.eth import plan_eth
         from ethpipe.planner.idle import plan_with_idle
 
+        templates: dict = {}  # shared by the idle search's sub-clusters (same node types)
+
         def plan_on(on: CostModel) -> Plan:
-            return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust)
+            return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
+                            cache=templates)
 
         if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
             plan, cost = plan_with_idle(cost, global_batch_size, plan_on)

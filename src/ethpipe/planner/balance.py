@@ -62,6 +62,9 @@ def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], to
 def _trim(timings: Sequence[PipelineTiming], samples: list[list[int]], excess: int) -> None:
     """Remove ``excess`` samples, a unit at a time, from the currently slowest pipeline (keeping one unit)."""
     units = [t.granularity for t in timings]
+    if len(set(units)) == 1 and all(len(set(row)) == 1 for row in samples):
+        _trim_blocks(timings, samples, excess, units[0])
+        return
     heap = [(-timings[g].time_s(n), g, i) for g, row in enumerate(samples) for i, n in enumerate(row)
             if n > units[g] and units[g] <= excess]
     heapq.heapify(heap)
@@ -72,6 +75,30 @@ def _trim(timings: Sequence[PipelineTiming], samples: list[list[int]], excess: i
         excess -= units[g]
         if samples[g][i] > units[g] and units[g] <= excess:
             heapq.heappush(heap, (-timings[g].time_s(samples[g][i]), g, i))
+
+
+def _trim_blocks(timings: Sequence[PipelineTiming], samples: list[list[int]], excess: int, unit: int) -> None:
+    """``_trim``'s result in one step per run of identical pipelines instead of one per unit (one unit
+    size; each group's pipelines start equal). The unit-wise heap trims the slowest pipeline (ties: lowest
+    group, then index) until its time drops below its level, then the next: so a group's pipelines at one
+    level drop, in index order, to the next lower level, all but the one where the excess runs out."""
+    heap = [(-timings[g].time_s(row[0]), g, 0, len(row), row[0]) for g, row in enumerate(samples)
+            if row[0] > unit and unit <= excess]
+    heapq.heapify(heap)
+    while excess > 0:
+        assert heap, "whole micro-batches of different sizes cannot add up to the batch"
+        neg_t, g, start, count, n = heapq.heappop(heap)  # one run per group: its pipelines are all at n
+        below = timings[g].samples_below(-neg_t, n)  # the most samples priced strictly under this level
+        m = max(unit, n - -(-(n - below) // unit) * unit)
+        full = min(count, excess // (n - m))
+        for i in range(start, start + full):
+            samples[g][i] = m
+        excess -= full * (n - m)
+        if full < count:  # the excess runs out inside this pipeline: it stays at its level
+            samples[g][start + full] = n - excess
+            excess = 0
+        elif m > unit and unit <= excess:
+            heapq.heappush(heap, (-timings[g].time_s(m), g, start, count, m))
 
 
 def makespan_s(timings: Sequence[PipelineTiming], samples: Sequence[Sequence[int]]) -> float:

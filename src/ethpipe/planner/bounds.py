@@ -4,11 +4,14 @@ Every bound here must never exceed what ``grouping.group_iteration_s`` prices fo
 the layout (equal or balanced data), or the search could skip the best candidate. They use
 only per-device facts (memoised): per-sample layer times (the cheapest over micro-batches up
 to b), the embedding and head, which layers fit in memory at each pipeline position (with or
-without recomputation), and the first stages' gradient all-reduce after the flush.
+without recomputation), and the first stages' gradient all-reduce after the flush. The ordered
+ones (``stages_bottleneck_s``, ``ordered_flush_s``: one device order, each stage with its own TP
+degree) also prune ETH's type-interleaved and hybrid families (``hybrid.py``) before any template.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -45,28 +48,33 @@ class LowerBounds:
                                   for x in range(1, b + 1))
         return self._memo[key]
 
-    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None) -> float:
+    def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None,
+                                any_order: bool = False) -> float:
         """The bottleneck stage's time per sample (c_i: stage i's per-layer, per-sample time, e_i its
         embedding / head time). A given split: max e_i + l_i c_i. Otherwise whole layers, at least one
-        per stage: at least the L-th smallest ``e_i + k c_i`` and every ``e_i + c_i``."""
+        per stage: at least the L-th smallest ``e_i + k c_i`` and every ``e_i + c_i`` (``any_order``:
+        for every order of these devices, so without the ends)."""
         depth = len(devices)
-        ends = [self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1) for i, d in enumerate(devices)]
         if layers is not None:
+            ends = [self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1) for i, d in enumerate(devices)]
             return max(e + k * self.per_sample_s(d, tp, b) for d, k, e in zip(devices, layers, ends))
-        key = ("bottleneck", tuple(sorted(Counter(devices).items())), devices[0], devices[-1], tp, b)
+        ends_at = (None, None) if any_order else (devices[0], devices[-1])
+        key = ("bottleneck", tuple(sorted(Counter(devices).items())), *ends_at, tp, b)
         if key not in self._memo:
+            ends = [0.0 if any_order else self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1)
+                    for i, d in enumerate(devices)]
             groups = Counter((self.per_sample_s(d, tp, b), e) for d, e in zip(devices, ends))
-            num_layers = self.cost.model.num_layers
-
-            def held(x: float) -> int:
-                return sum(n * math.floor((x - e) / c * (1 + 1e-12)) for (c, e), n in groups.items())
-            lo = max(e + c for c, e in groups)
-            if held(lo) < num_layers:
-                hi = max(e for _, e in groups) + num_layers * max(c for c, _ in groups)
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    lo, hi = (lo, mid) if held(mid) >= num_layers else (mid, hi)
-            self._memo[key] = lo
+            # The L-th smallest e + k c (k >= 1, each stage of a group counted): a merge of the groups' sequences.
+            merge = [(e + c, c, e, n, 1) for (c, e), n in groups.items()]
+            heapq.heapify(merge)
+            held = 0
+            while True:
+                value, c, e, n, k = heapq.heappop(merge)
+                held += n
+                if held >= self.cost.model.num_layers:
+                    break
+                heapq.heappush(merge, (e + (k + 1) * c, c, e, n, k + 1))
+            self._memo[key] = max(max(e + c for c, e in groups), value)
         return self._memo[key]
 
     def _position(self, device: str, tp: int, b: int, in_flight: int, first: bool, last: bool, recompute: str
@@ -77,7 +85,11 @@ class LowerBounds:
             usable = self.cost.usable_memory_bytes(device)
             out = []
             for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
-                per = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x for x in range(1, b + 1))
+                per_key = ("per_rc", device, tp, b, rc)
+                if per_key not in self._memo:  # the same at every position: only memory depends on it
+                    self._memo[per_key] = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x
+                                              for x in range(1, b + 1))
+                per = self._memo[per_key]
                 fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
                 out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
             self._memo[key] = tuple(out)
@@ -90,6 +102,72 @@ class LowerBounds:
         depth = len(devices)
         return self._capped_bottleneck_s(
             [self._position(d, tp, b, depth - i, i == 0, i == depth - 1, recompute) for i, d in enumerate(devices)])
+
+    def stages_bottleneck_s(self, stages: Sequence[tuple[str, int]], b: int, recompute: str) -> float:
+        """``memory_bottleneck_s`` of (device, TP) stages in order, each with its own TP degree (memoised)."""
+        key = ("stages", tuple(stages), b, recompute)
+        if key not in self._memo:
+            depth = len(stages)
+            self._memo[key] = self._capped_bottleneck_s([self._position(d, t, b, depth - i, i == 0, i == depth - 1,
+                                                                        recompute) for i, (d, t) in enumerate(stages)])
+        return self._memo[key]
+
+    def fits(self, stages: Sequence[tuple[str, int]], layers: Sequence[int], b: int, recompute: str) -> bool:
+        """Whether every (device, TP) stage holds its given layers (``fixed_partition``'s check, without timing)."""
+        depth = len(stages)
+        return all(max(fit for _, fit in self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute)) >= k
+                   for i, ((d, t), k) in enumerate(zip(stages, layers)))
+
+    def ordered_flush_s(self, stages: Sequence[tuple[str, int]], b: int, num_samples: int,
+                        layers: Sequence[int] | None, recompute: str) -> float:
+        """Stage 0's flush with ``num_samples`` on (device, TP) stages in this order. Stage k cannot finish
+        before the first micro-batch crossed the stages before it, it ran every sample and the last
+        micro-batch's backward crossed them back: T >= x S_k + n (u_k + e_k) (u, e: per-sample layer and
+        end times, S_k their sum before k, x the smallest micro-batch). A given split: the max over k, each
+        stage at its cheapest option that holds its layers. Otherwise weighted sums of these (any convex
+        weights bound the max), each minimised over splits with at least one layer per stage: a stage's
+        time in its layers is bounded by the convex hull of its options (recomputing only past what fits
+        without), which a greedy fill minimises exactly; inf if the model cannot fit."""
+        depth, n = len(stages), num_samples
+        x = n - (-(-n // b) - 1) * b
+        options = [sorted(self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute))
+                   for i, (d, t) in enumerate(stages)]
+        es = [self.ends_per_sample_s(d, t, b, i == 0, i == depth - 1) for i, (d, t) in enumerate(stages)]
+        if layers is not None:
+            best, fill = 0.0, 0.0
+            for opts, e, k in zip(options, es, layers):
+                u = k * min((per for per, fit in opts if fit >= k), default=math.inf) + e
+                best, fill = max(best, x * fill + n * u), fill + u
+            return best
+        hulls = [_hull(opts) for opts in options]  # (slope, layers) segments, slopes non-decreasing
+        if not all(hulls) or sum(length for hull in hulls for _, length in hull) < self.cost.model.num_layers:
+            return math.inf
+        cs = [hull[0][0] for hull in hulls]  # the first layer's per-sample cost
+        equalising, tail = [0.0] * depth, 0.0  # makes every c_j a_j equal: the spare layers cost the same anywhere
+        for j in range(depth - 1, -1, -1):
+            equalising[j] = max(1.0 / cs[j] - x * tail, 0.0) / n
+            tail += equalising[j]
+        out = 0.0
+        for w in ([0.0] * (depth - 1) + [1.0], [1.0 / depth] * depth, [v / tail for v in equalising]):
+            a, after = [0.0] * depth, 0.0
+            for j in range(depth - 1, -1, -1):
+                a[j] = n * w[j] + x * after
+                after += w[j]
+            total, left = sum((c + e) * aj for c, e, aj in zip(cs, es, a)), self.cost.model.num_layers - depth
+            segments = sorted((slope * aj, length - (k == 0)) for hull, aj in zip(hulls, a)
+                              for k, (slope, length) in enumerate(hull))
+            for cost_s, length in segments:
+                if left <= 0:
+                    break
+                total += cost_s * min(length, left)
+                left -= min(length, left)
+            out = max(out, total)
+        return out
+
+    def position_options(self, device: str, tp: int, b: int, in_flight: int, recompute: str
+                         ) -> tuple[tuple[float, int], ...]:
+        """(per-sample per-layer seconds, layers that fit) per recompute choice of a middle stage position."""
+        return self._position(device, tp, b, in_flight, False, False, recompute)
 
     def relaxed_memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
         """The same for any order of these devices: each type's stages as if they were the last ones
@@ -120,39 +198,44 @@ class LowerBounds:
             lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
         return lo
 
-    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None
-                ) -> float:
-        """One micro-batch of x samples crosses every layer (at least one per stage), the embedding and head."""
+    def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None,
+                any_order: bool = False) -> float:
+        """One micro-batch of x samples crosses every layer (at least one per stage), the embedding and head
+        (``any_order``: the cheapest of these devices for each)."""
         x = min(b, num_samples)
+        firsts, lasts = (set(devices), set(devices)) if any_order else ({devices[0]}, {devices[-1]})
         key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
-               devices[0], devices[-1], len(devices), tp, b, x)
+               tuple(sorted(firsts)), tuple(sorted(lasts)), len(devices), tp, b, x)
         if key not in self._memo:
             per = [self.per_sample_s(d, tp, b) for d in devices]
-            ends = sum(self.cost.end_times_s(devices[0], x, tp, first=True, last=len(devices) == 1)) + (
-                sum(self.cost.end_times_s(devices[-1], x, tp, first=False, last=True)) if len(devices) > 1 else 0.0)
+            ends = min(sum(self.cost.end_times_s(d, x, tp, first=True, last=len(devices) == 1)) for d in firsts) + (
+                min(sum(self.cost.end_times_s(d, x, tp, first=False, last=True)) for d in lasts)
+                if len(devices) > 1 else 0.0)
             work = sum(c * k for c, k in zip(per, layers)) if layers is not None else (
                 sum(per) + (self.cost.model.num_layers - len(per)) * min(per))
             self._memo[key] = x * work + ends
         return self._memo[key]
 
     def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
-                   recompute: str | None = None) -> float:
+                   recompute: str | None = None, any_order: bool = False) -> float:
         """Any split of the batch (equal or balanced): pipeline p needs >= n_p X_p, so the makespan is at
-        least B / sum_p 1/X_p (one kind: ceil(B/P) X); and some pipeline runs a whole micro-batch."""
+        least B / sum_p 1/X_p (one kind: ceil(B/P) X); and some pipeline runs a whole micro-batch.
+        ``any_order`` (one kind, no given split): a bound for every order of its devices, memoised once."""
         num_pipes = sum(kinds.values())
         if layers is None and len(kinds) == 1:  # the layer-balanced space: the same for every type order
             (kind,) = kinds
-            key = ("makespan", tuple(sorted(Counter(kind).items())), kind[0], kind[-1], tp, b, global_batch, num_pipes,
+            ends_at = (None, None) if any_order else (kind[0], kind[-1])
+            key = ("makespan", tuple(sorted(Counter(kind).items())), *ends_at, tp, b, global_batch, num_pipes,
                    recompute)
             if key not in self._memo:
-                self._memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
+                self._memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
             return self._memo[key]
         return self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
 
     def _makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
-                    recompute: str | None) -> float:
+                    recompute: str | None, any_order: bool = False) -> float:
         num_pipes = sum(kinds.values())
-        x = {k: self.per_sample_bottleneck_s(k, tp, b, layers) for k in kinds}
+        x = {k: self.per_sample_bottleneck_s(k, tp, b, layers, any_order) for k in kinds}
         if layers is None and recompute is not None:
             x = {k: max(v, self.relaxed_memory_bottleneck_s(k, tp, b, recompute)) for k, v in x.items()}
         share = -(-global_batch // num_pipes)
@@ -167,7 +250,7 @@ class LowerBounds:
             filled = (global_batch + sum(c * lines[k][1] / lines[k][0] for k, c in kinds.items())) / sum(
                 c / lines[k][0] for k, c in kinds.items())
             steady = max(steady, filled, max(a + o for a, o in lines.values()))
-        return max(steady, min(self.chain_s(k, tp, b, share, layers) for k in kinds))
+        return max(steady, min(self.chain_s(k, tp, b, share, layers, any_order) for k in kinds))
 
     def fill_line_s(self, devices: Sequence[str], tp: int, b: int, x: int, layers: Sequence[int] | None
                     ) -> tuple[float, float]:
@@ -195,6 +278,13 @@ class LowerBounds:
         cross-node groups: all of them when every block crosses (``crossing``), else at least the heads'."""
         if len(heads) < 2:
             return 0.0
+        key = ("sync", tuple(heads), tp, depth, crossing, num_layers)
+        if key not in self._memo:  # type orders that start with the same type share their heads
+            self._memo[key] = self._first_stage_sync_s(heads, tp, depth, crossing, num_layers)
+        return self._memo[key]
+
+    def _first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, crossing: bool, num_layers: int
+                            ) -> float:
         devs = self.cost.cluster.devices
         here: dict[int, int] = {}
         for r in heads:
@@ -209,3 +299,28 @@ class LowerBounds:
         # curves must be the exact ones (a measured curve may beat the flat figure).
         return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic,
                                           distinct_gpus(devs[r].gpu for r in heads)))
+
+
+def shared_bounds(cost: CostModel, cache: dict) -> LowerBounds:
+    """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it)."""
+    if ("lower_bounds",) not in cache:
+        cache[("lower_bounds",)] = LowerBounds(cost)
+    return cache[("lower_bounds",)]
+
+
+def _hull(options: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The lower convex hull of a stage's time in its layers, as (per-layer slope, layers) segments from 0:
+    ``options`` are (per-layer cost, layers that fit) sorted by cost, so k layers cost k times the cheapest
+    option that holds them; empty if none holds a layer."""
+    hull: list[tuple[float, int]] = []
+    held, spent = 0, 0.0
+    for per, fit in options:
+        if fit > held:
+            slope = (fit * per - spent) / (fit - held)
+            while hull and hull[-1][0] >= slope:  # keep the slopes non-decreasing: merge with the last one
+                last_slope, last_len = hull.pop()
+                held, spent = held - last_len, spent - last_slope * last_len
+                slope = (fit * per - spent) / (fit - held)
+            hull.append((slope, fit - held))
+            held, spent = fit, fit * per
+    return hull

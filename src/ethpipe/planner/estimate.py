@@ -90,9 +90,14 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             if not detail:
                 continue
             in_flight = min(pipe.depth - s, pipe.num_microbatches)
-            mem = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last)
-            work = sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))
-                       for x, n in Counter(pipe.micro_batch_sizes).items())
+            detail_key = ("detail", stage.device, stage.tp, stage.num_layers, stage.recompute, first, last,
+                          pipe.micro_batch_sizes, in_flight)  # identical stages of identical pipelines: priced once
+            if detail_key not in cache:
+                cache[detail_key] = (
+                    cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last),
+                    sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))
+                        for x, n in Counter(pipe.micro_batch_sizes).items()))
+            mem, work = cache[detail_key]
             for r in stage.ranks:
                 busy[r] = work
                 memory[r] = mem
@@ -106,7 +111,8 @@ def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False
 
 def ideal_time_s(cost: CostModel, global_batch: int) -> float:
     """docs/design.md §4: model FLOPs of the iteration over the cluster's summed achievable FLOP/s."""
-    total = sum(cost.achievable_flops(d.gpu.id) for d in cost.cluster.devices)
+    flops = {t: cost.achievable_flops(t) for t in cost.cluster.gpu_types}  # per type once; summed in rank order
+    total = sum(flops[d.gpu.id] for d in cost.cluster.devices)
     return model_train_flops(cost.model, cost.seq_len, global_batch) / total
 
 

@@ -7,12 +7,14 @@ is scored by the iteration time of the pool alone *with its gradient sync* (``Sy
 pricing: a deeper, node-spanning pipeline pushes 1/k of a replica through each NIC, an
 in-node one a whole replica). The best few shapes per pool are combined across pools (every
 combination when few, else coordinate descent), balanced (level 3) and priced exactly as the
-estimator prices the final plan. Types mix in two places: pools that cannot hold a model
-replica alone are merged into pipelines over consecutive nodes; and a small type-interleaved
-family (every pipeline takes an equal slice of every pool, a few pipeline counts / TP degrees
-by an analytic pre-score, four type orders) is tried too, because with few samples per GPU a
-slow type's own pipelines are either shallow (a whole replica of sync per node) or
-bubble-bound. Finally the replicated family (``replicated.py``): every layout of the
+estimator prices the final plan. A pool may also split its nodes between its two best shapes.
+Types mix in three places (``hybrid.py``, each pool's stages at its own TP degree): pools that
+cannot hold a model replica alone are merged into pipelines over consecutive nodes; a small
+type-interleaved family (every pipeline takes an equal slice of every pool, a few pipeline counts
+/ TP vectors by an analytic pre-score, four type orders) is tried too, because with few samples
+per GPU a slow type's own pipelines are either shallow (a whole replica of sync per node) or
+bubble-bound; and hybrid layouts interleave a pair of pools adjacent in speed order while the
+others keep their own pipelines. Finally the replicated family (``replicated.py``): every layout of the
 layer-balanced and uniform baselines' spaces, searched best-first by lower bound against the
 best plan so far and priced with level-3 data balance too, so ETH is never predicted slower
 than either baseline. Cost is a sum of small searches: templates are shared by all their
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Sequence
 
@@ -31,17 +34,20 @@ from ethpipe.errors import Infeasible
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error, unpriced_plan
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.grouping import Group, evaluate_groups, group_iteration_s, homogeneous_group, make_group
+from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
+from ethpipe.planner.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
+                                    split_candidates)
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.replicated import search_replicated
 from ethpipe.planner.robust import robust_record
-from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
-                                       pool_shapes, pools_of, shape_slots, slots_for)
+from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, micro_batch_candidates,
+                                       pool_shapes, pools_of, shape_slots)
 
 MIN_SHAPES_PER_POOL = 3
 MAX_COMBINATIONS = 27
 SHAPES_BUILT_PER_POOL = 6  # shapes partitioned and scored exactly, after the analytic pre-score
 ROBUST_CANDIDATES = 4  # best layouts by nominal time priced under the speed perturbations (robust=True)
+HYBRID_PASSES = 1  # coordinate-descent passes of a hybrid layout (its other pools start at their best shapes)
 
 
 def _prescore_s(cost: CostModel, pool: Pool, depth: int, tp: int, span: int, share: int) -> float:
@@ -79,9 +85,10 @@ def _pool_groups(cost: CostModel, pools: Sequence[Pool], i: int, global_batch: i
             tpl = build_template(cost, i, slots, b, recompute, span, cache, options)
             if tpl is None:
                 continue
-            if best is not None and tpl.timing.time_s(share) >= best[0]:
+            flush_s = float(tpl.timing.finish_s(share)[0])  # the score's own formula: no T(n) table yet
+            if best is not None and flush_s >= best[0]:
                 break  # T(share) is unimodal in b: fewer, larger micro-batches until the bubble grows
-            best = (tpl.timing.time_s(share), tpl)
+            best = (flush_s, tpl)
         if best is None:
             continue
         built += 1
@@ -105,105 +112,18 @@ def _diverse(scored: list[tuple[float, Group]], keep: int) -> list[Group]:
     return kept
 
 
-def _mixed_candidates(cost: CostModel, pools: Sequence[Pool], *, max_tp: int, recompute: str,
-                      options: PlannerOptions, micro_batches: Sequence[int] | None, cache: dict) -> list[list[Group]]:
-    """Pipelines over k consecutive nodes of the pools that cannot hold a replica alone (fewest k that fits)."""
-    nodes = [(p.device, node) for p in sorted(pools, key=lambda p: -cost.device_speed(p.device)) for node in p.nodes]
-    tps = [t for t in divisors(min(p.gpus_per_node for p in pools)) if t <= max_tp and
-           all(p.gpus_per_node % t == 0 for p in pools) and cost.model.tp_problem(t) is None]
-    for k in range(1, len(nodes) + 1):
-        chunks = [nodes[i:i + k] for i in range(0, len(nodes) - len(nodes) % k, k)]
-        if len(nodes) % k:
-            chunks[-1] = chunks[-1] + nodes[len(nodes) - len(nodes) % k:]
-        options_found: list[list[Group]] = []
-        for t, b in itertools.product(tps, micro_batches or (1, 2, 4, 8)):
-            members: dict[tuple, list] = {}
-            for chunk in chunks:
-                slots = slots_for([(dev, r) for dev, node in chunk for r in node], t)
-                if len(slots) > cost.model.num_layers:
-                    break
-                tpl = build_template(cost, -1, slots, b, recompute, len(chunk), cache, options)
-                if tpl is None:
-                    break
-                members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)
-            else:
-                options_found.append([make_group(cost, tpl, inst) for tpl, inst in members.values()])
-        if options_found:
-            return options_found
-    return []
-
-
-INTERLEAVED_SHAPES = 3  # (pipelines, tp) pairs of the type-interleaved family tried with every order
-
-
-def _interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, max_tp: int, recompute: str,
-                 options: PlannerOptions, micro_batches: Sequence[int] | None, cache: dict) -> list[list[Group]]:
-    """Mixed pipelines that take an equal slice of every pool (one stage run per type, in one of a few
-    type orders). Where few samples per GPU make sync dominate, this is how each node holds a small
-    part of the model without deep pipelines; data still balances across the resulting pipelines."""
-    counts = [p.num_devices for p in pools]
-    g = min(p.gpus_per_node for p in pools)
-    model_bytes = cost.stage_params(cost.model.num_layers, first=True, last=True) * cost.dtype_bytes
-    nic = min(cost.cluster.devices[p.nodes[0][0]].nic_gbps for p in pools) * 1e9
-    speed = sum(cost.achievable_flops(p.device) * p.num_devices for p in pools)
-    per_sample_s = sum(cost.layer_times_s(pools[0].device, 1)) * cost.model.num_layers * cost.achievable_flops(
-        pools[0].device)
-    shapes = []
-    for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
-        slices = [c // dp for c in counts]
-        for t in (x for x in divisors(g) if x <= max_tp and all(s % x == 0 for s in slices)
-                  and cost.model.tp_problem(x) is None):
-            depth = sum(slices) // t
-            if depth > cost.model.num_layers or depth < len(pools):
-                continue
-            share = global_batch / dp
-            work = per_sample_s * global_batch / speed  # perfectly balanced compute
-            span = sum(-(-s // p.gpus_per_node) for s, p in zip(slices, pools))
-            score = work * (share + depth - 1) / share + 2 * model_bytes * min(span, depth) / depth / span / nic
-            shapes.append((score, dp, t, slices))
-    shapes.sort(key=lambda x: x[0])
-    orders = {tuple(sorted(range(len(pools)), key=key)) for key in (
-        lambda i: -cost.device_speed(pools[i].device), lambda i: cost.device_speed(pools[i].device),
-        lambda i: cost.gpu(pools[i].device).memory_bytes, lambda i: -cost.gpu(pools[i].device).memory_bytes)}
-    ranks = [[r for node in p.nodes for r in node] for p in pools]
-    out = []
-    for _, dp, t, slices in shapes[:INTERLEAVED_SHAPES]:
-        for order in sorted(orders):
-            instances = [slots_for([(pools[i].device, r) for i in order
-                                    for r in ranks[i][k * slices[i]:(k + 1) * slices[i]]], t) for k in range(dp)]
-            best = None
-            for b in micro_batches or micro_batch_candidates(max(1, -(-global_batch // (dp * len(instances[0]))))):
-                groups = _structure_groups(cost, instances, b, recompute, options, cache)
-                if groups is None:
-                    continue
-                t_s = groups[0].template.timing.time_s(-(-global_batch // dp))
-                if best is not None and t_s >= best[0]:
-                    break
-                best = (t_s, groups)
-            if best is not None:
-                out.append(best[1])
-    return out
-
-
-def _structure_groups(cost: CostModel, instances: Sequence[tuple], b: int, recompute: str, options: PlannerOptions,
-                      cache: dict) -> list[Group] | None:
-    """Group pipelines with the same devices and links under one template; None if one does not fit."""
-    members: dict[tuple, list] = {}
-    for slots in instances:
-        tpl = build_template(cost, -1, slots, b, recompute, 0, cache, options)
-        if tpl is None:
-            return None
-        members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)
-    return [make_group(cost, tpl, inst) for tpl, inst in members.values()]
-
-
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
-             options: PlannerOptions | None = None, robust: bool = False) -> Plan:
+             options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None) -> Plan:
     """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
-    least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time)."""
+    least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time).
+
+    ``cache``: templates and stage options to reuse across calls on clusters of the same node types
+    (the idle search's sub-clusters): their keys hold device types, TP degrees, same-node links and
+    micro-batch sizes, never ranks. The lower bounds depend on the whole cluster and are rebuilt."""
     started = time.perf_counter()
     options = options or PlannerOptions()
-    cache: dict = {}
+    cache = {} if cache is None else cache
+    cache.pop(("lower_bounds",), None)
     pools = pools_of(cost)
     # Whole micro-batches only: one micro-batch size for the plan, so whole ones add up to the batch.
     mb_sets: list[tuple[int, ...] | None] = [None] if options.fine_grained else [
@@ -214,51 +134,57 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     finalists: list[tuple[float, list[Group], list[list[int]]]] = []  # each layout's best, for robust
     for mbs in mb_sets:
         own: dict[int, list[list[Group]]] = {}
+        splits: dict[int, list[list[Group]]] = {}  # each pool's nodes shared by two shapes, tried after own
         for i in range(len(pools)):
             scored = _pool_groups(cost, pools, i, global_batch, max_tp=max_tp, recompute=recompute, options=options,
                                   micro_batches=mbs, cache=cache)
             if scored:
                 own[i] = [[g] for g in _diverse(scored, keep)]
+                splits[i] = split_candidates(cost, pools[i], [g for _, g in scored]) if options.split_pools else []
         needy = [i for i in range(len(pools)) if i not in own]
         if needy and not options.allow_mixed:
             names = ", ".join(pools[i].device for i in needy)
             raise Infeasible(f"{cost.model.name} does not fit in homogeneous pipelines of {names} "
                              "(allow_mixed=False): allow mixed pipelines, use more nodes or a shorter --seq-len")
-        for mixed_set in _mixed_sets(cost, pools, own):
-            per_pool = [own[i] for i in range(len(pools)) if i in own and i not in mixed_set]
-            if mixed_set:
-                mixed = _mixed_candidates(cost, [pools[i] for i in mixed_set], max_tp=max_tp, recompute=recompute,
-                                          options=options, micro_batches=mbs, cache=cache)
-                if not mixed:
-                    continue
-                per_pool.append(mixed)
+        family = {"max_tp": max_tp, "recompute": recompute, "options": options, "micro_batches": mbs, "cache": cache}
+
+        def try_layout(per_pool: list[list[list[Group]]], extra: Sequence[list[list[Group]]] = (), passes: int = 2
+                       ) -> None:
+            nonlocal best, layouts, error
             layouts += 1
             try:
-                found = _search(cost, per_pool, global_batch, options)
+                found = _search(cost, per_pool, global_batch, options, extra, best[0] if best else math.inf, passes)
             except Infeasible as err:  # e.g. more pipelines than samples: another layout may still work
                 error = err
-                continue
-            finalists.append(found)
-            if best is None or found[0] < best[0]:
-                best = found
-        if options.allow_mixed and len(pools) > 1:
-            for groups in _interleaved(cost, pools, global_batch, max_tp=max_tp, recompute=recompute,
-                                       options=options, micro_batches=mbs, cache=cache):
-                layouts += 1
-                try:
-                    found = _search(cost, [[groups]], global_batch, options)
-                except Infeasible as err:
-                    error = err
-                    continue
+                return
+            if found is not None:
                 finalists.append(found)
-                if best is None or found[0] < best[0]:
-                    best = found
+                best = found if best is None or found[0] < best[0] else best
+
+        for mixed_set in mixed_sets(cost, pools, list(own)):
+            alone = [i for i in range(len(pools)) if i in own and i not in mixed_set]
+            mixed = mixed_candidates(cost, [pools[i] for i in mixed_set], global_batch, **family) if mixed_set else []
+            if mixed or not mixed_set:
+                try_layout([own[i] for i in alone] + ([mixed] if mixed else []), [splits[i] for i in alone])
+        # The replicated family next: exact, and the incumbent that prunes the wider families below.
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
                                                micro_batches=mbs, cache=cache, incumbent=best)
         layouts += priced
         if replicated is not None:
             best = replicated
             finalists.append(replicated)
+        if options.allow_mixed and len(pools) > 1:
+            covered = len({p.device for p in pools}) == len(pools)  # one pool per type: interleaved = layer-balanced
+            for groups in interleaved(cost, pools, global_batch, **family, per_type_only=covered,
+                                      cutoff=Cutoff(best[0] if best else math.inf, global_batch)):
+                try_layout([[groups]])
+            for pair in hybrid_sets(cost, pools, list(own)) if options.hybrid else []:
+                alone = [i for i in range(len(pools)) if i not in pair]
+                others_per_s = sum(max(capacity_per_s(c) for c in own[i] + splits[i]) for i in alone)
+                mixed = interleaved(cost, [pools[i] for i in pair], batch_share(cost, pools, pair, global_batch),
+                                    **family, cutoff=Cutoff(best[0] if best else math.inf, global_batch, others_per_s))
+                if mixed:
+                    try_layout([own[i] for i in alone] + [mixed], [splits[i] for i in alone], HYBRID_PASSES)
     if best is None:
         raise error if error is not None else memory_error(cost, recompute)
     search = {"pools": len(pools), "layouts_evaluated": layouts, "templates_evaluated": len(cache),
@@ -266,8 +192,14 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     if not robust:  # the search's score misses what only the final pricing sees (p2p NIC sharing)
         candidates = sorted(finalists, key=lambda f: f[0])[:ROBUST_CANDIDATES]
         candidates += [best] if all(f is not best for f in candidates) else []
-        final = min(candidates, key=lambda f: estimate_iteration_s(
-            unpriced_plan("eth", cost, global_batch, _pipelines(f), search), cost, flat_sync=not options.block_sync))
+        final, final_s = None, math.inf
+        for found in sorted(candidates, key=lambda f: f[0]):
+            if found[0] >= final_s:
+                break  # the sharing only slows a plan down: no later candidate can price under final_s
+            estimate_s = estimate_iteration_s(unpriced_plan("eth", cost, global_batch, _pipelines(found), search), cost,
+                                              flat_sync=not options.block_sync)
+            final, final_s = (found, estimate_s) if estimate_s < final_s else (final, final_s)
+        assert final is not None
         return _build(cost, global_batch, final, search, started, options)
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
 
@@ -298,29 +230,26 @@ def _most_robust(cost: CostModel, global_batch: int, finalists: list[tuple[float
     return dataclasses.replace(plan, predicted=predicted)
 
 
-def _mixed_sets(cost: CostModel, pools: Sequence[Pool], own: dict[int, list[list[Group]]]) -> list[tuple[int, ...]]:
-    """Which pools form mixed pipelines: none if every pool stands alone; else the pools that cannot,
-    alone or joined by one self-sufficient donor pool (each tried), or by all of them."""
-    needy = tuple(i for i in range(len(pools)) if i not in own)
-    if not needy:
-        return [()]
-    donors = sorted(own, key=lambda i: -cost.gpu(pools[i].device).memory_bytes)
-    return [needy] + [tuple(sorted(needy + (d,))) for d in donors] + [tuple(range(len(pools)))]
-
-
-def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: int, options: PlannerOptions
-            ) -> tuple[float, list[Group], list[list[int]]]:
-    """Every combination when few, else coordinate descent from each pool's best candidate."""
+def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: int, options: PlannerOptions,
+            extra: Sequence[list[list[Group]]] = (), incumbent_s: float = math.inf, passes: int = 2
+            ) -> tuple[float, list[Group], list[list[int]]] | None:
+    """Every combination when few, else coordinate descent from each pool's best candidate; then each pool's
+    ``extra`` candidates (split pools), one pool at a time from that best, so they never make it worse.
+    A combination whose capacity bound cannot beat the best so far (``incumbent_s`` or this search's) is
+    not priced; None if none was."""
     best: tuple[float, list[Group], list[list[int]]] | None = None
     last_error: Infeasible | None = None
     seen: set[tuple[int, ...]] = set()
+    lists = [c + (list(extra[i]) if i < len(extra) else []) for i, c in enumerate(per_pool)]
 
     def consider(choice: Sequence[int]) -> None:
         nonlocal best, last_error
         if tuple(choice) in seen:
             return
         seen.add(tuple(choice))
-        groups = [g for pool, c in zip(per_pool, choice) for g in pool[c]]
+        groups = [g for pool, c in zip(lists, choice) for g in pool[c]]
+        if global_batch / capacity_per_s(groups) >= min(incumbent_s, best[0] if best else math.inf):
+            return
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=not options.balance_data,
                                              flat_sync=not options.block_sync)
@@ -331,6 +260,14 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
             best = (score, groups, samples)
             best_choice[:] = list(choice)
 
+    def descend(sizes: Sequence[int], passes: int = 2, first: Sequence[int] = ()) -> None:
+        consider(best_choice)
+        for _ in range(passes):
+            for i, s in enumerate(sizes):
+                base = list(best_choice)
+                for c in range(first[i] if first else 0, s):
+                    consider(base[:i] + [c] + base[i + 1:])
+
     best_choice: list[int] = [0] * len(per_pool)
     sizes = [len(c) for c in per_pool]
     total = 1
@@ -340,13 +277,9 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
         for choice in itertools.product(*(range(s) for s in sizes)):
             consider(choice)
     else:
-        consider(best_choice)
-        for _ in range(2):
-            for i, s in enumerate(sizes):
-                base = list(best_choice)
-                for c in range(s):
-                    consider(base[:i] + [c] + base[i + 1:])
-    if best is None:
-        assert last_error is not None
+        descend(sizes, passes)
+    if any(len(a) > len(b) for a, b in zip(lists, per_pool)):  # one pass over the splits, from the best
+        descend([len(c) for c in lists], 1, sizes)
+    if best is None and last_error is not None:
         raise last_error
     return best

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ethpipe.catalog import GpuSpec
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.sync import SyncShape, distinct_gpus, nic_share_gbps
+from ethpipe.cost.sync import SyncShape, distinct_gpus
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.balance import balance_samples
@@ -79,48 +81,55 @@ def homogeneous_group(cost: CostModel, template: Template, pool: Pool) -> Group:
     return make_group(cost, template, [slots_for([(pool.device, r) for r in ranks], template.tp) for ranks in spans])
 
 
-def _holders(groups: Sequence[Group], lo: int) -> list[int]:
-    return [next(i for i, (a, b) in enumerate(gr.template.partition.ranges()) if a <= lo < b) for gr in groups]
-
-
 def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int], SyncShape | None]]:
-    """Per block (common refinement of the groups' splits): holder stage per group, and its shape."""
+    """Per block (common refinement of the groups' splits): holder stage per group, and its shape.
+
+    Vectorised over (block, node): each group's heads per (stage, node) once, gathered by the blocks'
+    holder stages; per node the arithmetic of ``cost/sync.py``'s ``nic_share_gbps``, so the shapes equal
+    those of a per-block loop."""
     num_layers = cost.model.num_layers
-    cuts = sorted({0, num_layers, *(lo for gr in groups for lo, _ in gr.template.partition.ranges())})
-    blocks = []
-    for lo in cuts[:-1]:
-        holders = _holders(groups, lo)
-        here: dict[int, int] = {}
-        nic: dict[int, tuple[float, float]] = {}
-        for gr, s in zip(groups, holders):
-            flow = dict(gr.stages[s].flow_gbps)
-            for node, c, bw in gr.stages[s].heads:
-                here[node] = here.get(node, 0) + c
-                nic[node] = (bw, flow.get(node, bw))
-        blocks.append((holders, here, nic))
-    syncing: dict[int, int] = {}
-    counted: set[tuple[int, int]] = set()
-    for holders, here, _ in blocks:
-        if len(here) > 1:
-            for g, s in enumerate(holders):
-                if (g, s) not in counted:
-                    counted.add((g, s))
-                    tp = groups[g].template.slots[s].tp
-                    for node, c, _ in groups[g].stages[s].heads:
-                        syncing[node] = syncing.get(node, 0) + c * tp
+    ranges = [gr.template.partition.ranges() for gr in groups]
+    cuts = sorted({0, num_layers, *(lo for r in ranges for lo, _ in r)})
+    at = np.stack([np.searchsorted([lo for lo, _ in r], cuts[:-1], side="right") - 1 for r in ranges], axis=1)
+    holders = at.tolist()  # (block, group): the stage holding the block's first layer
+    if sum(gr.count for gr in groups) < 2:
+        return [(h, None) for h in holders]
+    columns: dict[int, int] = {}
+    for gr in groups:
+        for st in gr.stages:
+            for node, _, _ in st.heads:
+                columns.setdefault(node, len(columns))
+    nic, flow = np.zeros(len(columns)), np.zeros(len(columns))  # the node's NIC and one GPU's rail
+    heads = []
+    for gr in groups:
+        counts = np.zeros((gr.template.depth, len(columns)))
+        for s, st in enumerate(gr.stages):
+            rails = dict(st.flow_gbps)
+            for node, c, bw in st.heads:
+                counts[s, columns[node]] = c
+                nic[columns[node]], flow[columns[node]] = bw, rails.get(node, bw)
+        heads.append(counts)
+    here = sum(counts[at[:, g]] for g, counts in enumerate(heads))  # (block, node) heads
+    present = here > 0
+    cross = present.sum(axis=1) > 1
+    syncing = np.zeros(len(columns))  # ranks of each node in cross-node groups (each holder stage once)
+    for g, counts in enumerate(heads):
+        stages = np.unique(at[cross, g])
+        tps = np.array([groups[g].template.slots[s].tp for s in stages], dtype=np.float64)
+        syncing += (counts[stages] * tps[:, None]).sum(axis=0)
+    sharing = np.where(cross[:, None], syncing[None, :], here)
+    share = np.minimum(here * flow, nic * np.minimum(1.0, here / np.maximum(sharing, 1)))
+    bw = np.where(present, share, np.inf).min(axis=1)
+    num_nodes, most = present.sum(axis=1), here.max(axis=1)
     num_pipes = sum(gr.count for gr in groups)
-    out = []
-    for (lo, hi), (holders, here, nic) in zip(zip(cuts[:-1], cuts[1:]), blocks):
-        if num_pipes < 2:
-            out.append((holders, None))
-            continue
-        st = [gr.stages[s] for gr, s in zip(groups, holders)]
-        tp = min(gr.template.slots[s].tp for gr, s in zip(groups, holders))
+    out: list[tuple[list[int], SyncShape | None]] = []
+    for b, ((lo, hi), holder) in enumerate(zip(zip(cuts[:-1], cuts[1:]), holders)):
+        st = [gr.stages[s] for gr, s in zip(groups, holder)]
+        tp = min(gr.template.slots[s].tp for gr, s in zip(groups, holder))
         num_bytes = cost.block_grad_bytes(Block((lo, hi), ()), first=lo == 0, last=hi == num_layers) / tp
-        cross = len(here) > 1
-        bw = min(nic_share_gbps(*nic[n], c, syncing[n] if cross else c) for n, c in here.items())
-        out.append((holders, SyncShape(num_bytes, num_pipes, len(here), max(here.values()),
-                                       min(x.intra_gbps for x in st), bw, distinct_gpus(g for x in st for g in x.gpus))))
+        out.append((holder, SyncShape(num_bytes, num_pipes, int(num_nodes[b]), int(most[b]),
+                                      min(x.intra_gbps for x in st), float(bw[b]),
+                                      distinct_gpus(g for x in st for g in x.gpus))))
     return out
 
 
@@ -148,13 +157,20 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
 
 
 def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,
-                    flat_sync: bool = False) -> tuple[float, list[list[int]]]:
-    """Balance the batch over the groups' pipelines (level 3; or split it equally) and price the iteration."""
+                    flat_sync: bool = False, shapes: list | None = None) -> tuple[float, list[list[int]]]:
+    """Balance the batch over the groups' pipelines (level 3; or split it equally) and price the iteration
+    (``shapes``: the groups' ``sync_shapes``, when already known)."""
     if equal_data:
         samples = equal_samples(groups, global_batch)
     else:
         samples = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch)
-    return group_iteration_s(cost, groups, samples, flat_sync=flat_sync), samples
+    return group_iteration_s(cost, groups, samples, flat_sync=flat_sync, shapes=shapes), samples
+
+
+def capacity_per_s(groups: Sequence[Group]) -> float:
+    """Samples per second the groups' pipelines take at most (``PipelineTiming.per_sample_floor_s``): any
+    split of a batch B over them prices at least B / capacity, a bound that prunes combinations."""
+    return sum(g.count / g.template.timing.per_sample_floor_s() for g in groups)
 
 
 def equal_split(total: int, parts: int) -> list[int]:

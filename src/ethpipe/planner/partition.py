@@ -100,12 +100,13 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
     candidates = np.unique(np.concatenate([
         o.fixed_s + ks[: max(min(o.max_layers, num_layers), 0)] * o.per_layer_s for opts in stages for o in opts
     ]))
-    if candidates.size == 0 or _greedy(stages, num_layers, float(candidates[-1])) is None:
+    arrays = _option_arrays(stages)
+    if candidates.size == 0 or not _feasible(arrays, num_layers, float(candidates[-1])):
         return None
     lo, hi = 0, candidates.size - 1  # smallest feasible index
     while lo < hi:
         mid = (lo + hi) // 2
-        if _greedy(stages, num_layers, float(candidates[mid])) is None:
+        if not _feasible(arrays, num_layers, float(candidates[mid])):
             lo = mid + 1
         else:
             hi = mid
@@ -116,7 +117,7 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
                        max(o.time_s(k) for o, k in zip(chosen, counts)))
     if depth == 1:
         return greedy
-    balanced = _balanced_counts(stages, num_layers, float(candidates[lo]))
+    balanced = _balanced_counts(arrays, num_layers, float(candidates[lo]))
     if balanced is None:
         return greedy
     chosen = [_choose(opts, k) for opts, k in zip(stages, balanced)]
@@ -126,33 +127,63 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
     return Partition(tuple(balanced), tuple(o.recompute for o in chosen), bottleneck)
 
 
-def _stage_time_table(options: Sequence[StageOption], num_layers: int, threshold_s: float) -> np.ndarray:
-    """Time of the stage holding k = 0..num_layers layers (its cheapest fitting option); inf where
+def _option_arrays(stages: Sequence[Sequence[StageOption]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fixed, per-layer, max layers) of every stage's options as (depth, options) arrays; a stage with fewer
+    options is padded with one that holds nothing."""
+    width = max(len(opts) for opts in stages)
+    pad = [(np.inf, 1.0, -1)]
+    rows = [[(o.fixed_s, o.per_layer_s, o.max_layers) for o in opts] + pad * (width - len(opts)) for opts in stages]
+    table = np.array(rows, dtype=np.float64)
+    return table[..., 0], table[..., 1], table[..., 2]
+
+
+def _caps(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], threshold_s: float) -> np.ndarray:
+    """Each stage's ``max(o.layers_within(threshold))`` over its options, vectorised (same arithmetic)."""
+    fixed, per, most = arrays
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.floor((threshold_s - fixed) / per * (1 + 1e-12) + 1e-12)
+    k = np.where(per <= 0, np.where(fixed <= threshold_s, most, 0.0), np.minimum(k, most))
+    return k.max(axis=1)
+
+
+def _feasible(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, threshold_s: float) -> bool:
+    """Whether ``_greedy`` finds a split under the threshold: iff every stage holds a layer within it and
+    together they hold all (the greedy leaves one layer per later stage and the last takes the rest)."""
+    caps = _caps(arrays, threshold_s)
+    return bool(caps.min() >= 1 and caps.sum() >= num_layers)
+
+
+def _time_tables(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, threshold_s: float
+                 ) -> np.ndarray:
+    """(depth, num_layers + 1): time of each stage holding k layers (its cheapest fitting option); inf where
     k = 0, no option holds k layers, or k exceeds what fits under the threshold (the greedy's caps)."""
-    cap = max(o.layers_within(threshold_s) for o in options)
-    out = np.full(num_layers + 1, np.inf)
+    fixed, per, most = arrays
     ks = np.arange(num_layers + 1, dtype=np.float64)
-    for o in options:
-        fits = (ks >= 1) & (ks <= min(o.max_layers, cap))
-        out = np.where(fits, np.minimum(out, o.fixed_s + ks * o.per_layer_s), out)
-    return out
+    cap = _caps(arrays, threshold_s)[:, None, None]
+    fits = (ks >= 1) & (ks <= np.minimum(most[..., None], cap))
+    return np.where(fits, fixed[..., None] + ks * per[..., None], np.inf).min(axis=1)
 
 
-def _balanced_counts(stages: Sequence[Sequence[StageOption]], num_layers: int, threshold_s: float) -> list[int] | None:
+def _balanced_counts(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, threshold_s: float
+                     ) -> list[int] | None:
     """Layers per stage minimising the sum of squared stage times, every stage within the threshold."""
-    depth, n = len(stages), num_layers
+    depth, n = arrays[0].shape[0], num_layers
     j = np.arange(n + 1)
-    back = j[:, None] - j[None, :]  # back[j, k] = layers before a stage that ends at j and holds k
-    valid = back >= 0
-    back = np.where(valid, back, 0)
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     choice = np.zeros((depth, n + 1), dtype=np.int64)
-    for i, options in enumerate(stages):
-        sq = _stage_time_table(options, n, threshold_s) ** 2
-        total = np.where(valid, best[back] + sq[None, :], np.inf)
-        choice[i] = np.argmin(total, axis=1)
-        best = total[j, choice[i]]
+    tables = _time_tables(arrays, n, threshold_s) ** 2
+    for i in range(depth):
+        sq = tables[i]
+        held = np.flatnonzero(np.isfinite(sq))
+        if held.size == 0:
+            return None
+        ks = np.arange(1, held[-1] + 1)  # only layer counts the stage can hold under the threshold
+        back = j[:, None] - ks[None, :]  # back[j, k] = layers before a stage that ends at j and holds ks[k]
+        total = np.where(back >= 0, best[np.maximum(back, 0)] + sq[ks][None, :], np.inf)
+        arg = np.argmin(total, axis=1)
+        choice[i] = ks[arg]
+        best = total[j, arg]
     if not np.isfinite(best[n]):
         return None
     counts, end = [], n

@@ -28,8 +28,8 @@ from itertools import pairwise
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
-from ethpipe.planner.bounds import LowerBounds
-from ethpipe.planner.grouping import Group, evaluate_groups, make_group
+from ethpipe.planner.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.grouping import Group, evaluate_groups, make_group, sync_shapes
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.templates import (
     MICRO_BATCH_CANDIDATES,
@@ -72,6 +72,10 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
                   and cost.model.tp_problem(x) is None):
             if any((c // dp) % t for c in counts) or sum(c // dp for c in counts) // t > cost.model.num_layers:
                 continue
+            # Replica 0 and the last one hold the same ranks in every type order.
+            first_ranks = [r for i in range(len(types)) for r in by_type[types[i]][:counts[i] // dp]]
+            last = [r for i in range(len(types)) for r in by_type[types[i]][counts[i] - counts[i] // dp:]]
+            crossing = _disjoint(cost, first_ranks, last)
             for order in itertools.permutations(range(len(types))):
                 kinds = Counter({tuple(types[i] for i in order for _ in range(counts[i] // dp // t)): dp})
 
@@ -92,8 +96,6 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
                         keys.setdefault(key, [r, 0])[1] += 1
                     return [(replica(r), c) for r, c in keys.values()]
                 heads = [by_type[types[order[0]]][r * counts[order[0]] // dp] for r in range(dp)]
-                last = [r for i in order for r in by_type[types[i]][counts[i] - counts[i] // dp:]]
-                crossing = _disjoint(cost, [r for s in replica(0) for r in s.ranks], last)
                 yield dp, t, kinds, heads, crossing, build, reps
 
 
@@ -149,7 +151,7 @@ def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recom
     """The uniform baseline's equal-layer split of a shape (memoised like ``build_template``)."""
     key = ("equal", tuple((s.device, s.tp) for s in slots), _links(cost, slots), b, recompute, granularity)
     if key not in cache:
-        part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), b, recompute)
+        part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), b, recompute, cache)
         cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, b, granularity))
     hit = cache[key]
     return None if hit is None else Template(-1, len(slots), slots[0].tp, b, 1, slots, *hit)
@@ -161,7 +163,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``.
 
     Returns (best found or None, candidates priced)."""
-    bounds = LowerBounds(cost)
+    bounds = shared_bounds(cost, cache)
     heap: list[tuple[float, int, int, tuple]] = []
     counter = itertools.count()
     structures: dict[int, list[tuple[tuple[StageSlot, ...], Group]]] = {}
@@ -176,27 +178,49 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             depth = len(next(iter(kinds)))
             layers = equal_layers(cost.model.num_layers, depth) if uniform else None
             sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
-            for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:
-                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute)
-                heapq.heappush(heap, (bound, next(counter), 0, (key, layout, reps, heads, crossing, share, b, uniform)))
+            for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:  # any order: once per shape
+                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=not uniform)
+                heapq.heappush(heap, (bound, next(counter), 0, (key, layout, reps, heads, crossing, share, b, uniform,
+                                                                 (kinds, t, layers, sync_s))))
     best, priced = incumbent, 0
     while heap:
         bound, _, stage, item = heapq.heappop(heap)
         if best is not None and bound >= best[0]:
             break
-        key, layout, reps, heads, crossing, share, b, uniform = item
-        if stage == 0:
+        key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s) = item
+        if stage == 0:  # the device order's own bounds first: no templates
+            flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute)
+            if flush_s is not None:
+                ordered_s = flush_s if uniform else max(flush_s, bounds.makespan_s(kinds, t, b, global_batch, layers,
+                                                                                   recompute))
+                heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1, item))
+            continue
+        if stage == 1:
             cutoff_s = math.inf if best is None else best[0]
             refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
                                      options, cache, representatives, cutoff_s)
             if refined is not None:
-                heapq.heappush(heap, (max(bound, refined), next(counter), 1, item))
+                heapq.heappush(heap, (max(bound, refined), next(counter), 2, item))
             continue
         for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
             priced += 1
             if best is None or found[0] < best[0]:
                 best = found
     return (None if best is incumbent else best), priced
+
+
+def _order_bound(bounds: LowerBounds, kinds: Counter, tp: int, b: int, share: int, layers: Sequence[int] | None,
+                 recompute: str) -> float | None:
+    """A pipeline of ceil(B/P) samples flushes no sooner than its kind's bound in its own device order (the
+    memory-aware bottleneck, the fill and drain); None if some kind cannot fit."""
+    if layers is not None and not all(bounds.fits([(d, tp) for d in kind], layers, b, recompute) for kind in kinds):
+        return None
+    flush_s = math.inf
+    for kind in kinds:
+        stages = [(d, tp) for d in kind]
+        per_sample = 0.0 if layers is not None else bounds.stages_bottleneck_s(stages, b, recompute)
+        flush_s = min(flush_s, max(per_sample * share, bounds.ordered_flush_s(stages, b, share, layers, recompute)))
+    return None if math.isinf(flush_s) else flush_s
 
 
 def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: PlannerOptions, cache: dict
@@ -262,10 +286,11 @@ def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, option
     """Equal data (the baselines' split) and, where allowed, level-3 balance; whole micro-batches if required."""
     out = []
     modes = [True, False] if options.balance_data else [True]
+    shapes = sync_shapes(cost, groups)  # the same for both data splits
     for equal in modes:
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=equal,
-                                             flat_sync=not options.block_sync)
+                                             flat_sync=not options.block_sync, shapes=shapes)
         except Infeasible:
             continue
         if not options.fine_grained and any(n % b for row in samples for n in row):

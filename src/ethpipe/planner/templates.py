@@ -85,9 +85,9 @@ def equal_layers(num_layers: int, depth: int) -> list[int]:
 
 
 def fixed_partition(cost: CostModel, slots: Sequence[StageSlot], counts: Sequence[int], micro_batch: int,
-                    recompute: str) -> Partition | None:
+                    recompute: str, memo: dict | None = None) -> Partition | None:
     """A given layer split (per-stage recomputation only where memory needs it); None if it does not fit."""
-    options = stage_options(cost, slots, micro_batch, recompute)
+    options = stage_options(cost, slots, micro_batch, recompute, memo)
     chosen = []
     for opts, k in zip(options, counts):
         if not any(o.max_layers >= k for o in opts):
@@ -107,7 +107,8 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
         if options.balance_layers:
             part = partition_layers(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers)
         else:
-            part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute)
+            part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute,
+                                   cache)
         granularity = 1 if options.fine_grained else micro_batch
         cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, micro_batch, granularity))
     hit = cache[key]

@@ -59,21 +59,32 @@ def stage_options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int,
         if memo is not None and key in memo:
             out.append(memo[key])
             continue
-        ends = sum(cost.end_times_s(slot.device, micro_batch, slot.tp, first=first, last=last))
-        fixed_s = ends + p2p_s
-        usable = cost.usable_memory_bytes(slot.device)
-        flags = {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]
-        options = []
-        for rc in flags:
-            per_layer_s = sum(cost.layer_times_s(slot.device, micro_batch, slot.tp, rc))
-            mem_fixed, mem_per_layer = cost.memory_terms(slot.tp, micro_batch, depth - i, rc, first=first, last=last,
-                                                         device=slot.device)
-            max_layers = int((usable - mem_fixed) // mem_per_layer) if usable >= mem_fixed else 0
-            options.append(StageOption(fixed_s, per_layer_s, max_layers, rc))
+        ends, terms = _stage_terms(cost, slot, micro_batch, recompute, depth - i, first, last, memo)
+        options = [StageOption(ends + p2p_s, per_layer_s, max_layers, rc) for per_layer_s, max_layers, rc in terms]
         out.append(options)
         if memo is not None:
             memo[key] = options
     return out
+
+
+def _stage_terms(cost: CostModel, slot: StageSlot, micro_batch: int, recompute: str, from_end: int, first: bool,
+                 last: bool, memo: dict | None) -> tuple[float, list[tuple[float, int, bool]]]:
+    """A slot's ends seconds and (per-layer seconds, layers that fit, recompute) per option: everything but
+    its receives, so shapes whose links differ share it (memoised in ``memo``)."""
+    key = ("stage_terms", slot.device, slot.tp, micro_batch, recompute, from_end, first, last)
+    if memo is not None and key in memo:
+        return memo[key]
+    ends = sum(cost.end_times_s(slot.device, micro_batch, slot.tp, first=first, last=last))
+    usable = cost.usable_memory_bytes(slot.device)
+    terms = []
+    for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
+        per_layer_s = sum(cost.layer_times_s(slot.device, micro_batch, slot.tp, rc))
+        mem_fixed, mem_per_layer = cost.memory_terms(slot.tp, micro_batch, from_end, rc, first=first, last=last,
+                                                     device=slot.device)
+        terms.append((per_layer_s, int((usable - mem_fixed) // mem_per_layer) if usable >= mem_fixed else 0, rc))
+    if memo is not None:
+        memo[key] = (ends, terms)
+    return ends, terms
 
 
 def action_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
@@ -110,11 +121,20 @@ class PipelineTiming:
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._finish: dict[int, np.ndarray] = {}
         self._table: np.ndarray | None = None
+        self._floor_s: float | None = None
 
     def rows(self, x: int) -> tuple[np.ndarray, np.ndarray]:
         if x not in self._rows:
             self._rows[x] = self._action_times(x)
         return self._rows[x]
+
+    def per_sample_floor_s(self) -> float:
+        """A lower bound on every stage finish over n samples, divided by n: some stage runs every sample, a
+        micro-batch of x samples at no less than the cheapest per-sample cost of micro-batches up to b."""
+        if self._floor_s is None:
+            per = [(f + bw) / x for x in range(1, self.micro_batch + 1) for f, bw in [self.rows(x)]]
+            self._floor_s = float(np.min(np.stack(per), axis=0).max())
+        return self._floor_s
 
     def _build(self) -> np.ndarray:
         if self._table is None:
@@ -151,6 +171,10 @@ class PipelineTiming:
         table = self._extend(upper)
         best = min(int(np.searchsorted(table, limit_s, side="right")), upper)
         return best - best % self.granularity
+
+    def samples_below(self, limit_s: float, upper: int) -> int:
+        """How many n in 1..upper have T(n) < limit (T is non-decreasing: they are 1..that)."""
+        return min(int(np.searchsorted(self._extend(upper), limit_s, side="left")), upper)
 
     def finish_s(self, num_samples: int) -> np.ndarray:
         """Each stage's last backward for ``num_samples`` (``stage_finish_s``; [0] is the pipeline's flush)."""

@@ -1,0 +1,294 @@
+"""ETH level 1 beyond one template per pool: per-type TP, hybrid layouts, split pools (docs/design.md §2.1).
+
+The per-pool search gives every pool one homogeneous template. Three families widen it without
+enumerating the whole heterogeneous space:
+
+* per-type TP inside mixed pipelines (``mixed_candidates``, ``interleaved``): each pool's stages
+  take their own TP degree, e.g. TP 2 on a smaller-memory or slower type and TP 1 on the fast
+  one, so the small type holds more layers and its stages keep pace. The degree vectors (product
+  over the pools of their valid degrees) are screened by memory (a relaxed capacity that only
+  drops vectors that cannot hold the model) and ranked by an analytic pre-score (1F1B at b=1 on
+  the memory-capped balanced bottleneck): the common degrees as before, plus the best few
+  per-type vectors, are partitioned.
+* hybrid layouts (``hybrid_sets``): type-interleaved pipelines over a pair of pools adjacent in
+  speed order (each pipeline takes an equal slice of both), the other pools keeping their own
+  pipelines. Also when every pool could stand alone: the pair's pipelines sync ~1/depth of the
+  model per node while the others stay shallow and bubble-free.
+* split pools (``split_candidates``): a pool's nodes shared by its two best shapes (half, a
+  quarter or three quarters on the best), extra per-pool candidates of the combination search:
+  finer data granularity, and a mix of one shape's sync relief with the other's short pipelines.
+
+``every=True`` enumerates a family without its pruning (every vector, order and micro-batch size):
+what ``exhaustive.py`` searches to measure what the pruning loses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from ethpipe.cost.model import CostModel
+from ethpipe.planner.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.grouping import Group, homogeneous_group, make_group
+from ethpipe.planner.options import PlannerOptions
+from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
+                                       slots_for)
+from ethpipe.planner.timing import StageSlot
+
+MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
+INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved family tried with every order
+ALL_ORDERS_UP_TO = 3  # pools; with more, a few type orders (by speed, by memory, the smallest memory first)
+SPLIT_FRACTIONS = (1 / 2, 1 / 4, 3 / 4)  # of a pool's nodes on its best shape, the rest on its second best
+
+
+def tp_degrees(cost: CostModel, pool: Pool, max_tp: int) -> list[int]:
+    """TP degrees a pool's stages may use: they divide its node size, within max_tp, valid for the model."""
+    return [t for t in divisors(pool.gpus_per_node) if t <= max_tp and cost.model.tp_problem(t) is None]
+
+
+def tp_vectors(cost: CostModel, pools: Sequence[Pool], max_tp: int, per_type: bool) -> list[tuple[int, ...]]:
+    """One TP degree per pool: every degree common to all pools, then (``per_type``) every other product."""
+    degrees = [tp_degrees(cost, p, max_tp) for p in pools]
+    common = [(t,) * len(pools) for t in degrees[0] if all(t in d for d in degrees)]
+    return common + ([v for v in itertools.product(*degrees) if len(set(v)) > 1] if per_type else [])
+
+
+def prescore_s(bounds: LowerBounds, stages: Counter, num_samples: float, recompute: str) -> float:
+    """1F1B at b=1 on the balanced per-sample bottleneck of these (device, TP) stages, each holding at most
+    what fits as a last stage (continuous layers); inf if even that cannot hold the model."""
+    num_layers = bounds.cost.model.num_layers
+    opts = [(n, bounds.position_options(d, t, 1, 1, recompute)) for (d, t), n in stages.items()]
+    caps = [max(fit for _, fit in o) for _, o in opts]
+    if sum(n * cap for (n, _), cap in zip(opts, caps)) < num_layers or min(caps) < 1:
+        return math.inf
+
+    def held(x: float) -> float:
+        return sum(n * max(min(fit, x / per) for per, fit in o) for n, o in opts)
+    # held is piecewise linear, with kinks where an option fills up or one option overtakes another.
+    kinks = sorted({0.0} | {per * fit for _, o in opts for per, fit in o} | {
+        per * fit for _, o in opts for per, _ in o for _, fit in o})
+    lo = 0.0
+    for hi in kinks:
+        if held(hi) >= num_layers:
+            below = held(lo)
+            bottleneck_s = lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
+            return bottleneck_s * (num_samples + sum(stages.values()) - 1)
+        lo = hi
+    return math.inf
+
+
+def _screened(scored: Sequence[tuple[float, tuple[int, ...]]], keep: int | None) -> list[tuple[int, ...]]:
+    """Vectors that can hold the model: the common degrees, and the ``keep`` best per-type ones (all: None)."""
+    fit = sorted((s, v) for s, v in scored if math.isfinite(s))
+    common = [v for _, v in fit if len(set(v)) == 1]
+    per_type = [v for _, v in fit if len(set(v)) > 1]
+    return common + (per_type if keep is None else per_type[:keep])
+
+
+def mixed_candidates(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, max_tp: int, recompute: str,
+                     options: PlannerOptions, micro_batches: Sequence[int] | None, cache: dict,
+                     every: bool = False) -> list[list[Group]]:
+    """Pipelines over k consecutive nodes of the pools that cannot hold a replica alone (fewest k that fits),
+    each pool's stages at its own TP degree."""
+    ranked = sorted(range(len(pools)), key=lambda i: -cost.device_speed(pools[i].device))
+    nodes = [(i, node) for i in ranked for node in pools[i].nodes]
+    bounds = shared_bounds(cost, cache)
+    vectors = tp_vectors(cost, pools, max_tp, options.per_type_tp)
+    for k in range(1, len(nodes) + 1):
+        chunks = [nodes[i:i + k] for i in range(0, len(nodes) - len(nodes) % k, k)]
+        if len(nodes) % k:
+            chunks[-1] = chunks[-1] + nodes[len(nodes) - len(nodes) % k:]
+        scored = []
+        for tps in vectors:
+            stages = Counter({(pools[i].device, tps[i]): 0 for i, _ in chunks[0]})
+            for i, node in chunks[0]:
+                stages[(pools[i].device, tps[i])] += len(node) // tps[i]
+            scored.append((prescore_s(bounds, stages, global_batch / len(chunks), recompute), tps))
+        found: list[list[Group]] = []
+        for tps, b in itertools.product(_screened(scored, None if every else MIXED_TP_VECTORS),
+                                        micro_batches or (MICRO_BATCH_CANDIDATES if every else (1, 2, 4, 8))):
+            members: dict[tuple, list] = {}
+            for chunk in chunks:
+                slots = tuple(s for i, node in chunk for s in slots_for([(pools[i].device, r) for r in node], tps[i]))
+                if len(slots) > cost.model.num_layers:
+                    break
+                tpl = build_template(cost, -1, slots, b, recompute, len(chunk), cache, options)
+                if tpl is None:
+                    break
+                members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)
+            else:
+                found.append([make_group(cost, tpl, inst) for tpl, inst in members.values()])
+        if found:
+            return found
+    return []
+
+
+@dataclass(frozen=True)
+class Cutoff:
+    """What a family's candidate must beat to be built: the best plan so far (seconds), the whole batch, and
+    the samples per second the pools outside the family take at most (0: the family spans the cluster)."""
+
+    best_s: float = math.inf
+    global_batch: int = 0
+    others_per_s: float = 0.0
+
+
+def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, max_tp: int, recompute: str,
+                options: PlannerOptions, micro_batches: Sequence[int] | None, cache: dict,
+                every: bool = False, per_type_only: bool = False, cutoff: Cutoff = Cutoff()) -> list[list[Group]]:
+    """Mixed pipelines that take an equal slice of every pool (one stage run per type, each at its pool's TP
+    degree, in one of a few type orders). Where few samples per GPU make sync dominate, this is how each
+    node holds a small part of the model without deep pipelines; data still balances across them.
+    ``per_type_only``: skip one degree for all (the replicated family searched those exactly); candidates
+    whose lower bound cannot beat ``cutoff`` are not built."""
+    counts = [p.num_devices for p in pools]
+    model_bytes = cost.stage_params(cost.model.num_layers, first=True, last=True) * cost.dtype_bytes
+    nic = min(cost.cluster.devices[p.nodes[0][0]].nic_gbps for p in pools) * 1e9
+    bounds = shared_bounds(cost, cache)
+    vectors = [v for v in tp_vectors(cost, pools, max_tp, options.per_type_tp) if not per_type_only or len(set(v)) > 1]
+    shapes = []
+    for dp in (k for k in divisors(min(counts)) if all(c % k == 0 for c in counts) and k <= global_batch):
+        slices = [c // dp for c in counts]
+        for tps in (v for v in vectors if all(s % t == 0 for s, t in zip(slices, v))):
+            depth = sum(s // t for s, t in zip(slices, tps))
+            if depth > cost.model.num_layers or depth < len(pools):
+                continue
+            stages: Counter = Counter()
+            for p, s, t in zip(pools, slices, tps):
+                stages[(p.device, t)] += s // t
+            span = sum(-(-s // p.gpus_per_node) for s, p in zip(slices, pools))
+            sync_s = 2 * model_bytes * min(span, depth) / depth / span / nic if dp > 1 else 0.0  # one: no sync
+            score = prescore_s(bounds, stages, global_batch / dp, recompute) + sync_s
+            if math.isfinite(score):
+                shapes.append((score, dp, tps, slices))
+    shapes.sort(key=lambda x: x[0])
+    smallest = min(range(len(pools)), key=lambda i: cost.gpu(pools[i].device).memory_bytes)
+    orders = set(itertools.permutations(range(len(pools)))) if every or len(pools) <= ALL_ORDERS_UP_TO else {
+        tuple(sorted(range(len(pools)), key=key)) for key in (
+            lambda i: -cost.device_speed(pools[i].device), lambda i: cost.device_speed(pools[i].device),
+            lambda i: cost.gpu(pools[i].device).memory_bytes, lambda i: -cost.gpu(pools[i].device).memory_bytes,
+            lambda i: (i != smallest, -cost.device_speed(pools[i].device)))}
+    ranks = [[r for node in p.nodes for r in node] for p in pools]
+    out = []
+    for _, dp, tps, slices in (shapes if every else _per_count_first(shapes, INTERLEAVED_SHAPES)):
+        # Each pool's stages once (slices start at multiples of its TP degree): pipeline k takes a run of them.
+        stages_of = [slots_for([(p.device, r) for r in ranks[i]], tps[i]) for i, p in enumerate(pools)]
+        runs = [s // t for s, t in zip(slices, tps)]
+        for order in sorted(orders):
+            def instance(k: int, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:
+                return tuple(s for i in order for s in stages_of[i][k * runs[i]:(k + 1) * runs[i]])
+            first = instance(0)  # the others have the same devices: built once one micro-batch size wins
+            heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
+            share = -(-global_batch // dp)
+            best = None
+            most = share if every else max(1, -(-share // len(first)))
+            for b in micro_batches or micro_batch_candidates(most):
+                if every:
+                    groups = structure_groups(cost, [instance(k) for k in range(dp)], b, recompute, options, cache)
+                    out += [groups] if groups is not None else []
+                    continue
+                if _cannot_beat(cost, bounds, cutoff, (first, instance(dp - 1), heads), b, share, recompute):
+                    continue
+                tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)  # the others: same memory
+                if tpl is None:
+                    continue
+                flush_s = float(tpl.timing.finish_s(share)[0])
+                if best is not None and flush_s >= best[0]:
+                    break  # unimodal in b, as for a pool's own shapes
+                best = (flush_s, b)
+            groups = None if best is None else structure_groups(cost, [instance(k) for k in range(dp)], best[1],
+                                                                recompute, options, cache)
+            out += [groups] if groups is not None else []
+    return out
+
+
+def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff, pipelines: tuple[tuple, tuple, list[int]],
+                 b: int, share: int, recompute: str) -> bool:
+    """True if these identical-device pipelines (the first, the last, every first stage's head rank) cannot
+    fit, or no layout with them can beat the cutoff: the batch over the most samples per second they and the
+    other pools take (each pipeline at its memory-aware bottleneck), and, spanning the cluster, the flush
+    of one with ceil(B/P) samples plus its first stage's sync."""
+    first, last, heads = pipelines
+    stages = [(s.device, s.tp) for s in first]
+    per_sample = bounds.stages_bottleneck_s(stages, b, recompute)
+    if math.isinf(per_sample):
+        return True
+    if not math.isfinite(cutoff.best_s):
+        return False
+    if cutoff.global_batch / (len(heads) / per_sample + cutoff.others_per_s) >= cutoff.best_s:
+        return True
+    if cutoff.others_per_s:
+        return False
+    devs = cost.cluster.devices
+    nodes_first, nodes_last = ({devs[r].node for slot in inst for r in slot.ranks} for inst in (first, last))
+    sync_s = bounds.first_stage_sync_s(heads, stages[0][1], len(stages), not nodes_first & nodes_last, 1)
+    return sync_s + bounds.ordered_flush_s(stages, b, share, None, recompute) >= cutoff.best_s
+
+
+def _per_count_first(shapes: list[tuple], keep: int) -> list[tuple]:
+    """The best-scored shape of each pipeline count first (the pre-score's sync term is crude), then the rest."""
+    firsts: dict[int, tuple] = {}
+    for shape in shapes:
+        firsts.setdefault(shape[1], shape)
+    kept = sorted(firsts.values(), key=lambda x: x[0])[:keep]
+    return kept + [x for x in shapes if x not in kept][:keep - len(kept)]
+
+
+def structure_groups(cost: CostModel, instances: Sequence[tuple], b: int, recompute: str, options: PlannerOptions,
+                     cache: dict) -> list[Group] | None:
+    """Group pipelines with the same devices and links under one template; None if one does not fit."""
+    members: dict[tuple, list] = {}
+    for slots in instances:
+        tpl = build_template(cost, -1, slots, b, recompute, 0, cache, options)
+        if tpl is None:
+            return None
+        members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)
+    return [make_group(cost, tpl, inst) for tpl, inst in members.values()]
+
+
+def mixed_sets(cost: CostModel, pools: Sequence[Pool], standalone: Sequence[int]) -> list[tuple[int, ...]]:
+    """Which pools form consecutive-node mixed pipelines: none if every pool stands alone; else the pools
+    that cannot, alone or joined by one self-sufficient donor pool (each tried), or by all of them."""
+    needy = tuple(i for i in range(len(pools)) if i not in standalone)
+    if not needy:
+        return [()]
+    donors = sorted(standalone, key=lambda i: -cost.gpu(pools[i].device).memory_bytes)
+    return [needy] + [tuple(sorted(needy + (d,))) for d in donors] + [tuple(range(len(pools)))]
+
+
+def hybrid_sets(cost: CostModel, pools: Sequence[Pool], standalone: Sequence[int]) -> list[tuple[int, ...]]:
+    """Pairs of pools adjacent in speed order whose other pools all stand alone (3+ pools: with two, the
+    pair is the whole cluster, which the interleaved family covers)."""
+    if len(pools) < 3:
+        return []
+    ranked = sorted(range(len(pools)), key=lambda i: (-cost.device_speed(pools[i].device), i))
+    return [tuple(sorted(pair)) for pair in pairwise(ranked)
+            if all(i in standalone for i in range(len(pools)) if i not in pair)]
+
+
+def batch_share(cost: CostModel, pools: Sequence[Pool], subset: Sequence[int], global_batch: int) -> int:
+    """The samples a subset of pools would get in proportion to its speed (at least one)."""
+    speed = [cost.device_speed(p.device) * p.num_devices for p in pools]
+    return max(1, round(global_batch * sum(speed[i] for i in subset) / sum(speed)))
+
+
+def split_candidates(cost: CostModel, pool: Pool, groups: Sequence[Group], every: bool = False
+                     ) -> list[list[Group]]:
+    """The pool's nodes shared by two of its shapes: the best (``groups[0]``) on a fraction of them, the
+    second best on the rest (``every``: every pair of ``groups`` at every node count that both tile)."""
+    n = len(pool.nodes)
+    pairs = itertools.combinations(groups, 2) if every else [tuple(groups[:2])] if len(groups) > 1 else []
+    out = []
+    for a, b in pairs:
+        ta, tb = a.template, b.template
+        points = range(1, n) if every else sorted({round(n * f) for f in SPLIT_FRACTIONS})
+        for n_a in points:
+            if 0 < n_a < n and n_a % ta.nodes_per_pipeline == 0 and (n - n_a) % tb.nodes_per_pipeline == 0:
+                first = Pool(pool.device, pool.gpus_per_node, pool.nodes[:n_a])
+                rest = Pool(pool.device, pool.gpus_per_node, pool.nodes[n_a:])
+                out.append([homogeneous_group(cost, ta, first), homogeneous_group(cost, tb, rest)])
+    return out

@@ -1,0 +1,91 @@
+"""ETH's widened level 1 (planner/hybrid.py): hybrid layouts, per-type TP and split pools win where they
+should, their plans load and simulate, and ETH stays within 2% of an exhaustive search of the same space."""
+
+from __future__ import annotations
+
+import pytest
+
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.cost.model import CostModel, dtype_bytes
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import Plan
+from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
+from ethpipe.planner.exhaustive import exhaustive_widened
+from ethpipe.sim import simulate
+
+NIC = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v100_32gb_sxm2": 800, "v100_16gb": 800,
+       "l4": 400, "t4": 200}
+ALL_DEVICES = PlannerOptions(allow_idle=False)  # the exhaustive searches plan on every device too
+
+
+def _cluster(*parts: tuple[str, int, int]):
+    return cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": n, "gpus_per_node": k, "nic_gbit_s": NIC[g]}
+                                        for g, n, k in parts]})
+
+
+def _loads_and_simulates(plan: Plan) -> None:
+    loaded = Plan.from_dict(plan.to_dict())
+    assert loaded == Plan.from_dict(loaded.to_dict())
+    cost = CostModel.for_plan(loaded)
+    simulated = simulate(loaded, cost).iteration_time_s
+    assert simulated == pytest.approx(estimate_iteration_s(loaded, cost), rel=0.05)
+
+
+def test_hybrid_layout_wins_and_round_trips() -> None:
+    # Every type holds a replica alone; the best plan still interleaves two of them.
+    cluster = _cluster(("a100_80gb_sxm", 2, 2), ("l4", 2, 2), ("h100_sxm", 2, 2))
+    spec = load_model_spec("gpt3-350m")
+    plan = make_plan(cluster, spec, 48, 2048, options=ALL_DEVICES)
+    mixed = [p for p in plan.pipelines if len({s.device for s in p.stages}) > 1]
+    alone = [p for p in plan.pipelines if len({s.device for s in p.stages}) == 1]
+    mixed_types = {s.device for p in mixed for s in p.stages}
+    assert mixed and alone and len(mixed_types) == 2
+    assert not mixed_types & {s.device for p in alone for s in p.stages}
+    without = make_plan(cluster, spec, 48, 2048, options=PlannerOptions(allow_idle=False, hybrid=False))
+    assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
+    _loads_and_simulates(plan)
+
+
+def test_per_type_tp_inside_one_pipeline_wins_and_round_trips() -> None:
+    # The 16 GB V100s hold their share of llama2-7b's layers only with a higher TP degree than the A100s'.
+    cluster = _cluster(("a100_80gb_sxm", 2, 4), ("v100_16gb", 2, 4))
+    spec = load_model_spec("llama2-7b")
+    plan = make_plan(cluster, spec, 128, 2048, options=ALL_DEVICES)
+    assert any(len({s.tp for s in p.stages}) > 1 and len({s.device for s in p.stages}) > 1 for p in plan.pipelines)
+    without = make_plan(cluster, spec, 128, 2048, options=PlannerOptions(allow_idle=False, per_type_tp=False))
+    assert all(len({s.tp for s in p.stages}) == 1 for p in without.pipelines if len({s.device for s in p.stages}) > 1)
+    assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
+    _loads_and_simulates(plan)
+
+
+def test_split_pool_wins_and_round_trips() -> None:
+    # The H100 pool's nodes are shared by two shapes (depth 1 and 2): a finer split of the batch.
+    cluster = _cluster(("h100_sxm", 4, 4), ("v100_32gb_sxm2", 3, 4))
+    spec = load_model_spec("gpt3-1.3b")
+    plan = make_plan(cluster, spec, 112, 2048, options=ALL_DEVICES)
+    h100 = {(p.depth, p.stages[0].tp) for p in plan.pipelines if p.stages[0].device == "h100_sxm"}
+    assert len(h100) == 2 and all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
+    whole = make_plan(cluster, spec, 112, 2048, options=PlannerOptions(allow_idle=False, split_pools=False))
+    assert plan.predicted["iteration_time_s"] < whole.predicted["iteration_time_s"]
+    _loads_and_simulates(plan)
+
+
+SMALL = [
+    ((("a100_80gb_sxm", 1, 4), ("v100_32gb_sxm2", 1, 4)), "llama2-7b", 64),
+    ((("a100_80gb_sxm", 2, 2), ("v100_32gb_sxm2", 2, 2)), "gpt3-1.3b", 64),
+    ((("h100_sxm", 1, 4), ("a100_40gb_sxm", 1, 4), ("t4", 1, 4)), "llama2-7b", 96),
+    ((("a100_80gb_sxm", 2, 4), ("v100_16gb", 2, 4)), "llama2-7b", 128),
+    ((("h100_sxm", 2, 2), ("a100_80gb_sxm", 1, 2), ("v100_32gb_sxm2", 1, 2)), "gpt3-1.3b", 8),
+    ((("a100_40gb_sxm", 1, 4), ("l4", 1, 4), ("t4", 1, 4)), "llama2-7b", 96),
+]
+
+
+@pytest.mark.parametrize("parts, model, batch", SMALL)
+def test_eth_within_two_percent_of_exhaustive_widened(parts: tuple, model: str, batch: int) -> None:
+    cluster, spec = _cluster(*parts), load_model_spec(model)
+    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES)
+    dtype = str(plan.extra["dtype"])
+    best = exhaustive_widened(CostModel(cluster, spec, 2048, dtype_bytes=dtype_bytes(dtype), dtype=dtype), batch,
+                              time_budget_s=120)
+    assert best.plan is not None and not best.timed_out
+    assert plan.predicted["iteration_time_s"] <= best.plan.predicted["iteration_time_s"] / 0.98
