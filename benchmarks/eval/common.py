@@ -60,8 +60,8 @@ def plan_shape(plan: Plan) -> dict[str, Any]:
     groups: dict[str, int] = {}
     for pipe in plan.pipelines:
         types = list(dict.fromkeys(short(s.device) for s in pipe.stages))
-        tps = sorted({s.tp for s in pipe.stages})
-        key = f"{'+'.join(types)} d{pipe.depth}" + (f" tp{tps[0]}" if tps != [1] else "")
+        tps = list(dict.fromkeys(s.tp for s in pipe.stages))  # along the pipeline: "tp1/4" = a degree per type
+        key = f"{'+'.join(types)} d{pipe.depth}" + (f" tp{'/'.join(map(str, tps))}" if tps != [1] else "")
         groups[key] = groups.get(key, 0) + 1
     depths = [p.depth for p in plan.pipelines]
     idle = len(getattr(plan, "idle_devices", ()) or ())  # plans may leave devices out (recorded there)
