@@ -11,9 +11,13 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import IdleDevice, Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.grouping import Group
 from ethpipe.planner.partition import Partition
 from ethpipe.planner.timing import StageSlot, split_sizes
 from ethpipe.units import format_bytes
+
+# A search result: (score, groups, samples per pipeline of each group).
+Found = tuple[float, list[Group], list[list[int]]]
 
 IDLE_REASON = "idle: left out of the cluster the plan was made on"  # ``planner/idle.py`` says why
 
@@ -21,6 +25,13 @@ IDLE_REASON = "idle: left out of the cluster the plan was made on"  # ``planner/
 def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int, micro_batch: int) -> Pipeline:
     stages = tuple(Stage(s.ranks, s.device, rng, s.tp, rc) for s, rng, rc in zip(slots, part.ranges(), part.recompute))
     return Pipeline(stages, split_sizes(num_samples, micro_batch))
+
+
+def found_pipelines(found: Found) -> list[Pipeline]:
+    """The pipelines of a search result: each group's instances with their sample counts."""
+    _, groups, samples = found
+    return [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
+            for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
 
 
 def assemble_plan(method: str, cost: CostModel, global_batch: int, pipelines: Sequence[Pipeline], *,

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
-from ethpipe.plan import Pipeline, Plan
-from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error, unpriced_plan
+from ethpipe.plan import Plan
+from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
 from ethpipe.planner.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
@@ -129,9 +129,9 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     mb_sets: list[tuple[int, ...] | None] = [None] if options.fine_grained else [
         (b,) for b in MICRO_BATCH_CANDIDATES if global_batch % b == 0]
     keep = max(MIN_SHAPES_PER_POOL, int(round(MAX_COMBINATIONS ** (1 / len(pools)))))
-    best: tuple[float, list[Group], list[list[int]]] | None = None
+    best: Found | None = None
     layouts, error = 0, None
-    finalists: list[tuple[float, list[Group], list[list[int]]]] = []  # each layout's best, for robust
+    finalists: list[Found] = []  # each layout's best, for robust
     for mbs in mb_sets:
         own: dict[int, list[list[Group]]] = {}
         splits: dict[int, list[list[Group]]] = {}  # each pool's nodes shared by two shapes, tried after own
@@ -196,7 +196,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         for found in sorted(candidates, key=lambda f: f[0]):
             if found[0] >= final_s:
                 break  # the sharing only slows a plan down: no later candidate can price under final_s
-            estimate_s = estimate_iteration_s(unpriced_plan("eth", cost, global_batch, _pipelines(found), search), cost,
+            estimate_s = estimate_iteration_s(unpriced_plan("eth", cost, global_batch, found_pipelines(found), search), cost,
                                               flat_sync=not options.block_sync)
             final, final_s = (found, estimate_s) if estimate_s < final_s else (final, final_s)
         assert final is not None
@@ -204,19 +204,13 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
 
 
-def _build(cost: CostModel, global_batch: int, found: tuple[float, list[Group], list[list[int]]], search: dict,
+def _build(cost: CostModel, global_batch: int, found: Found, search: dict,
            started: float, options: PlannerOptions) -> Plan:
-    return assemble_plan("eth", cost, global_batch, _pipelines(found), started_s=started,
+    return assemble_plan("eth", cost, global_batch, found_pipelines(found), started_s=started,
                          search={**search, "estimated_iteration_s": found[0]}, flat_sync=not options.block_sync)
 
 
-def _pipelines(found: tuple[float, list[Group], list[list[int]]]) -> list[Pipeline]:
-    _, groups, samples = found
-    return [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
-            for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
-
-
-def _most_robust(cost: CostModel, global_batch: int, finalists: list[tuple[float, list[Group], list[list[int]]]],
+def _most_robust(cost: CostModel, global_batch: int, finalists: list[Found],
                  search: dict, started: float, options: PlannerOptions) -> Plan:
     """The finalist with the least worst case; the nominal best is always priced, so robust never
     has a worse worst case than the nominal plan."""
@@ -232,12 +226,12 @@ def _most_robust(cost: CostModel, global_batch: int, finalists: list[tuple[float
 
 def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: int, options: PlannerOptions,
             extra: Sequence[list[list[Group]]] = (), incumbent_s: float = math.inf, passes: int = 2
-            ) -> tuple[float, list[Group], list[list[int]]] | None:
+            ) -> Found | None:
     """Every combination when few, else coordinate descent from each pool's best candidate; then each pool's
     ``extra`` candidates (split pools), one pool at a time from that best, so they never make it worse.
     A combination whose capacity bound cannot beat the best so far (``incumbent_s`` or this search's) is
     not priced; None if none was."""
-    best: tuple[float, list[Group], list[list[int]]] | None = None
+    best: Found | None = None
     last_error: Infeasible | None = None
     seen: set[tuple[int, ...]] = set()
     lists = [c + (list(extra[i]) if i < len(extra) else []) for i, c in enumerate(per_pool)]

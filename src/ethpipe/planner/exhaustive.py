@@ -26,16 +26,16 @@ from dataclasses import dataclass
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
-from ethpipe.planner.assemble import assemble_plan, make_pipeline, unpriced_plan
+from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, unpriced_plan
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, homogeneous_group
 from ethpipe.planner.hybrid import (batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.replicated import search_replicated
-from ethpipe.planner.templates import build_template, micro_batch_candidates, pool_shapes, pools_of, shape_slots
+from ethpipe.planner.templates import (Pool, build_template, micro_batch_candidates, pool_shapes, pools_of,
+                                       shape_slots)
 
-Found = tuple[float, list[Group], list[list[int]]]
 FINALISTS = 4  # best layouts re-priced by the estimator, as ETH does (``eth.ROBUST_CANDIDATES``)
 
 
@@ -47,6 +47,20 @@ class ExhaustiveResult:
     timed_out: bool
 
 
+def _every_pool_group(cost: CostModel, pools: list[Pool], i: int, global_batch: int, max_tp: int, recompute: str,
+                      cache: dict, options: PlannerOptions) -> list[Group]:
+    """Pool i's every homogeneous shape at every micro-batch size that fits memory, unpruned."""
+    pool, groups = pools[i], []
+    for depth, tp, span in pool_shapes(cost, pool, max_tp):
+        if pool.num_devices // (depth * tp) > global_batch:
+            continue
+        for b in micro_batch_candidates(global_batch):
+            tpl = build_template(cost, i, shape_slots(pool, depth, tp, span), b, recompute, span, cache, options)
+            if tpl is not None:
+                groups.append(homogeneous_group(cost, tpl, pool))
+    return groups
+
+
 def exhaustive_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
                    time_budget_s: float = 60.0) -> ExhaustiveResult:
     started = time.perf_counter()
@@ -54,14 +68,7 @@ def exhaustive_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recom
     cache: dict = {}
     per_pool = []
     for i, pool in enumerate(pools):
-        groups = []
-        for depth, tp, span in pool_shapes(cost, pool, max_tp):
-            if pool.num_devices // (depth * tp) > global_batch:
-                continue
-            for b in micro_batch_candidates(global_batch):
-                tpl = build_template(cost, i, shape_slots(pool, depth, tp, span), b, recompute, span, cache)
-                if tpl is not None:
-                    groups.append(homogeneous_group(cost, tpl, pool))
+        groups = _every_pool_group(cost, pools, i, global_batch, max_tp, recompute, cache, PlannerOptions())
         if not groups:  # the pool needs mixed pipelines: outside the one-template-per-pool space
             return ExhaustiveResult(None, 0, 0, False)
         per_pool.append(groups)
@@ -82,11 +89,8 @@ def exhaustive_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recom
             best = (score, list(combo), samples)
     if best is None:
         return ExhaustiveResult(None, total, evaluated, timed_out)
-    _, groups, samples = best
-    pipelines = [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
-                 for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
     search = {"combinations": total, "evaluated": evaluated, "timed_out": timed_out}
-    plan = assemble_plan("eth-exhaustive", cost, global_batch, pipelines, started_s=started, search=search)
+    plan = assemble_plan("eth-exhaustive", cost, global_batch, found_pipelines(best), started_s=started, search=search)
     return ExhaustiveResult(plan, total, evaluated, timed_out)
 
 
@@ -98,14 +102,7 @@ def exhaustive_widened(cost: CostModel, global_batch: int, *, max_tp: int = 8, r
     options, cache, pools = PlannerOptions(), {}, pools_of(cost)
     own: dict[int, list[list[Group]]] = {}
     for i, pool in enumerate(pools):
-        whole = []
-        for depth, tp, span in pool_shapes(cost, pool, max_tp):
-            if pool.num_devices // (depth * tp) > global_batch:
-                continue
-            for b in micro_batch_candidates(global_batch):
-                tpl = build_template(cost, i, shape_slots(pool, depth, tp, span), b, recompute, span, cache, options)
-                if tpl is not None:
-                    whole.append(homogeneous_group(cost, tpl, pool))
+        whole = _every_pool_group(cost, pools, i, global_batch, max_tp, recompute, cache, options)
         if whole:
             own[i] = [[g] for g in whole] + split_candidates(cost, pool, whole, every=True)
         if time.perf_counter() > deadline:  # building the candidates alone can exceed the budget
@@ -144,15 +141,9 @@ def exhaustive_widened(cost: CostModel, global_batch: int, *, max_tp: int = 8, r
     if not finalists:
         return ExhaustiveResult(None, combinations, evaluated, timed_out)
     final = min(sorted(finalists, key=lambda f: f[0])[:FINALISTS], key=lambda f: estimate_iteration_s(
-        unpriced_plan("eth-exhaustive", cost, global_batch, _pipelines(f), search), cost))
-    plan = assemble_plan("eth-exhaustive", cost, global_batch, _pipelines(final), started_s=started, search=search)
+        unpriced_plan("eth-exhaustive", cost, global_batch, found_pipelines(f), search), cost))
+    plan = assemble_plan("eth-exhaustive", cost, global_batch, found_pipelines(final), started_s=started, search=search)
     return ExhaustiveResult(plan, combinations, evaluated, timed_out)
-
-
-def _pipelines(found: Found) -> list:
-    _, groups, samples = found
-    return [make_pipeline(slots, gr.template.partition, n, gr.template.micro_batch)
-            for gr, row in zip(groups, samples) for slots, n in zip(gr.instances, row)]
 
 
 def _branch_and_bound(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: int, incumbent_s: float,

@@ -28,6 +28,7 @@ from itertools import pairwise
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
+from ethpipe.planner.assemble import Found
 from ethpipe.planner.bounds import LowerBounds, shared_bounds
 from ethpipe.planner.grouping import Group, evaluate_groups, make_group, sync_shapes
 from ethpipe.planner.options import PlannerOptions
@@ -43,7 +44,6 @@ from ethpipe.planner.templates import (
 )
 from ethpipe.planner.timing import StageSlot, timing_of_partition
 
-Found = tuple[float, list[Group], list[list[int]]]
 Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
 # (DP, TP, replica device sequences, first stages' head ranks, whether every block's all-reduce crosses
