@@ -53,8 +53,9 @@ def _flush_s(pipe: Pipeline, cost: CostModel) -> float:
 
 
 def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None, *,
-                       flat_sync: bool = False) -> dict[str, float]:
-    """The factors of ``FACTORS`` (each in (0, 1] on analytic cost models), product = ideal / iteration."""
+                       flat_sync: bool = False, ideal_s: float | None = None) -> dict[str, float]:
+    """The factors of ``FACTORS`` (each in (0, 1] on analytic cost models), product = ideal / iteration.
+    ``ideal_s``: ``full_ideal_time_s`` if the caller has it (it rebuilds the full cluster for idle plans)."""
     est = est or estimate_plan(plan, cost, flat_sync=flat_sync)
     rate: Mapping[str, float] = {t: cost.achievable_flops(t) for t in cost.cluster.gpu_types}
     capacity = sum(rate[d.gpu.id] for d in cost.cluster.devices)
@@ -68,7 +69,8 @@ def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None,
         x_b += weight * max(est.busy_s[r] for r, _ in ranks)
         x_fc += weight * _compute_only_flush_s(plan, cost, p, cache)
         x_f += weight * est.pipeline_times_s[p]
-    chain = (full_ideal_time_s(cost, plan.global_batch_size), ideal_time_s(cost, plan.global_batch_size), x_a, x_b, x_fc, x_f, est.makespan_s, est.no_sync_iteration_s,
+    full = ideal_s if ideal_s is not None else full_ideal_time_s(cost, plan.global_batch_size)
+    chain = (full, ideal_time_s(cost, plan.global_batch_size), x_a, x_b, x_fc, x_f, est.makespan_s, est.no_sync_iteration_s,
              est.iteration_time_s)
     return {name: lo / hi for name, lo, hi in zip(FACTORS, chain, chain[1:])}
 

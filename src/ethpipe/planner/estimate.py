@@ -146,7 +146,7 @@ def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, fl
         "tokens_per_s": plan.global_batch_size * plan.seq_len / it,
         "samples_per_s": plan.global_batch_size / it,
         "balance_efficiency": ideal / it,
-        "efficiency_factors": efficiency_factors(plan, cost, est, flat_sync=flat_sync),
+        "efficiency_factors": efficiency_factors(plan, cost, est, flat_sync=flat_sync, ideal_s=ideal),
         "ideal_time_s": ideal,
         "mfu": flops / (it * peak),
         "makespan_s": est.makespan_s,
