@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from ethpipe.errors import Infeasible, UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
+from ethpipe.planner.eth import plan_eth
 from ethpipe.planner.idle import plan_with_idle
 from ethpipe.sim import simulate
 
@@ -183,7 +185,8 @@ def test_no_idle_when_every_device_helps() -> None:
     plan = make_plan(demo, TINY, 32, 64, max_tp=1)
     assert plan.idle_devices == () and plan.world_size == demo.num_devices
     (candidate,) = plan.extra["search"]["idle"]["candidates"]
-    assert candidate["iteration_time_s"] > plan.predicted["iteration_time_s"]
+    # the sub-cluster's search prunes against the full plan's time and finds nothing under it
+    assert candidate["skipped"] == f"no plan predicted under {plan.predicted['iteration_time_s']:.4g} s"
     one_type = cluster_from_dict({"nodes": [SLOW_FIRST["nodes"][1]]})
     assert "idle" not in make_plan(one_type, TINY, 8, SEQ, max_tp=1).extra["search"]
 
@@ -191,7 +194,7 @@ def test_no_idle_when_every_device_helps() -> None:
 def test_plan_with_idle_skips_infeasible_and_bounded_candidates() -> None:
     cost = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)
 
-    def only_full(on: CostModel) -> Plan:
+    def only_full(on: CostModel, incumbent_s: float) -> Plan:
         if on.cluster.num_devices < 8:
             raise Infeasible("does not fit")
         return make_plan(on.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
@@ -200,15 +203,37 @@ def test_plan_with_idle_skips_infeasible_and_bounded_candidates() -> None:
     assert plan.idle_devices == () and chosen is cost
     assert plan.extra["search"]["idle"]["candidates"][0]["skipped"] == "infeasible: does not fit"
 
-    def never(on: CostModel) -> Plan:
+    def never(on: CostModel, incumbent_s: float = math.inf) -> Plan:
         raise Infeasible(f"nothing fits on {on.cluster.num_devices}")
 
     with pytest.raises(Infeasible, match="nothing fits on 8"):  # the full cluster's error
         plan_with_idle(cost, 8, never)
     full = make_plan(cost.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
     hopeless = dataclasses.replace(full, predicted={**full.predicted, "iteration_time_s": 1e-9})
-    plan, _ = plan_with_idle(cost, 8, lambda on: hopeless if on is cost else never(on))
+    plan, _ = plan_with_idle(cost, 8, lambda on, _: hopeless if on is cost else never(on))
     assert plan.extra["search"]["idle"]["candidates"][0]["skipped"].startswith("lower bound")
+    seen: list[float] = []
+
+    def nothing_faster(on: CostModel, incumbent_s: float) -> Plan | None:
+        seen.append(incumbent_s)
+        return full if on is cost else None
+
+    plan, chosen = plan_with_idle(cost, 8, nothing_faster)
+    assert plan.idle_devices == () and chosen is cost
+    assert seen == [math.inf, full.predicted["iteration_time_s"]]  # the sub-cluster is told the time to beat
+    (candidate,) = plan.extra["search"]["idle"]["candidates"]  # and the search stops there
+    assert candidate["skipped"].startswith("no plan predicted under")
+
+
+def test_plan_eth_with_an_incumbent_is_the_same_plan_or_none() -> None:
+    """Pruning against another cluster's time is sound: a looser incumbent gives the unpruned plan, a
+    tighter one than the best plan gives None."""
+    cost = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)
+    free = plan_eth(cost, 8, max_tp=1)
+    best_s = free.predicted["iteration_time_s"]
+    loose = plan_eth(cost, 8, max_tp=1, incumbent_s=best_s * 1.01)
+    assert loose is not None and loose.pipelines == free.pipelines
+    assert plan_eth(cost, 8, max_tp=1, incumbent_s=best_s) is None
 
 
 def test_replan_for_a_running_world_uses_every_device(idle_plan: Plan) -> None:

@@ -92,11 +92,21 @@ def shipped_link_curves() -> LinkCurves:
 
 def intra_curve(gpu: GpuSpec, num_gpus: int, curves: LinkCurves | None = None) -> LinkCurve | None:
     """The measured curve of a GPU type, or None (no curve, or the cluster overrides ``intra_node_gbps``)."""
-    curves = curves or shipped_link_curves()
+    if curves is None:
+        return _shipped_intra_curve(gpu.id, gpu.intra_node_gbps, num_gpus)
     catalog = gpu_catalog().get(gpu.id)
     if catalog is None or catalog.intra_node_gbps != gpu.intra_node_gbps:
         return None  # inline GPU or an explicit cluster override: the user's flat figure wins
     return curves.curve(gpu.id, num_gpus)
+
+
+@lru_cache(maxsize=256)
+def _shipped_intra_curve(gpu_id: str, intra_node_gbps: float, num_gpus: int) -> LinkCurve | None:
+    """``intra_curve`` on the shipped curves, memoised: the planner asks it for every link it prices."""
+    catalog = gpu_catalog().get(gpu_id)
+    if catalog is None or catalog.intra_node_gbps != intra_node_gbps:
+        return None
+    return shipped_link_curves().curve(gpu_id, num_gpus)
 
 
 def intra_gbps(gpu: GpuSpec, num_gpus: int, num_bytes: float) -> float:

@@ -89,6 +89,8 @@ class CostModel:
         object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
                                          for t, g in gpus.items() if has_hardware_model(g)})
         object.__setattr__(self, "_affine", {})
+        object.__setattr__(self, "_memo", {})  # memory terms and parameter counts: pure in their arguments
+        object.__setattr__(self, "_p2p", {})  # p2p seconds by (src, dst, micro-batch): depend on p2p_flows
         s, m = self.seq_len, self.model
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
         object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
@@ -268,6 +270,7 @@ class CostModel:
         """This cost model with ``plan``'s cross-node p2p NIC sharing (caches shared: they do not depend on it)."""
         out = copy.copy(self)
         object.__setattr__(out, "p2p_flows", p2p_flows(plan, self.cluster))
+        object.__setattr__(out, "_p2p", {})
         return out
 
     def p2p_link_gbps(self, src_rank: int, dst_rank: int, num_bytes: float) -> float:
@@ -280,10 +283,15 @@ class CostModel:
         return min(a.flow_gbps, a.nic_gbps / fa, b.flow_gbps, b.nic_gbps / fb)
 
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
-        """Send one micro-batch's activation (or its gradient) between two ranks."""
-        num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
-        return comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
-                          self.cluster.link_latency_s(src_rank, dst_rank))
+        """Send one micro-batch's activation (or its gradient) between two ranks (memoised: the planner asks
+        for the same links for every template and micro-batch size)."""
+        key = (src_rank, dst_rank, micro_batch)
+        memo = self._p2p  # type: ignore[attr-defined]
+        if key not in memo:
+            num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
+            memo[key] = comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
+                                   self.cluster.link_latency_s(src_rank, dst_rank))
+        return memo[key]
 
     def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
         """All-reduce among ``ranks``; each node's NIC is shared ``nic_share`` ways (concurrent collectives)."""
@@ -326,9 +334,13 @@ class CostModel:
     # -- parameters, optimizer, memory ---------------------------------------------------
 
     def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
-        m = self.model
-        return num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
-            m.head_params() if last else 0)
+        key = ("params", num_layers, first, last)
+        memo = self._memo  # type: ignore[attr-defined]
+        if key not in memo:
+            m = self.model
+            memo[key] = num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
+                m.head_params() if last else 0)
+        return memo[key]
 
     def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
         """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
@@ -349,8 +361,17 @@ class CostModel:
 
         Activations come from the device type's measured profile where it has them (scaled by
         the analytic ratio when the profile was taken on another model, sequence length, dtype
-        or TP degree), else from the analytic per-tensor count.
+        or TP degree), else from the analytic per-tensor count. Memoised (the planner's bounds ask
+        for every pipeline position of every shape).
         """
+        key = ("terms", tp, micro_batch, in_flight, recompute, first, last, device)
+        memo = self._memo  # type: ignore[attr-defined]
+        if key not in memo:
+            memo[key] = self._memory_terms(tp, micro_batch, in_flight, recompute, first, last, device)
+        return memo[key]
+
+    def _memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
+                      device: str | None) -> tuple[float, float]:
         m, s, d = self.model, self.seq_len, self.dtype_bytes
         bpp = self._state_bpp  # type: ignore[attr-defined]
         full = self._activation_bytes(device, "block", micro_batch, tp)

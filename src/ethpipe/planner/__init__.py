@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from collections.abc import Mapping
 
@@ -59,14 +60,17 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
 
         templates: dict = {}  # shared by the idle search's sub-clusters (same node types)
 
-        def plan_on(on: CostModel) -> Plan:
+        def plan_on(on: CostModel, incumbent_s: float = math.inf) -> Plan | None:
+            # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
-                            cache=templates)
+                            cache=templates, incumbent_s=math.inf if robust else incumbent_s)
 
         if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
             plan, cost = plan_with_idle(cost, global_batch_size, plan_on)
         else:
-            plan = plan_on(cost)
+            found = plan_on(cost)
+            assert found is not None, "with nothing to beat, a plan or Infeasible"
+            plan = found
     else:
         from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
 

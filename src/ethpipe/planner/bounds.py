@@ -25,11 +25,18 @@ from ethpipe.cost.sync import SyncShape, distinct_gpus
 class LowerBounds:
     """Order-free lower bounds on a replica's pipeline time (compute only, memoised per device)."""
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, device_memo: tuple[dict, dict] | None = None) -> None:
+        """``device_memo``: the per-device memos of another ``LowerBounds`` of the same model, dtype and GPU
+        types (the idle search's sub-clusters): everything but the sync bounds depends on device types only."""
         self.cost = cost
-        self._per_sample: dict[tuple[str, int, int], float] = {}
-        self._memo: dict[tuple, float] = {}
+        self._per_sample: dict[tuple[str, int, int], float] = {} if device_memo is None else device_memo[0]
+        self._memo: dict[tuple, float] = {} if device_memo is None else device_memo[1]
+        self._sync: dict[tuple, float] = {}  # ranks and nodes: this cluster's own
         self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
+
+    @property
+    def device_memo(self) -> tuple[dict, dict]:
+        return self._per_sample, self._memo
 
     def per_sample_s(self, device: str, tp: int, b: int) -> float:
         """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
@@ -278,10 +285,10 @@ class LowerBounds:
         cross-node groups: all of them when every block crosses (``crossing``), else at least the heads'."""
         if len(heads) < 2:
             return 0.0
-        key = ("sync", tuple(heads), tp, depth, crossing, num_layers)
-        if key not in self._memo:  # type orders that start with the same type share their heads
-            self._memo[key] = self._first_stage_sync_s(heads, tp, depth, crossing, num_layers)
-        return self._memo[key]
+        key = (tuple(heads), tp, depth, crossing, num_layers)
+        if key not in self._sync:  # type orders that start with the same type share their heads
+            self._sync[key] = self._first_stage_sync_s(heads, tp, depth, crossing, num_layers)
+        return self._sync[key]
 
     def _first_stage_sync_s(self, heads: Sequence[int], tp: int, depth: int, crossing: bool, num_layers: int
                             ) -> float:
@@ -302,9 +309,11 @@ class LowerBounds:
 
 
 def shared_bounds(cost: CostModel, cache: dict) -> LowerBounds:
-    """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it)."""
+    """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it);
+    a new cluster in the same cache (``plan_eth`` drops the old bounds) keeps the per-device memos."""
     if ("lower_bounds",) not in cache:
-        cache[("lower_bounds",)] = LowerBounds(cost)
+        cache[("lower_bounds",)] = LowerBounds(cost, cache.get(("device_bounds",)))
+        cache[("device_bounds",)] = cache[("lower_bounds",)].device_memo
     return cache[("lower_bounds",)]
 
 

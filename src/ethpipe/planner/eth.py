@@ -113,13 +113,20 @@ def _diverse(scored: list[tuple[float, Group]], keep: int) -> list[Group]:
 
 
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
-             options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None) -> Plan:
+             options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None,
+             incumbent_s: float = math.inf) -> Plan | None:
     """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
     least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time).
 
     ``cache``: templates and stage options to reuse across calls on clusters of the same node types
     (the idle search's sub-clusters): their keys hold device types, TP degrees, same-node links and
-    micro-batch sizes, never ranks. The lower bounds depend on the whole cluster and are rebuilt."""
+    micro-batch sizes, never ranks. The lower bounds depend on the whole cluster and are rebuilt.
+
+    ``incumbent_s``: only a plan predicted faster matters (the idle search's best plan on another set of
+    devices); every family prunes against it as against its own best, and None is returned if no plan
+    beats it. Sound because a layout's search score never exceeds its final price. Not with ``robust``
+    (the worst case, not the score, decides there)."""
+    assert not (robust and math.isfinite(incumbent_s)), "robust plans are compared by their worst case"
     started = time.perf_counter()
     options = options or PlannerOptions()
     cache = {} if cache is None else cache
@@ -132,6 +139,10 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     best: Found | None = None
     layouts, error = 0, None
     finalists: list[Found] = []  # each layout's best, for robust
+
+    def bar_s() -> float:
+        """What a layout must beat: the best so far here or the incumbent."""
+        return min(incumbent_s, best[0] if best else math.inf)
     for mbs in mb_sets:
         own: dict[int, list[list[Group]]] = {}
         splits: dict[int, list[list[Group]]] = {}  # each pool's nodes shared by two shapes, tried after own
@@ -153,7 +164,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
             nonlocal best, layouts, error
             layouts += 1
             try:
-                found = _search(cost, per_pool, global_batch, options, extra, best[0] if best else math.inf, passes)
+                found = _search(cost, per_pool, global_batch, options, extra, bar_s(), passes)
             except Infeasible as err:  # e.g. more pipelines than samples: another layout may still work
                 error = err
                 return
@@ -168,7 +179,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 try_layout([own[i] for i in alone] + ([mixed] if mixed else []), [splits[i] for i in alone])
         # The replicated family next: exact, and the incumbent that prunes the wider families below.
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
-                                               micro_batches=mbs, cache=cache, incumbent=best)
+                                               micro_batches=mbs, cache=cache, incumbent=best, incumbent_s=incumbent_s)
         layouts += priced
         if replicated is not None:
             best = replicated
@@ -176,15 +187,17 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         if options.allow_mixed and len(pools) > 1:
             covered = len({p.device for p in pools}) == len(pools)  # one pool per type: interleaved = layer-balanced
             for groups in interleaved(cost, pools, global_batch, **family, per_type_only=covered,
-                                      cutoff=Cutoff(best[0] if best else math.inf, global_batch)):
+                                      cutoff=Cutoff(bar_s(), global_batch)):
                 try_layout([[groups]])
             for pair in hybrid_sets(cost, pools, list(own)) if options.hybrid else []:
                 alone = [i for i in range(len(pools)) if i not in pair]
                 others_per_s = sum(max(capacity_per_s(c) for c in own[i] + splits[i]) for i in alone)
                 mixed = interleaved(cost, [pools[i] for i in pair], batch_share(cost, pools, pair, global_batch),
-                                    **family, cutoff=Cutoff(best[0] if best else math.inf, global_batch, others_per_s))
+                                    **family, cutoff=Cutoff(bar_s(), global_batch, others_per_s))
                 if mixed:
                     try_layout([own[i] for i in alone] + [mixed], [splits[i] for i in alone], HYBRID_PASSES)
+    if best is None and math.isfinite(incumbent_s):
+        return None  # nothing priced under the incumbent (or nothing fits: not faster either)
     if best is None:
         raise error if error is not None else memory_error(cost, recompute)
     search = {"pools": len(pools), "layouts_evaluated": layouts, "templates_evaluated": len(cache),
@@ -200,6 +213,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                                               flat_sync=not options.block_sync)
             final, final_s = (found, estimate_s) if estimate_s < final_s else (final, final_s)
         assert final is not None
+        if final_s >= incumbent_s:
+            return None
         return _build(cost, global_batch, final, search, started, options)
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
 

@@ -17,6 +17,7 @@ them with the comparison that made them idle, and ``search.idle`` what was tried
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,15 +50,19 @@ def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, ro
     return f"idle: plan without {names} {what} {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
 
 
-def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel], Plan]
+def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel, float], Plan | None]
                    ) -> tuple[Plan, CostModel]:
-    """The fastest of ``plan_on(cost)`` and ``plan_on`` on each idle candidate's sub-cluster, with the cost
-    model that priced it. Infeasible sub-clusters are skipped; if nothing fits, the full cluster's error."""
+    """The fastest of ``plan_on(cost, inf)`` and ``plan_on`` on each idle candidate's sub-cluster, with the
+    cost model that priced it. ``plan_on``'s second argument is the best time so far: it may return None when
+    it finds nothing faster, which saves most of a losing candidate's search. Infeasible sub-clusters are
+    skipped; if nothing fits, the full cluster's error."""
     started = time.perf_counter()
     best: tuple[Plan, CostModel, tuple[str, ...]] | None = None
     error: Infeasible | None = None
     try:
-        best = (plan_on(cost), cost, ())
+        full = plan_on(cost, math.inf)
+        assert full is not None, "with nothing to beat, a plan or Infeasible"
+        best = (full, cost, ())
     except Infeasible as err:
         error = err
     full_s = _time_s(best[0]) if best is not None else None
@@ -70,10 +75,13 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
             tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})
             break
         try:
-            plan = plan_on(sub)
+            plan = plan_on(sub, _time_s(best[0]) if best is not None else math.inf)
         except Infeasible as err:
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
+        if plan is None:
+            tried.append({**record, "skipped": f"no plan predicted under {_time_s(best[0]):.4g} s"})  # type: ignore[index]
+            break
         tried.append({**record, "iteration_time_s": float(plan.predicted["iteration_time_s"]),  # type: ignore[index]
                       **({"worst_case_time_s": _time_s(plan)} if "worst_case_time_s" in plan.predicted else {})})
         if best is not None and _time_s(plan) >= _time_s(best[0]):

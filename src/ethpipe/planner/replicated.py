@@ -158,9 +158,10 @@ def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recom
 
 
 def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recompute: str, options: PlannerOptions,
-                      micro_batches: Sequence[int] | None, cache: dict, incumbent: Found | None
-                      ) -> tuple[Found | None, int]:
-    """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``.
+                      micro_batches: Sequence[int] | None, cache: dict, incumbent: Found | None,
+                      incumbent_s: float = math.inf) -> tuple[Found | None, int]:
+    """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``
+    and ``incumbent_s`` (a time to beat without a layout: another cluster's plan, for the idle search).
 
     Returns (best found or None, candidates priced)."""
     bounds = shared_bounds(cost, cache)
@@ -185,7 +186,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     best, priced = incumbent, 0
     while heap:
         bound, _, stage, item = heapq.heappop(heap)
-        if best is not None and bound >= best[0]:
+        if bound >= min(incumbent_s, best[0] if best is not None else math.inf):
             break
         key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s) = item
         if stage == 0:  # the device order's own bounds first: no templates
@@ -196,7 +197,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1, item))
             continue
         if stage == 1:
-            cutoff_s = math.inf if best is None else best[0]
+            cutoff_s = min(incumbent_s, math.inf if best is None else best[0])
             refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
                                      options, cache, representatives, cutoff_s)
             if refined is not None:
@@ -204,7 +205,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             continue
         for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
             priced += 1
-            if best is None or found[0] < best[0]:
+            if found[0] < incumbent_s and (best is None or found[0] < best[0]):
                 best = found
     return (None if best is incumbent else best), priced
 
