@@ -129,3 +129,19 @@ def test_bounds_are_tight_enough_to_prune() -> None:
         found = _price(cost, 32, layout, 0, 2, False, "auto", PlannerOptions(), {}, {})
         ratios.append(bound_s / min(score for score, _, _ in found))
     assert ratios and all(0.5 < r <= 1 + TOL for r in ratios), ratios
+
+
+def test_refined_bound_of_unequal_replicas_counts_their_capacity() -> None:
+    """Rank-order replicas of a fast and a slow type: the fastest replica's flush alone says little (~0.6 of
+    the price); the batch over the replicas' summed capacity keeps the refined bound within 0.75."""
+    cost = CostModel(cluster_from_dict({"nodes": [
+        {"gpu": "h100_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 800},
+        {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400}]}), load_model_spec("gpt3-350m"), 512)
+    bounds, ratios = LowerBounds(cost), []
+    for dp, t, kinds, heads, crossing, layout, reps in uniform_layouts(cost, 64, 1):
+        found = _price(cost, 64, layout, 0, 2, True, "auto", PlannerOptions(), {}, {})
+        if found and len(kinds) > 1:
+            refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, 2, True, 64, "auto", PlannerOptions(), {},
+                                     {}, math.inf)
+            ratios.append(refined / min(score for score, _, _ in found))
+    assert len(ratios) == 3 and all(0.75 < r <= 1 + TOL for r in ratios), ratios

@@ -59,11 +59,12 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         from ethpipe.planner.idle import plan_with_idle
 
         templates: dict = {}  # shared by the idle search's sub-clusters (same node types)
+        full = cost
 
         def plan_on(on: CostModel, incumbent_s: float = math.inf) -> Plan | None:
             # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
-                            cache=templates, incumbent_s=math.inf if robust else incumbent_s)
+                            cache=templates, incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full)
 
         if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
             plan, cost = plan_with_idle(cost, global_batch_size, plan_on)

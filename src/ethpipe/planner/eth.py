@@ -114,7 +114,7 @@ def _diverse(scored: list[tuple[float, Group]], keep: int) -> list[Group]:
 
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
              options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None,
-             incumbent_s: float = math.inf) -> Plan | None:
+             incumbent_s: float = math.inf, sub_cluster: bool = False) -> Plan | None:
     """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
     least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time).
 
@@ -125,7 +125,9 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     ``incumbent_s``: only a plan predicted faster matters (the idle search's best plan on another set of
     devices); every family prunes against it as against its own best, and None is returned if no plan
     beats it. Sound because a layout's search score never exceeds its final price. Not with ``robust``
-    (the worst case, not the score, decides there)."""
+    (the worst case, not the score, decides there). ``sub_cluster``: the cluster is the idle search's
+    (``idle.py``): the replicated family searches the layer-balanced space only (the uniform baseline is
+    the whole cluster's, and rank-order replicas of a sub-cluster rarely pay for their pricing)."""
     assert not (robust and math.isfinite(incumbent_s)), "robust plans are compared by their worst case"
     started = time.perf_counter()
     options = options or PlannerOptions()
@@ -179,7 +181,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 try_layout([own[i] for i in alone] + ([mixed] if mixed else []), [splits[i] for i in alone])
         # The replicated family next: exact, and the incumbent that prunes the wider families below.
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
-                                               micro_batches=mbs, cache=cache, incumbent=best, incumbent_s=incumbent_s)
+                                               micro_batches=mbs, cache=cache, incumbent=best, incumbent_s=incumbent_s,
+                                               uniform_space=not sub_cluster)
         layouts += priced
         if replicated is not None:
             best = replicated

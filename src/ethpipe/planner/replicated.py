@@ -159,9 +159,11 @@ def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recom
 
 def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recompute: str, options: PlannerOptions,
                       micro_batches: Sequence[int] | None, cache: dict, incumbent: Found | None,
-                      incumbent_s: float = math.inf) -> tuple[Found | None, int]:
+                      incumbent_s: float = math.inf, uniform_space: bool = True) -> tuple[Found | None, int]:
     """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``
     and ``incumbent_s`` (a time to beat without a layout: another cluster's plan, for the idle search).
+    ``uniform_space=False``: the layer-balanced space only (the idle search's sub-clusters: the uniform
+    baseline is the full cluster's, and rank-order replicas of a sub-cluster are rarely worth their pricing).
 
     Returns (best found or None, candidates priced)."""
     bounds = shared_bounds(cost, cache)
@@ -169,7 +171,8 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     counter = itertools.count()
     structures: dict[int, list[tuple[tuple[StageSlot, ...], Group]]] = {}
     representatives: dict[int, Structures] = {}
-    spaces: list[tuple[Iterator[LazyLayout], bool]] = [(uniform_layouts(cost, global_batch, max_tp), True)]
+    spaces: list[tuple[Iterator[LazyLayout], bool]] = [(uniform_layouts(cost, global_batch, max_tp), True)
+                                                       ] if uniform_space else []
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
         spaces.append((layer_balanced_layouts(cost, global_batch, max_tp), False))
     for layouts, uniform in spaces:
@@ -255,8 +258,11 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callabl
     if global_batch < num_pipes:
         return None
     # Some pipeline runs >= ceil(B/P) samples, equal data or balanced; its flush (the estimator's exact
-    # formula, non-decreasing in the samples) is at least the fastest structure's at ceil(B/P).
-    makespan = min(float(t.timing.finish_s(-(-global_batch // num_pipes))[0]) for t in templates)
+    # formula, non-decreasing in the samples) is at least the fastest structure's at ceil(B/P). And some
+    # pipeline's flush is at least the batch over the structures' summed capacity (``capacity_per_s``):
+    # what bounds rank-order replicas of unequal devices, whose fastest structure says little.
+    makespan = max(min(float(t.timing.finish_s(-(-global_batch // num_pipes))[0]) for t in templates),
+                   global_batch / sum(c / t.timing.per_sample_floor_s() for t, (_, c) in zip(templates, structures)))
     first_layers = min(t.partition.num_layers[0] for t in templates)
     slot = templates[0].slots[0]
     stage0 = Stage(slot.ranks, slot.device, (0, first_layers), slot.tp, True)
