@@ -6,6 +6,8 @@ from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
 from ethpipe.planner.exhaustive import exhaustive_eth
+from ethpipe.planner.grouping import evaluate_groups, homogeneous_group
+from ethpipe.planner.templates import build_template, pools_of, shape_slots
 
 HETERO = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 800},
@@ -89,3 +91,20 @@ def test_errors() -> None:
         make_plan(load_cluster("examples/clusters/a100_v100.yaml"), load_model_spec("tiny"), 1, 64, max_tp=1)
     with pytest.raises(ValueError, match="unknown method"):
         make_plan(t4, load_model_spec("tiny"), 8, 64, method="fast")
+
+
+def test_evaluate_groups_skips_the_sync_only_when_the_flush_cannot_beat_the_cutoff() -> None:
+    """The flush bound of the combination search: every stage's sync and optimizer step follow its last
+    backward, so the priced time is at least the slowest flush; a cutoff below it changes nothing."""
+    cost = CostModel(HETERO, load_model_spec("gpt3-350m"), 512)
+    groups = []
+    for i, pool in enumerate(pools_of(cost)):
+        tpl = build_template(cost, i, shape_slots(pool, 2, 1, 1), 2, "auto", 1, {})
+        assert tpl is not None
+        groups.append(homogeneous_group(cost, tpl, pool))
+    score, samples = evaluate_groups(cost, groups, 64)
+    flush_s = max(float(g.template.timing.finish_s(max(row))[0]) for g, row in zip(groups, samples))
+    assert flush_s < score  # the sync and optimizer are priced after the flush
+    assert evaluate_groups(cost, groups, 64, cutoff_s=score)[0] == score  # above the flush: priced exactly
+    assert evaluate_groups(cost, groups, 64, cutoff_s=flush_s * (1 + 1e-12))[0] == score
+    assert evaluate_groups(cost, groups, 64, cutoff_s=flush_s)[0] == float("inf")

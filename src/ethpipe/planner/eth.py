@@ -33,6 +33,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
+from ethpipe.planner.bounds import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
 from ethpipe.planner.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
@@ -76,15 +77,19 @@ def _pool_groups(cost: CostModel, pools: Sequence[Pool], i: int, global_batch: i
             shapes.append((_prescore_s(cost, pool, depth, tp, span, share), depth, tp, span, count, share))
     shapes.sort()
     built = 0
+    bounds = shared_bounds(cost, cache)
     for _, depth, tp, span, count, share in shapes:
         if built >= SHAPES_BUILT_PER_POOL:
             break
+        sizes = micro_batches or micro_batch_candidates(max(1, -(-share // depth)))
+        if math.isinf(bounds.stages_bottleneck_s([(pool.device, tp)] * depth, sizes[0], recompute)):
+            continue  # cannot hold the model (the pre-score ignores memory): no partition tried
         slots = shape_slots(pool, depth, tp, span)
         best = None
-        for b in micro_batches or micro_batch_candidates(max(1, -(-share // depth))):
+        for b in sizes:
             tpl = build_template(cost, i, slots, b, recompute, span, cache, options)
             if tpl is None:
-                continue
+                break  # memory only grows with the micro-batch size
             flush_s = float(tpl.timing.finish_s(share)[0])  # the score's own formula: no T(n) table yet
             if best is not None and flush_s >= best[0]:
                 break  # T(share) is unimodal in b: fewer, larger micro-batches until the bubble grows
@@ -174,12 +179,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 finalists.append(found)
                 best = found if best is None or found[0] < best[0] else best
 
-        for mixed_set in mixed_sets(cost, pools, list(own)):
-            alone = [i for i in range(len(pools)) if i in own and i not in mixed_set]
-            mixed = mixed_candidates(cost, [pools[i] for i in mixed_set], global_batch, **family) if mixed_set else []
-            if mixed or not mixed_set:
-                try_layout([own[i] for i in alone] + ([mixed] if mixed else []), [splits[i] for i in alone])
-        # The replicated family next: exact, and the incumbent that prunes the wider families below.
+        # The replicated family first: exact, and the incumbent that prunes the others (the flush bound
+        # of ``_search`` skips most per-pool combinations' sync pricing).
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
                                                micro_batches=mbs, cache=cache, incumbent=best, incumbent_s=incumbent_s,
                                                uniform_space=not sub_cluster)
@@ -187,6 +188,11 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         if replicated is not None:
             best = replicated
             finalists.append(replicated)
+        for mixed_set in mixed_sets(cost, pools, list(own)):
+            alone = [i for i in range(len(pools)) if i in own and i not in mixed_set]
+            mixed = mixed_candidates(cost, [pools[i] for i in mixed_set], global_batch, **family) if mixed_set else []
+            if mixed or not mixed_set:
+                try_layout([own[i] for i in alone] + ([mixed] if mixed else []), [splits[i] for i in alone])
         if options.allow_mixed and len(pools) > 1:
             covered = len({p.device for p in pools}) == len(pools)  # one pool per type: interleaved = layer-balanced
             for groups in interleaved(cost, pools, global_batch, **family, per_type_only=covered,
@@ -247,8 +253,8 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
             ) -> Found | None:
     """Every combination when few, else coordinate descent from each pool's best candidate; then each pool's
     ``extra`` candidates (split pools), one pool at a time from that best, so they never make it worse.
-    A combination whose capacity bound cannot beat the best so far (``incumbent_s`` or this search's) is
-    not priced; None if none was."""
+    A combination whose capacity bound or slowest flush cannot beat the best so far (``incumbent_s`` or this
+    search's) is not priced; None if none was."""
     best: Found | None = None
     last_error: Infeasible | None = None
     seen: set[tuple[int, ...]] = set()
@@ -260,15 +266,16 @@ def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: in
             return
         seen.add(tuple(choice))
         groups = [g for pool, c in zip(lists, choice) for g in pool[c]]
-        if global_batch / capacity_per_s(groups) >= min(incumbent_s, best[0] if best else math.inf):
+        bar_s = min(incumbent_s, best[0] if best else math.inf)
+        if global_batch / capacity_per_s(groups) >= bar_s:
             return
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=not options.balance_data,
-                                             flat_sync=not options.block_sync)
+                                             flat_sync=not options.block_sync, cutoff_s=bar_s)
         except Infeasible as err:
             last_error = err
             return
-        if best is None or score < best[0]:
+        if math.isfinite(score) and (best is None or score < best[0]):
             best = (score, groups, samples)
             best_choice[:] = list(choice)
 

@@ -8,6 +8,7 @@ node statistics are gathered when it is made, so a candidate costs O(blocks x gr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -157,13 +158,19 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
 
 
 def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,
-                    flat_sync: bool = False, shapes: list | None = None) -> tuple[float, list[list[int]]]:
+                    flat_sync: bool = False, shapes: list | None = None, cutoff_s: float = math.inf
+                    ) -> tuple[float, list[list[int]]]:
     """Balance the batch over the groups' pipelines (level 3; or split it equally) and price the iteration
-    (``shapes``: the groups' ``sync_shapes``, when already known)."""
+    (``shapes``: the groups' ``sync_shapes``, when already known). If the slowest pipeline's flush alone
+    (a lower bound: every stage's sync and optimizer step come after its last backward) is at least
+    ``cutoff_s``, the sync is not priced and the score is inf."""
     if equal_data:
         samples = equal_samples(groups, global_batch)
     else:
         samples = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch)
+    if math.isfinite(cutoff_s) and max(float(gr.template.timing.finish_s(max(row))[0])
+                                       for gr, row in zip(groups, samples)) >= cutoff_s:
+        return math.inf, samples
     return group_iteration_s(cost, groups, samples, flat_sync=flat_sync, shapes=shapes), samples
 
 

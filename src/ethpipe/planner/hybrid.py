@@ -195,7 +195,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     continue
                 tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)  # the others: same memory
                 if tpl is None:
-                    continue
+                    break  # memory only grows with the micro-batch size
                 flush_s = float(tpl.timing.finish_s(share)[0])
                 if best is not None and flush_s >= best[0]:
                     break  # unimodal in b, as for a pool's own shapes
