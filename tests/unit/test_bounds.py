@@ -145,3 +145,25 @@ def test_refined_bound_of_unequal_replicas_counts_their_capacity() -> None:
                                      {}, math.inf)
             ratios.append(refined / min(score for score, _, _ in found))
     assert len(ratios) == 3 and all(0.75 < r <= 1 + TOL for r in ratios), ratios
+
+
+@settings(max_examples=200, deadline=None)
+@given(opts=st.lists(st.lists(st.tuples(st.floats(0.5, 4.0), st.integers(0, 12)), min_size=1, max_size=3),
+                     min_size=1, max_size=6), num_layers=st.integers(1, 30))
+def test_capped_bottleneck_is_the_least_feasible_threshold(opts: list, num_layers: int) -> None:
+    """Against a scan of every candidate threshold k x per: feasible iff each position holds >= 1 layer and
+    all hold >= L, a position holding max over its options of min(floor(X / per), fit)."""
+    one_gpu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1,
+                                            "nic_gbit_s": 100}]})
+    spec = ModelSpec(name="m", num_layers=num_layers, hidden_size=64, num_heads=2, num_kv_heads=2,
+                     ffn_hidden_size=64, vocab_size=256, max_seq_len=64)
+    bounds = LowerBounds(CostModel(one_gpu, spec, 64))
+
+    def held(x: float, options: list) -> int:  # x is some k x per: round (k x per) / per back to k
+        return max(min(math.floor(x / per * (1 + 1e-12)), fit) for per, fit in options)
+
+    candidates = sorted({k * per for options in opts for per, fit in options for k in range(1, fit + 1)})
+    feasible = [x for x in candidates if all(held(x, o) >= 1 for o in opts) and sum(held(x, o) for o in opts)
+                >= num_layers]
+    got = bounds._capped_bottleneck_s([tuple(o) for o in opts])
+    assert got == (feasible[0] if feasible else math.inf)

@@ -16,7 +16,6 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, distinct_gpus
@@ -104,8 +103,8 @@ class LowerBounds:
 
     def memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
         """Per-sample bottleneck of one device order with memory: each position holds at most what fits
-        (recomputing where that holds more); inf if the model cannot fit. Bisection on the threshold X:
-        feasible iff every position holds >= 1 layer within X and they hold >= L together."""
+        (recomputing where that holds more); inf if the model cannot fit. The least threshold X at which every
+        position holds >= 1 layer and they hold >= L together (``_capped_bottleneck_s``)."""
         depth = len(devices)
         return self._capped_bottleneck_s(
             [self._position(d, tp, b, depth - i, i == 0, i == depth - 1, recompute) for i, d in enumerate(devices)])
@@ -187,23 +186,40 @@ class LowerBounds:
         return self._memo[key]
 
     def _capped_bottleneck_s(self, opts: Sequence[tuple[tuple[float, int], ...]]) -> float:
-        depth, num_layers = len(opts), self.cost.model.num_layers
-        per = np.array([[o[min(j, len(o) - 1)][0] for j in range(2)] for o in opts])
-        fit = np.array([[o[min(j, len(o) - 1)][1] for j in range(2)] for o in opts])
-
-        def feasible(x: float) -> bool:
-            held = np.minimum(np.floor(x / per), fit).max(axis=1)
-            return bool(held.min() >= 1 and held.sum() >= num_layers)
-        lo = float(per.min(axis=1).max()) * (1 - 1e-9)
-        hi = float(per.max()) * -(-num_layers // depth)
-        if not feasible(hi):
-            hi = float(per.max()) * num_layers
-            if not feasible(hi):
+        """The least X such that every position holds >= 1 layer and all hold >= L, each layer at most X: a
+        position's k-th layer costs k times its cheapest option that holds k layers (options: (per-layer
+        seconds, layers that fit)), so X is the larger of every position's first layer and the L-th smallest
+        of these thresholds (a merge of the positions' increasing sequences); inf if the model cannot fit."""
+        num_layers = self.cost.model.num_layers
+        heap: list[tuple[float, int, int, list[tuple[float, int]]]] = []
+        total, first = 0, 0.0
+        for options in opts:
+            segments: list[tuple[float, int]] = []  # (per-layer seconds, last layer at that price)
+            held = 0
+            for per, fit in sorted(options):
+                if fit > held:
+                    held = min(fit, num_layers)
+                    segments.append((per, held))
+                if held >= num_layers:
+                    break
+            if not segments:
                 return math.inf
-        for _ in range(14):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-        return lo
+            total += held
+            first = max(first, segments[0][0])
+            heap.append((segments[0][0], 1, 0, segments))
+        if total < num_layers:
+            return math.inf
+        heapq.heapify(heap)
+        for _ in range(num_layers - 1):  # consume the L-1 smallest thresholds
+            _, k, s, segments = heap[0]
+            k += 1
+            if k > segments[s][1]:
+                s += 1
+                if s == len(segments):
+                    heapq.heappop(heap)
+                    continue
+            heapq.heapreplace(heap, (k * segments[s][0], k, s, segments))
+        return max(first, heap[0][0])
 
     def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None,
                 any_order: bool = False) -> float:
