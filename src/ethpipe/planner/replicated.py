@@ -183,15 +183,21 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             layers = equal_layers(cost.model.num_layers, depth) if uniform else None
             sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
             for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:  # any order: once per shape
-                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=not uniform)
-                heapq.heappush(heap, (bound, next(counter), 0, (key, layout, reps, heads, crossing, share, b, uniform,
-                                                                 (kinds, t, layers, sync_s))))
+                # Without memory first (stage -1): the memory-aware bound of the type multiset, shared by its
+                # orders, is computed only for multisets that reach the top of the heap.
+                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, None, any_order=not uniform)
+                heapq.heappush(heap, (bound, next(counter), 0 if uniform else -1,
+                                      (key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s))))
     best, priced = incumbent, 0
     while heap:
         bound, _, stage, item = heapq.heappop(heap)
         if bound >= min(incumbent_s, best[0] if best is not None else math.inf):
             break
         key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s) = item
+        if stage == -1:
+            memory_s = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=True)
+            heapq.heappush(heap, (max(bound, memory_s), next(counter), 0, item))
+            continue
         if stage == 0:  # the device order's own bounds first: no templates
             flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute)
             if flush_s is not None:
