@@ -8,7 +8,9 @@ or is not started). A candidate is skipped when its compute-only lower bound (mo
 the sub-cluster's summed achievable FLOP/s, ``ideal_time_s``) is already no better than the
 best plan so far; as the bound only grows with more types idle, the search stops there. It also
 stops at the first candidate that is not faster than the best so far (each candidate costs a whole
-plan, and a type that is needed, for memory or throughput, stays needed with fewer types). The
+plan, and a type that is needed, for memory or throughput, stays needed with fewer types). Each
+candidate's search prunes against the best time so far (it only matters if it beats it) and
+searches the layer-balanced space but not the uniform baseline's (``plan_eth(sub_cluster=True)``). The
 fastest plan by predicted iteration time wins (ties: the plan with more devices). The idle
 devices get no rank (docs/plan-format.md, "Idle devices"): the plan's ``idle_devices`` lists
 them with the comparison that made them idle, and ``search.idle`` what was tried.
