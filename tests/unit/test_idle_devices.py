@@ -21,6 +21,8 @@ from ethpipe.errors import Infeasible, UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
+from ethpipe.planner import idle
+from ethpipe.planner.ahead import MISSING, Ahead
 from ethpipe.planner.eth import plan_eth
 from ethpipe.planner.idle import plan_with_idle
 from ethpipe.sim import simulate
@@ -220,9 +222,70 @@ def test_plan_with_idle_skips_infeasible_and_bounded_candidates() -> None:
 
     plan, chosen = plan_with_idle(cost, 8, nothing_faster)
     assert plan.idle_devices == () and chosen is cost
-    assert seen == [math.inf, full.predicted["iteration_time_s"]]  # the sub-cluster is told the time to beat
+    assert seen == [math.inf, math.inf]  # the first candidate has nothing to beat (it may run ahead, in parallel)
     (candidate,) = plan.extra["search"]["idle"]["candidates"]  # and the search stops there
     assert candidate["skipped"].startswith("no plan predicted under")
+
+
+THREE_TYPES = {"nodes": [
+    {"gpu": {"id": "slow", "memory_gib": 16, "peak_tflops": 2}, "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": {"id": "mid", "memory_gib": 16, "peak_tflops": 20}, "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": {"id": "fast", "memory_gib": 16, "peak_tflops": 100}, "num_nodes": 1, "gpus_per_node": 2,
+     "nic_gbit_s": 10},
+]}
+
+
+def test_later_idle_candidates_are_told_the_time_to_beat() -> None:
+    cost = CostModel(cluster_from_dict(THREE_TYPES), TINY, SEQ)
+    full = make_plan(cost.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+    times = {6: 3.0, 4: 2.0, 2: 1.5}  # devices left -> predicted seconds: each idle type helps
+    seen: list[tuple[int, float]] = []
+
+    def timed(on: CostModel, incumbent_s: float) -> Plan:
+        seen.append((on.cluster.num_devices, incumbent_s))
+        return dataclasses.replace(full, predicted={**full.predicted, "iteration_time_s": times[on.cluster.num_devices]})
+
+    plan, chosen = plan_with_idle(cost, 8, timed, ahead=False)
+    assert seen == [(6, math.inf), (4, math.inf), (2, 2.0)] and chosen.cluster.num_devices == 2
+    assert [c["iteration_time_s"] for c in plan.extra["search"]["idle"]["candidates"]] == [2.0, 1.5]
+
+
+def test_the_first_idle_candidate_planned_ahead_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a second (forked) process or in this one: the same plan either way. (Forced on: another test may
+    have left a thread alive, which switches it off in real use.)"""
+    started: list[Ahead] = []
+
+    class Counted(Ahead):
+        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(fn)
+            started.append(self)
+
+    monkeypatch.setattr(idle, "can_run_ahead", lambda: True)
+    monkeypatch.setattr(idle, "Ahead", Counted)
+    cost = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)
+
+    def plan_on(on: CostModel, incumbent_s: float) -> Plan | None:
+        return plan_eth(on, 8, max_tp=1, incumbent_s=incumbent_s, sub_cluster=on is not cost)
+
+    here, _ = plan_with_idle(cost, 8, plan_on, ahead=False)
+    assert not started
+    ahead, chosen = plan_with_idle(cost, 8, plan_on, ahead=True)
+    assert len(started) == 1
+    assert chosen.cluster.num_devices == 4 and ahead.idle_device_indices == here.idle_device_indices == (0, 1, 2, 3)
+    assert ahead.pipelines == here.pipelines and ahead.extra["search"]["idle"] == here.extra["search"]["idle"]
+    timeless = [{k: v for k, v in p.predicted.items() if k != "planning_time_s"} for p in (ahead, here)]
+    assert timeless[0] == timeless[1] and ahead.blocks == here.blocks
+
+
+def test_a_child_that_cannot_answer_leaves_the_call_to_this_process() -> None:
+    seen: list[int] = []
+    job = Ahead(lambda: (lambda: None))  # a lambda does not pickle: the child sends nothing
+    assert job.result() is MISSING
+    job = Ahead(lambda: seen.append(1) or 7)  # the child's side effects stay in the child
+    assert job.result() == 7 and seen == []
+    job = Ahead(lambda: (_ for _ in ()).throw(Infeasible("does not fit")))
+    with pytest.raises(Infeasible, match="does not fit"):
+        job.result()
 
 
 def test_plan_eth_with_an_incumbent_is_the_same_plan_or_none() -> None:

@@ -27,7 +27,10 @@ from typing import Any
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
+from ethpipe.planner.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.estimate import ideal_time_s
+
+AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process
 
 
 def _time_s(plan: Plan) -> float:
@@ -52,13 +55,26 @@ def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, ro
     return f"idle: plan without {names} {what} {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
 
 
-def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel, float], Plan | None]
-                   ) -> tuple[Plan, CostModel]:
+def _sub_cluster(cost: CostModel, idle_types: tuple[str, ...]) -> CostModel:
+    return cost.on_cluster(cost.cluster.without_devices([d.rank for d in cost.cluster.devices
+                                                         if d.gpu.id in idle_types]))
+
+
+def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel, float], Plan | None],
+                   *, ahead: bool | None = None) -> tuple[Plan, CostModel]:
     """The fastest of ``plan_on(cost, inf)`` and ``plan_on`` on each idle candidate's sub-cluster, with the
     cost model that priced it. ``plan_on``'s second argument is the best time so far: it may return None when
-    it finds nothing faster, which saves most of a losing candidate's search. Infeasible sub-clusters are
-    skipped; if nothing fits, the full cluster's error."""
+    it finds nothing faster, which saves most of a losing candidate's search. The first candidate is planned
+    with nothing to beat, so that with ``ahead`` (and ``ahead.can_run_ahead()``) a second process plans it
+    while this one plans the whole cluster, with the same result (``ahead=None``: from ``AHEAD_MIN_DEVICES``
+    devices on, where planning takes long enough to repay the fork). Infeasible sub-clusters are skipped; if
+    nothing fits, the full cluster's error."""
     started = time.perf_counter()
+    candidates = idle_candidates(cost)
+    if ahead is None:
+        ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
+    first = Ahead(lambda: plan_on(_sub_cluster(cost, candidates[0]), math.inf)) if (
+        ahead and candidates and can_run_ahead()) else None
     best: tuple[Plan, CostModel, tuple[str, ...]] | None = None
     error: Infeasible | None = None
     try:
@@ -67,17 +83,27 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         best = (full, cost, ())
     except Infeasible as err:
         error = err
+    except BaseException:
+        if first is not None:
+            first.cancel()
+        raise
     full_s = _time_s(best[0]) if best is not None else None
     tried: list[dict[str, Any]] = []
-    for idle_types in idle_candidates(cost):
-        indices = [d.rank for d in cost.cluster.devices if d.gpu.id in idle_types]
-        sub = cost.on_cluster(cost.cluster.without_devices(indices))
+    for k, idle_types in enumerate(candidates):
+        sub = _sub_cluster(cost, idle_types)
         record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
         if best is not None and record["lower_bound_s"] >= _time_s(best[0]):
             tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})
             break
         try:
-            plan = plan_on(sub, _time_s(best[0]) if best is not None else math.inf)
+            if k == 0:
+                plan = first.result() if first is not None else MISSING
+                first = None
+                plan = plan_on(sub, math.inf) if plan is MISSING else plan
+                if plan is not None and best is not None and _time_s(plan) >= _time_s(best[0]):
+                    plan = None  # as a search told the time to beat would say
+            else:
+                plan = plan_on(sub, _time_s(best[0]) if best is not None else math.inf)
         except Infeasible as err:
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
@@ -89,6 +115,8 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         if best is not None and _time_s(plan) >= _time_s(best[0]):
             break  # idling one more type rarely helps where this one did not; each try is a whole plan
         best = (plan, sub, idle_types)
+    if first is not None:  # the first candidate was skipped by its lower bound
+        first.cancel()
     if best is None:
         assert error is not None, "every candidate was skipped or infeasible, and the full cluster raised"
         raise error
