@@ -53,10 +53,12 @@ def test_rebalancing_keeps_the_loss_trajectory_and_final_params(tmp_path: Path) 
                           clip_grad=0.5, seed=0)
     static = json.loads((tmp_path / "static.json").read_text())
     balanced = json.loads((tmp_path / "rebalanced.json").read_text())
-    applied = [r for r in balanced if r.get("rebalance", {}).get("applied")]
+    # Rank 0 (pipeline 0) is 4x slower from step 1; a re-split measured at step 0 (before it) may go either way
+    # on a noisy machine (the two pipelines' own speeds differ by a few percent), so look from step 1 on.
+    applied = [r for r in balanced if r.get("rebalance", {}).get("applied") and r["step"] >= 1]
     assert applied, "the 4x straggler never triggered a rebalance: the test proves nothing"
     first = applied[0]
-    assert first["rebalance"]["old_split"] == [6, 6] and first["rebalance"]["new_split"][0] < 6
+    assert first["rebalance"]["new_split"][0] < first["rebalance"]["old_split"][0]  # away from the straggler
     assert balanced[first["step"] + 1]["split"] == first["rebalance"]["new_split"]  # applied at the next step
     assert all(r["split"] == [6, 6] for r in static) and all("rebalance" not in r for r in static)
     got_static, got_balanced = load_file(tmp_path / "static.safetensors"), load_file(tmp_path / "rebalanced.safetensors")
