@@ -65,10 +65,10 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     """The fastest of ``plan_on(cost, inf)`` and ``plan_on`` on each idle candidate's sub-cluster, with the
     cost model that priced it. ``plan_on``'s second argument is the best time so far: it may return None when
     it finds nothing faster, which saves most of a losing candidate's search. The first candidate is planned
-    with nothing to beat, so that with ``ahead`` (and ``ahead.can_run_ahead()``) a second process plans it
-    while this one plans the whole cluster, with the same result (``ahead=None``: from ``AHEAD_MIN_DEVICES``
-    devices on, where planning takes long enough to repay the fork). Infeasible sub-clusters are skipped; if
-    nothing fits, the full cluster's error."""
+    with nothing to beat, so that with ``ahead`` (where ``planner.ahead.can_run_ahead()``) a second process
+    plans it while this one plans the whole cluster, with the same result (``ahead=None``: from
+    ``AHEAD_MIN_DEVICES`` devices on, where planning takes long enough to repay the fork). Infeasible
+    sub-clusters are skipped; if nothing fits, the full cluster's error."""
     started = time.perf_counter()
     candidates = idle_candidates(cost)
     if ahead is None:
