@@ -31,43 +31,44 @@ def _loads_and_simulates(plan: Plan) -> None:
     assert simulated == pytest.approx(estimate_iteration_s(loaded, cost), rel=0.05)
 
 
+def _wins_and_round_trips(cluster, spec, batch: int, flag: str) -> tuple[Plan, Plan]:  # type: ignore[no-untyped-def]
+    """The plan with every family and the plan with ``flag`` off: the family must win, and its plan load and
+    simulate; both are returned for the family's own checks."""
+    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES)
+    without = make_plan(cluster, spec, batch, 2048, options=PlannerOptions(allow_idle=False, **{flag: False}))
+    assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
+    _loads_and_simulates(plan)
+    return plan, without
+
+
 def test_hybrid_layout_wins_and_round_trips() -> None:
     # Every type holds a replica alone; the best plan still interleaves two of them.
     cluster = _cluster(("a100_80gb_sxm", 2, 2), ("l4", 2, 2), ("h100_sxm", 2, 2))
     spec = load_model_spec("gpt3-350m")
-    plan = make_plan(cluster, spec, 48, 2048, options=ALL_DEVICES)
+    plan, _ = _wins_and_round_trips(cluster, spec, 48, "hybrid")
     mixed = [p for p in plan.pipelines if len({s.device for s in p.stages}) > 1]
     alone = [p for p in plan.pipelines if len({s.device for s in p.stages}) == 1]
     mixed_types = {s.device for p in mixed for s in p.stages}
     assert mixed and alone and len(mixed_types) == 2
     assert not mixed_types & {s.device for p in alone for s in p.stages}
-    without = make_plan(cluster, spec, 48, 2048, options=PlannerOptions(allow_idle=False, hybrid=False))
-    assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
-    _loads_and_simulates(plan)
 
 
 def test_per_type_tp_inside_one_pipeline_wins_and_round_trips() -> None:
     # The 16 GB V100s hold their share of llama2-7b's layers only with a higher TP degree than the A100s'.
     cluster = _cluster(("a100_80gb_sxm", 2, 4), ("v100_16gb", 2, 4))
     spec = load_model_spec("llama2-7b")
-    plan = make_plan(cluster, spec, 128, 2048, options=ALL_DEVICES)
+    plan, without = _wins_and_round_trips(cluster, spec, 128, "per_type_tp")
     assert any(len({s.tp for s in p.stages}) > 1 and len({s.device for s in p.stages}) > 1 for p in plan.pipelines)
-    without = make_plan(cluster, spec, 128, 2048, options=PlannerOptions(allow_idle=False, per_type_tp=False))
     assert all(len({s.tp for s in p.stages}) == 1 for p in without.pipelines if len({s.device for s in p.stages}) > 1)
-    assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
-    _loads_and_simulates(plan)
 
 
 def test_split_pool_wins_and_round_trips() -> None:
     # The H100 pool's nodes are shared by two shapes (depth 1 and 2): a finer split of the batch.
     cluster = _cluster(("h100_sxm", 4, 4), ("v100_32gb_sxm2", 3, 4))
     spec = load_model_spec("gpt3-1.3b")
-    plan = make_plan(cluster, spec, 112, 2048, options=ALL_DEVICES)
+    plan, _ = _wins_and_round_trips(cluster, spec, 112, "split_pools")
     h100 = {(p.depth, p.stages[0].tp) for p in plan.pipelines if p.stages[0].device == "h100_sxm"}
     assert len(h100) == 2 and all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
-    whole = make_plan(cluster, spec, 112, 2048, options=PlannerOptions(allow_idle=False, split_pools=False))
-    assert plan.predicted["iteration_time_s"] < whole.predicted["iteration_time_s"]
-    _loads_and_simulates(plan)
 
 
 SMALL = [

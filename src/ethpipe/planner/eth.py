@@ -125,7 +125,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
 
     ``cache``: templates and stage options to reuse across calls on clusters of the same node types
     (the idle search's sub-clusters): their keys hold device types, TP degrees, same-node links and
-    micro-batch sizes, never ranks. The lower bounds depend on the whole cluster and are rebuilt.
+    micro-batch sizes, never ranks. The lower bounds are rebuilt (their sync part depends on ranks and nodes;
+    ``shared_bounds`` keeps their per-device memos).
 
     ``incumbent_s``: only a plan predicted faster matters (the idle search's best plan on another set of
     devices); every family prunes against it as against its own best, and None is returned if no plan

@@ -189,9 +189,13 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (bound, next(counter), 0 if uniform else -1,
                                       (key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s))))
     best, priced = incumbent, 0
+
+    def bar_s() -> float:
+        """What a candidate must beat: the best found so far or ``incumbent_s``."""
+        return min(incumbent_s, best[0] if best is not None else math.inf)
     while heap:
         bound, _, stage, item = heapq.heappop(heap)
-        if bound >= min(incumbent_s, best[0] if best is not None else math.inf):
+        if bound >= bar_s():
             break
         key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s) = item
         if stage == -1:
@@ -206,15 +210,14 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1, item))
             continue
         if stage == 1:
-            cutoff_s = min(incumbent_s, math.inf if best is None else best[0])
             refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
-                                     options, cache, representatives, cutoff_s)
+                                     options, cache, representatives, bar_s())
             if refined is not None:
                 heapq.heappush(heap, (max(bound, refined), next(counter), 2, item))
             continue
         for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
             priced += 1
-            if found[0] < incumbent_s and (best is None or found[0] < best[0]):
+            if found[0] < bar_s():
                 best = found
     return (None if best is incumbent else best), priced
 
