@@ -1,9 +1,12 @@
 import itertools
+import math
 import random
 
+import numpy as np
 import pytest
 
-from ethpipe.planner.partition import StageOption, _greedy, bottleneck_of, partition_layers
+from ethpipe.cost.pipeline import stage_finish_s
+from ethpipe.planner.partition import StageOption, _greedy, bottleneck_of, flush_lower_bound_s, partition_layers
 
 
 def _compositions(total: int, parts: int):
@@ -16,7 +19,7 @@ def _random_stages(rng: random.Random, depth: int, layers: int):
     stages = []
     for _ in range(depth):
         per = rng.uniform(0.5, 3.0)
-        opts = [StageOption(rng.uniform(0, 2.0), per, rng.randint(0, layers), False)]
+        opts = [StageOption(rng.uniform(0, 2.0), per, rng.randint(0, layers + 2), False)]
         if rng.random() < 0.5:
             opts.append(StageOption(opts[0].fixed_s, per * 1.33, rng.randint(0, layers), True))
         stages.append(opts)
@@ -85,3 +88,43 @@ def test_tie_break_fixes_the_lopsided_greedy() -> None:
     assert part is not None and part.bottleneck_s == 4.0
     assert sorted(part.num_layers, reverse=True) == [4, 3, 3, 3]
 
+
+
+def _flush_of_split(stages, counts, num_micro_batches: int) -> float:
+    """The estimator's flush of a split: each stage's time split 1:2 into forward and backward."""
+    times = np.array(_stage_times(stages, counts))
+    fwd = np.repeat(times[:, None] / 3, num_micro_batches, axis=1)
+    return float(stage_finish_s(fwd, 2 * fwd)[0])
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_flush_lower_bound_never_exceeds_the_flush_of_the_split_level_2_makes(seed: int) -> None:
+    rng = random.Random(5000 + seed)
+    layers = rng.randint(1, 14)
+    depth = rng.randint(1, min(layers, 6))
+    stages = _random_stages(rng, depth, layers)
+    m = rng.randint(1, 9)
+    part = partition_layers(stages, layers)
+    bound, unfilled = flush_lower_bound_s(stages, layers, m), flush_lower_bound_s(stages, layers, m, fill=False)
+    if part is None:
+        assert math.isinf(bound) and math.isinf(unfilled)
+        return
+    flush = _flush_of_split(stages, part.num_layers, m)
+    assert unfilled <= bound <= flush * (1 + 1e-12)
+    assert bound >= m * part.bottleneck_s * (1 - 1e-12)  # at least the bottleneck stage's own work
+
+
+def test_flush_lower_bound_is_exact_on_equal_stages() -> None:
+    """8 layers on 4 equal stages, 6 micro-batches: (m + depth - 1) x 2 layers, the textbook 1F1B flush."""
+    stages = [[StageOption(0.0, 1.0, 10)]] * 4
+    part = partition_layers(stages, 8)
+    assert part is not None and part.num_layers == (2, 2, 2, 2)
+    assert flush_lower_bound_s(stages, 8, 6) == pytest.approx(_flush_of_split(stages, part.num_layers, 6)) == 18.0
+
+
+def test_flush_lower_bound_when_a_fast_stage_could_hold_more_than_the_model() -> None:
+    """Under the threshold (6 s: the slow stage's one layer) the fast stage holds 60 layers of a 4-layer model."""
+    stages = [[StageOption(0.0, 0.1, 100)], [StageOption(5.0, 1.0, 100)]]
+    part = partition_layers(stages, 4)
+    assert part is not None and part.num_layers == (3, 1)
+    assert flush_lower_bound_s(stages, 4, 3) <= _flush_of_split(stages, part.num_layers, 3) * (1 + 1e-12)

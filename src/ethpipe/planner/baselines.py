@@ -23,7 +23,7 @@ from ethpipe.planner.grouping import Group, equal_split, evaluate_groups, make_g
 from ethpipe.planner.partition import partition_layers
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Template, divisors, equal_layers, fixed_partition,
                                        pools_of, slots_for)
-from ethpipe.planner.timing import StageSlot, stage_options, timing_of_partition
+from ethpipe.planner.timing import StageSlot, same_node_links, stage_options, timing_of_partition
 
 __all__ = ["equal_split", "plan_layer_balanced", "plan_uniform"]
 
@@ -31,10 +31,8 @@ __all__ = ["equal_split", "plan_layer_balanced", "plan_uniform"]
 def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -> list[Group] | None:
     """Group replicas with the same structure; ``make(slots)`` returns their Template or None."""
     by_key: dict[tuple, list[tuple[StageSlot, ...]]] = {}
-    devs = cost.cluster.devices
     for slots in instances:
-        links = tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in zip(slots, slots[1:]))
-        by_key.setdefault((tuple((s.device, s.tp) for s in slots), links), []).append(slots)
+        by_key.setdefault((tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots)), []).append(slots)
     groups = []
     for members in by_key.values():
         tpl = make(members[0])

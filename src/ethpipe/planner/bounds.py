@@ -248,8 +248,7 @@ class LowerBounds:
         if layers is None and len(kinds) == 1:  # the layer-balanced space: the same for every type order
             (kind,) = kinds
             ends_at = (None, None) if any_order else (kind[0], kind[-1])
-            key = ("makespan", tuple(sorted(Counter(kind).items())), *ends_at, tp, b, global_batch, num_pipes,
-                   recompute)
+            key = ("makespan", tuple(sorted(kind)), *ends_at, tp, b, global_batch, num_pipes, recompute)
             if key not in self._memo:
                 self._memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
             return self._memo[key]

@@ -42,7 +42,7 @@ from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.replicated import search_replicated
 from ethpipe.planner.robust import robust_record
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, micro_batch_candidates,
-                                       pool_shapes, pools_of, shape_slots)
+                                       pool_shapes, pools_of, shape_slots, template_flush_bound_s)
 
 MIN_SHAPES_PER_POOL = 3
 MAX_COMBINATIONS = 27
@@ -87,6 +87,8 @@ def _pool_groups(cost: CostModel, pools: Sequence[Pool], i: int, global_batch: i
         slots = shape_slots(pool, depth, tp, span)
         best = None
         for b in sizes:
+            if best is not None and template_flush_bound_s(cost, slots, b, recompute, share, cache, options) >= best[0]:
+                break  # as below, without building it
             tpl = build_template(cost, i, slots, b, recompute, span, cache, options)
             if tpl is None:
                 break  # memory only grows with the micro-batch size

@@ -36,8 +36,8 @@ from ethpipe.planner.bounds import LowerBounds, shared_bounds
 from ethpipe.planner.grouping import Group, homogeneous_group, make_group
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
-                                       slots_for)
-from ethpipe.planner.timing import StageSlot
+                                       slots_for, template_flush_bound_s)
+from ethpipe.planner.timing import StageSlot, same_node_links
 
 MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
 INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved family tried with every order
@@ -182,6 +182,8 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             def instance(k: int, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:
                 return tuple(s for i in order for s in stages_of[i][k * runs[i]:(k + 1) * runs[i]])
             first = instance(0)  # the others have the same devices: built once one micro-batch size wins
+            linked = list({same_node_links(cost, inst): inst for inst in map(instance, range(dp))}.values()) if (
+                math.isfinite(cutoff.best_s) and options.balance_layers and not every) else []
             heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
             share = -(-global_batch // dp)
             best = None
@@ -191,8 +193,12 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     groups = structure_groups(cost, [instance(k) for k in range(dp)], b, recompute, options, cache)
                     out += [groups] if groups is not None else []
                     continue
-                if _cannot_beat(cost, bounds, cutoff, (first, instance(dp - 1), heads), b, share, recompute):
+                if _cannot_beat(cost, bounds, cutoff, (first, instance(dp - 1), heads, linked), b, share, recompute,
+                                cache):
                     continue
+                if best is not None and template_flush_bound_s(cost, first, b, recompute, share, cache,
+                                                               options) >= best[0]:
+                    break  # as below, without building it
                 tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)  # the others: same memory
                 if tpl is None:
                     break  # memory only grows with the micro-batch size
@@ -206,13 +212,15 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
     return out
 
 
-def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff, pipelines: tuple[tuple, tuple, list[int]],
-                 b: int, share: int, recompute: str) -> bool:
-    """True if these identical-device pipelines (the first, the last, every first stage's head rank) cannot
-    fit, or no layout with them can beat the cutoff: the batch over the most samples per second they and the
-    other pools take (each pipeline at its memory-aware bottleneck), and, spanning the cluster, the flush
-    of one with ceil(B/P) samples plus its first stage's sync."""
-    first, last, heads = pipelines
+def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
+                 pipelines: tuple[tuple, tuple, list[int], list[tuple]], b: int, share: int, recompute: str,
+                 cache: dict) -> bool:
+    """True if these identical-device pipelines (the first, the last, every first stage's head rank, one of
+    each link structure: empty if their splits are not level 2's) cannot fit, or no layout with them can beat
+    the cutoff: the batch over the most samples per second they and the other pools take (each pipeline at
+    its memory-aware bottleneck), and, spanning the cluster, the flush of one with ceil(B/P) samples (the
+    device order's bound, then its layer split's, ``flush_lower_bound_s``) plus its first stage's sync."""
+    first, last, heads, linked = pipelines
     stages = [(s.device, s.tp) for s in first]
     per_sample = bounds.stages_bottleneck_s(stages, b, recompute)
     if math.isinf(per_sample):
@@ -226,7 +234,10 @@ def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff, pipelines
     devs = cost.cluster.devices
     nodes_first, nodes_last = ({devs[r].node for slot in inst for r in slot.ranks} for inst in (first, last))
     sync_s = bounds.first_stage_sync_s(heads, stages[0][1], len(stages), not nodes_first & nodes_last, 1)
-    return sync_s + bounds.ordered_flush_s(stages, b, share, None, recompute) >= cutoff.best_s
+    if sync_s + bounds.ordered_flush_s(stages, b, share, None, recompute) >= cutoff.best_s:
+        return True
+    return bool(linked) and sync_s + min(template_flush_bound_s(cost, inst, b, recompute, share, cache)
+                                         for inst in linked) >= cutoff.best_s
 
 
 def _per_count_first(shapes: list[tuple], keep: int) -> list[tuple]:

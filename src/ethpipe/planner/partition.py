@@ -26,6 +26,7 @@ of the resulting timing sees.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,28 +97,18 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
     depth = len(stages)
     if depth == 0 or depth > num_layers:
         return None
-    ks = np.arange(1, num_layers + 1, dtype=np.float64)
-    candidates = np.unique(np.concatenate([
-        o.fixed_s + ks[: max(min(o.max_layers, num_layers), 0)] * o.per_layer_s for opts in stages for o in opts
-    ]))
     arrays = _option_arrays(stages)
-    if candidates.size == 0 or not _feasible(arrays, num_layers, float(candidates[-1])):
+    threshold_s = _least_feasible_threshold_s(arrays, num_layers)
+    if threshold_s is None:
         return None
-    lo, hi = 0, candidates.size - 1  # smallest feasible index
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if not _feasible(arrays, num_layers, float(candidates[mid])):
-            lo = mid + 1
-        else:
-            hi = mid
-    counts = _greedy(stages, num_layers, float(candidates[lo]))
+    counts = _greedy(stages, num_layers, threshold_s)
     assert counts is not None
     chosen = [_choose(opts, k) for opts, k in zip(stages, counts)]
     greedy = Partition(tuple(counts), tuple(o.recompute for o in chosen),
                        max(o.time_s(k) for o, k in zip(chosen, counts)))
     if depth == 1:
         return greedy
-    balanced = _balanced_counts(arrays, num_layers, float(candidates[lo]))
+    balanced = _balanced_counts(arrays, num_layers, threshold_s)
     if balanced is None:
         return greedy
     chosen = [_choose(opts, k) for opts, k in zip(stages, balanced)]
@@ -135,6 +126,108 @@ def _option_arrays(stages: Sequence[Sequence[StageOption]]) -> tuple[np.ndarray,
     rows = [[(o.fixed_s, o.per_layer_s, o.max_layers) for o in opts] + pad * (width - len(opts)) for opts in stages]
     table = np.array(rows, dtype=np.float64)
     return table[..., 0], table[..., 1], table[..., 2]
+
+
+def _time_table(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(every option's time for 1..L layers where it holds them, (depth, L): each stage's cheapest time for k
+    layers, inf where no option holds k); the same arithmetic as ``StageOption.time_s``."""
+    fixed, per, most = arrays
+    ks = np.arange(1, num_layers + 1, dtype=np.float64)
+    values = fixed[..., None] + ks * per[..., None]
+    held = ks <= most[..., None]
+    return values[held], np.where(held, values, np.inf).min(axis=1)
+
+
+def _least_feasible_threshold_s(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int,
+                                table: tuple[np.ndarray, np.ndarray] | None = None) -> float | None:
+    """The least stage time (some option's ``fixed + k * per_layer``) under which ``_greedy`` finds a split;
+    None if none. A stage holds k layers under X iff its k-th time (cheapest option holding k) is <= X, and
+    these times grow with k, so the stages hold ``#{(stage, k): t_k <= X}`` layers together: the least X is
+    the larger of every stage's first time and the L-th smallest time of all (one ``np.partition``). Checked
+    against ``_feasible`` (its float tolerance): where the two disagree, a bisection over every value decides."""
+    candidates, times = table or _time_table(arrays, num_layers)
+    threshold_s = _order_threshold_s(times, num_layers)
+    if math.isinf(threshold_s):
+        return None
+    if _is_least_feasible(arrays, num_layers, candidates, threshold_s):
+        return threshold_s
+    candidates = np.unique(candidates)  # the tolerance moved the boundary: search every value
+    if not _feasible(arrays, num_layers, float(candidates[-1])):
+        return None
+    lo, hi = 0, candidates.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if not _feasible(arrays, num_layers, float(candidates[mid])) else (lo, mid)
+    return float(candidates[lo])
+
+
+def _order_threshold_s(times: np.ndarray, num_layers: int) -> float:
+    return float(max(times[:, 0].max(), np.partition(times.ravel(), num_layers - 1)[num_layers - 1]))
+
+
+def _is_least_feasible(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, candidates: np.ndarray,
+                       threshold_s: float) -> bool:
+    below = candidates[candidates < threshold_s]
+    return _feasible(arrays, num_layers, threshold_s) and not (
+        below.size and _feasible(arrays, num_layers, float(below.max())))
+
+
+def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int, num_micro_batches: int,
+                        fill: bool = True) -> float:
+    """A lower bound on the 1F1B flush (``cost.pipeline.stage_finish_s``, stage 0's last backward) of the split
+    ``partition_layers`` returns, with ``num_micro_batches`` micro-batches whose stage times the options give:
+    stage a's actions all run between micro-batch 0 crossing the stages before it and the last one's gradient
+    crossing them back, so T >= S_a + m t_a (S_a: the time of the stages before a; ``fill=False`` drops it,
+    for a smaller last micro-batch). Without the split itself (no tie-break DP, no timing): it holds every
+    stage at most X (the least feasible threshold), so each stage within its layers under X and the stages
+    before a at least what the later ones cannot hold; and one stage takes X (they hold L layers, fewer than
+    L times are below X). S_a is bounded by each stage's first layer plus its cheapest increment per extra
+    layer. 0.0 where the threshold needed the bisection (no claim); inf if no split fits memory."""
+    depth = len(stages)
+    if depth == 0 or depth > num_layers:
+        return math.inf
+    arrays = _option_arrays(stages)
+    if (arrays[1] < 0).any():
+        return 0.0
+    candidates, times = _time_table(arrays, num_layers)
+    threshold_s = _order_threshold_s(times, num_layers)
+    if math.isinf(threshold_s):
+        return math.inf
+    if not _is_least_feasible(arrays, num_layers, candidates, threshold_s):
+        return 0.0
+    caps = np.minimum(_caps(arrays, threshold_s), num_layers).astype(np.int64)
+    index = np.arange(depth)
+    fewest = np.maximum(1, num_layers - (caps.sum() - caps))  # what the other stages cannot hold
+    own_s = (num_micro_batches * times[index, fewest - 1]).tolist()
+    critical = (times[index, caps - 1] >= threshold_s).tolist()
+    with np.errstate(invalid="ignore"):
+        steps = np.diff(times, axis=1)
+    increments = np.where(np.isfinite(steps), steps, np.inf).min(axis=1).tolist() if num_layers > 1 else []
+    first, caps_list = times[:, 0].tolist(), caps.tolist()
+    later = int(caps.sum())  # what stages a.. hold at most
+    general, bottleneck_s, first_s = 0.0, math.inf, 0.0
+    cheapest: list[tuple[float, int]] = []  # (increment, room) of the stages before a, cheapest first
+    for a in range(depth):
+        before = 0.0
+        if fill and a:
+            bisect.insort(cheapest, (increments[a - 1], caps_list[a - 1] - 1))
+            first_s += first[a - 1]
+            extra, before = num_layers - later - a, first_s  # layers the stages before a hold beyond one each
+            for inc, room in cheapest:
+                if extra <= 0:
+                    break
+                take = extra if extra < room else room
+                before += inc * take
+                extra -= take
+            if extra > 0:  # no split puts that few layers from a on
+                later -= caps_list[a]
+                continue
+        general = max(general, before + own_s[a])
+        if critical[a]:
+            bottleneck_s = min(bottleneck_s, before + num_micro_batches * threshold_s)
+        later -= caps_list[a]
+    return max(general, bottleneck_s if math.isfinite(bottleneck_s) else 0.0)
 
 
 def _caps(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], threshold_s: float) -> np.ndarray:
@@ -168,22 +261,21 @@ def _balanced_counts(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_laye
                      ) -> list[int] | None:
     """Layers per stage minimising the sum of squared stage times, every stage within the threshold."""
     depth, n = arrays[0].shape[0], num_layers
-    j = np.arange(n + 1)
-    best = np.full(n + 1, np.inf)
+    tables = _time_tables(arrays, n, threshold_s) ** 2
+    most = np.where(np.isfinite(tables), np.arange(n + 1), 0).max(axis=1)  # the most layers each stage holds
+    if most.min() == 0:
+        return None
+    rows = np.arange(n + 1)
+    back = rows[:, None] - rows[None, 1:]  # back[j, k - 1]: layers before a stage that ends at j and holds k
+    back = np.where(back >= 0, back, n + 1)  # -> an always-infeasible slot
+    best = np.full(n + 2, np.inf)
     best[0] = 0.0
     choice = np.zeros((depth, n + 1), dtype=np.int64)
-    tables = _time_tables(arrays, n, threshold_s) ** 2
     for i in range(depth):
-        sq = tables[i]
-        held = np.flatnonzero(np.isfinite(sq))
-        if held.size == 0:
-            return None
-        ks = np.arange(1, held[-1] + 1)  # only layer counts the stage can hold under the threshold
-        back = j[:, None] - ks[None, :]  # back[j, k] = layers before a stage that ends at j and holds ks[k]
-        total = np.where(back >= 0, best[np.maximum(back, 0)] + sq[ks][None, :], np.inf)
+        total = best[back[:, :most[i]]] + tables[i, 1:most[i] + 1]
         arg = np.argmin(total, axis=1)
-        choice[i] = ks[arg]
-        best = total[j, arg]
+        choice[i] = arg + 1
+        best[:n + 1] = total[rows, arg]
     if not np.isfinite(best[n]):
         return None
     counts, end = [], n

@@ -5,10 +5,12 @@ share of every GPU type, in any type order; the uniform space: replicas in rank 
 equal layers) is also an ETH layout, and with few samples per GPU it is often the best one:
 each node then holds ~1/depth of the model and syncs that much through its NIC. ETH searches
 the same (DP degree, TP degree, type order, micro-batch size) space as the exhaustive
-baselines, best-first by a lower bound (``bounds.py``), in three steps per candidate: an
-analytic bound at enumeration (no partition, no replicas built), a refined one when popped
-(the memory-aware bottleneck of its type order, then one replica per structure partitioned and
-timed exactly, plus its first stage's sync), and exact pricing when popped again. The search
+baselines, best-first by a lower bound (``bounds.py``), in steps per candidate, each popped
+again before the next: an analytic bound at enumeration (no partition, no replicas built), its
+type order's (the memory-aware bottleneck, fill and drain), its layer split's before the split
+is made (``partition.flush_lower_bound_s`` on one replica per structure: level 2 minimises the
+bottleneck, which fixes more than any split's bound), one replica per structure partitioned and
+timed exactly plus its first stage's sync, and exact pricing. The search
 stops at the first bound above the best plan found (the incumbent comes from ETH's other
 layouts). A priced candidate gets equal data (the baseline's own plan, so ETH never loses to
 it) and level-3 data balance. Templates and stage options are memoised by shape, and a
@@ -41,8 +43,9 @@ from ethpipe.planner.templates import (
     fixed_partition,
     pools_of,
     slots_for,
+    template_flush_bound_s,
 )
-from ethpipe.planner.timing import StageSlot, timing_of_partition
+from ethpipe.planner.timing import StageSlot, same_node_links, timing_of_partition
 
 Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
@@ -128,16 +131,11 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                 yield replicas, t, kinds, [i * d * t for i in range(replicas)], crossing, build, reps
 
 
-def _links(cost: CostModel, slots: Sequence[StageSlot]) -> tuple[bool, ...]:
-    devs = cost.cluster.devices
-    return tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in pairwise(slots))
-
-
 def _structure(cost: CostModel, layout: Layout) -> list[tuple[tuple[StageSlot, ...], Group]]:
     """Replicas grouped by structure (devices, TP, links), with node statistics (template filled in later)."""
     members: dict[tuple, list[tuple[StageSlot, ...]]] = {}
     for slots in layout:
-        members.setdefault((tuple((s.device, s.tp) for s in slots), _links(cost, slots)), []).append(slots)
+        members.setdefault((tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots)), []).append(slots)
     return [(inst[0], make_group(cost, _placeholder(inst[0]), inst)) for inst in members.values()]
 
 
@@ -149,7 +147,7 @@ def _placeholder(slots: tuple[StageSlot, ...]) -> Template:
 def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recompute: str, granularity: int,
                     cache: dict) -> Template | None:
     """The uniform baseline's equal-layer split of a shape (memoised like ``build_template``)."""
-    key = ("equal", tuple((s.device, s.tp) for s in slots), _links(cost, slots), b, recompute, granularity)
+    key = ("equal", tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots), b, recompute, granularity)
     if key not in cache:
         part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), b, recompute, cache)
         cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, b, granularity))
@@ -207,13 +205,20 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             if flush_s is not None:
                 ordered_s = flush_s if uniform else max(flush_s, bounds.makespan_s(kinds, t, b, global_batch, layers,
                                                                                    recompute))
-                heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1, item))
+                split = not uniform and options.balance_layers  # level 2 splits the layers: bound that split
+                heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1 if split else 2, item))
             continue
-        if stage == 1:
+        if stage == 1:  # the layer split's own bound: no templates yet
+            split_s = _split_bound(cost, bounds, key, reps, heads, crossing, b, global_batch, recompute, cache,
+                                   representatives)
+            if split_s is not None:
+                heapq.heappush(heap, (max(bound, split_s), next(counter), 2, item))
+            continue
+        if stage == 2:
             refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
                                      options, cache, representatives, bar_s())
             if refined is not None:
-                heapq.heappush(heap, (max(bound, refined), next(counter), 2, item))
+                heapq.heappush(heap, (max(bound, refined), next(counter), 3, item))
             continue
         for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
             priced += 1
@@ -245,6 +250,26 @@ def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: Plann
     return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
 
 
+def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
+                 heads: Sequence[int], crossing: bool, b: int, global_batch: int, recompute: str, cache: dict,
+                 representatives: dict) -> float | None:
+    """Some pipeline runs >= ceil(B/P) samples: its flush is at least the fastest structure's
+    ``flush_lower_bound_s`` (the split level 2 will make, bounded before it is made), plus the first stage's
+    sync; None if some structure cannot hold the model or the batch is too small."""
+    if key not in representatives:
+        representatives[key] = reps()
+    structures = representatives[key]
+    num_pipes = sum(c for _, c in structures)
+    if global_batch < num_pipes:
+        return None
+    share = -(-global_batch // num_pipes)
+    flush_s = [template_flush_bound_s(cost, slots, b, recompute, share, cache) for slots, _ in structures]
+    if any(math.isinf(f) for f in flush_s):
+        return None
+    slots = structures[0][0]
+    return min(flush_s) + bounds.first_stage_sync_s(heads, slots[0].tp, len(slots), crossing, 1)
+
+
 def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
                    heads: Sequence[int], crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str,
                    options: PlannerOptions, cache: dict, representatives: dict, cutoff_s: float) -> float | None:
@@ -259,18 +284,19 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callabl
         per_sample = bounds.memory_bottleneck_s(next(iter(devices)), structures[0][0][0].tp, b, recompute)
         if per_sample * -(-global_batch // sum(c for _, c in structures)) >= cutoff_s:
             return per_sample * -(-global_batch // sum(c for _, c in structures))
+    num_pipes = sum(c for _, c in structures)
+    if global_batch < num_pipes:
+        return None
+    share = -(-global_batch // num_pipes)
     make = _make(cost, uniform, b, recompute, options, cache)
     templates = [make(slots) for slots, _ in structures]
     if any(t is None for t in templates):
-        return None
-    num_pipes = sum(c for _, c in structures)
-    if global_batch < num_pipes:
         return None
     # Some pipeline runs >= ceil(B/P) samples, equal data or balanced; its flush (the estimator's exact
     # formula, non-decreasing in the samples) is at least the fastest structure's at ceil(B/P). And some
     # pipeline's flush is at least the batch over the structures' summed capacity (``capacity_per_s``):
     # what bounds rank-order replicas of unequal devices, whose fastest structure says little.
-    makespan = max(min(float(t.timing.finish_s(-(-global_batch // num_pipes))[0]) for t in templates),
+    makespan = max(min(float(t.timing.finish_s(share)[0]) for t in templates),
                    global_batch / sum(c / t.timing.per_sample_floor_s() for t, (_, c) in zip(templates, structures)))
     first_layers = min(t.partition.num_layers[0] for t in templates)
     slot = templates[0].slots[0]

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.partition import Partition, _choose, partition_layers
-from ethpipe.planner.timing import PipelineTiming, StageSlot, stage_options, timing_of_partition
+from ethpipe.planner.partition import Partition, _choose, flush_lower_bound_s, partition_layers
+from ethpipe.planner.timing import PipelineTiming, StageSlot, same_node_links, stage_options, timing_of_partition
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 
@@ -100,9 +100,7 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
                    recompute: str, nodes_per_pipeline: int, cache: dict,
                    options: PlannerOptions = PlannerOptions()) -> Template | None:
     """Partition and time one pipeline shape; None if it does not fit memory."""
-    links = tuple(cost.cluster.devices[a.ranks[0]].node == cost.cluster.devices[b.ranks[0]].node
-                  for a, b in zip(slots, slots[1:]))
-    key = (tuple((s.device, s.tp) for s in slots), links, micro_batch, recompute)
+    key = (tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots), micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
             part = partition_layers(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers)
@@ -115,6 +113,17 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     if hit is None:
         return None
     return Template(pool_index, len(slots), slots[0].tp, micro_batch, nodes_per_pipeline, tuple(slots), *hit)
+
+
+def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str,
+                           num_samples: int, cache: dict, options: PlannerOptions = PlannerOptions()) -> float:
+    """A lower bound on ``build_template(...).timing.finish_s(num_samples)[0]`` without partitioning or timing
+    (``partition.flush_lower_bound_s``; a smaller last micro-batch drops the fill); inf if the shape cannot
+    hold the model, 0.0 where level 2 does not split the layers (``balance_layers`` off)."""
+    if not options.balance_layers:
+        return 0.0
+    return flush_lower_bound_s(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers,
+                               num_samples // micro_batch, num_samples % micro_batch == 0)
 
 
 def pool_shapes(cost: CostModel, pool: Pool, max_tp: int) -> list[tuple[int, int, int]]:

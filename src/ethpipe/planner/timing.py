@@ -32,6 +32,13 @@ class StageSlot:
     ranks: tuple[int, ...]
 
 
+def same_node_links(cost: CostModel, slots: Sequence[StageSlot]) -> tuple[bool, ...]:
+    """Which consecutive stages share a node: with the devices, what a shape's receive times (its templates)
+    depend on."""
+    devs = cost.cluster.devices
+    return tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in zip(slots, slots[1:]))
+
+
 def p2p_in_s(cost: CostModel, slots: Sequence[StageSlot], i: int, micro_batch: int) -> float:
     """Per micro-batch receive time of stage i: activation from i-1 plus gradient from i+1."""
     return _recv_fwd_s(cost, slots, i, micro_batch) + _recv_bwd_s(cost, slots, i, micro_batch)
