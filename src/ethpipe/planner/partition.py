@@ -2,10 +2,12 @@
 
 All decoder blocks are identical, so a stage's time and memory are linear in its number of
 layers: ``fixed + k * per_layer`` (the fixed part holds the embedding on the first stage, the
-norm + head on the last, and the p2p transfers). Minimising the bottleneck is then exact with
-a binary search over the finitely many candidate bottleneck values and a greedy feasibility
-check (take as many layers as fit under the threshold, leaving one per remaining stage): the
-greedy prefix dominates every feasible partition's prefix, so it fails only if none exists.
+norm + head on the last, and the p2p transfers). Minimising the bottleneck is then exact: the
+least threshold under which a greedy feasibility check (take as many layers as fit under it,
+leaving one per remaining stage) finds a split, found directly from the stages' k-layer times
+(``_least_feasible_threshold_s``); the greedy prefix dominates every feasible partition's prefix,
+so it fails only if none exists. ``flush_lower_bound_s`` bounds the 1F1B flush of the split
+returned here without computing it (the planner's searches prune with it).
 Each stage may have several options (with / without activation recomputation); it takes the
 cheapest option that holds its layers.
 
