@@ -24,10 +24,11 @@ what ``exhaustive.py`` searches to measure what the pruning loses.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -182,8 +183,14 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             def instance(k: int, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:
                 return tuple(s for i in order for s in stages_of[i][k * runs[i]:(k + 1) * runs[i]])
             first = instance(0)  # the others have the same devices: built once one micro-batch size wins
-            linked = list({same_node_links(cost, inst): inst for inst in map(instance, range(dp))}.values()) if (
-                math.isfinite(cutoff.best_s) and options.balance_layers and not every) else []
+
+            @functools.cache
+            def linked(dp: int = dp, instance: Callable = instance) -> list[tuple[StageSlot, ...]]:
+                """One pipeline of each link structure (what the bound of their layer splits needs)."""
+                if not options.balance_layers:
+                    return []
+                return list({same_node_links(cost, inst): inst for inst in map(instance, range(dp))}.values())
+
             heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
             share = -(-global_batch // dp)
             best = None
@@ -213,10 +220,10 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
 
 
 def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
-                 pipelines: tuple[tuple, tuple, list[int], list[tuple]], b: int, share: int, recompute: str,
-                 cache: dict) -> bool:
+                 pipelines: tuple[tuple, tuple, list[int], Callable[[], list[tuple]]], b: int, share: int,
+                 recompute: str, cache: dict) -> bool:
     """True if these identical-device pipelines (the first, the last, every first stage's head rank, one of
-    each link structure: empty if their splits are not level 2's) cannot fit, or no layout with them can beat
+    each link structure on demand: none if their splits are not level 2's) cannot fit, or no layout with them can beat
     the cutoff: the batch over the most samples per second they and the other pools take (each pipeline at
     its memory-aware bottleneck), and, spanning the cluster, the flush of one with ceil(B/P) samples (the
     device order's bound, then its layer split's, ``flush_lower_bound_s``) plus its first stage's sync."""
@@ -236,8 +243,8 @@ def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
     sync_s = bounds.first_stage_sync_s(heads, stages[0][1], len(stages), not nodes_first & nodes_last, 1)
     if sync_s + bounds.ordered_flush_s(stages, b, share, None, recompute) >= cutoff.best_s:
         return True
-    return bool(linked) and sync_s + min(template_flush_bound_s(cost, inst, b, recompute, share, cache)
-                                         for inst in linked) >= cutoff.best_s
+    return bool(linked()) and sync_s + min(template_flush_bound_s(cost, inst, b, recompute, share, cache)
+                                           for inst in linked()) >= cutoff.best_s
 
 
 def _per_count_first(shapes: list[tuple], keep: int) -> list[tuple]:
