@@ -122,8 +122,11 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
     hold the model, 0.0 where level 2 does not split the layers (``balance_layers`` off)."""
     if not options.balance_layers:
         return 0.0
-    return flush_lower_bound_s(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers,
-                               num_samples // micro_batch, num_samples % micro_batch == 0)
+    stages = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
+    key = ("flush_bound", stages, num_samples // micro_batch, num_samples % micro_batch == 0)
+    if key not in cache:  # replicas whose links differ often have the same options (memoised per slot)
+        cache[key] = flush_lower_bound_s(stages, cost.model.num_layers, *key[2:])
+    return cache[key]
 
 
 def pool_shapes(cost: CostModel, pool: Pool, max_tp: int) -> list[tuple[int, int, int]]:
