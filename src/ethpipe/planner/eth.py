@@ -151,7 +151,12 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     finalists: list[Found] = []  # each layout's best, for robust
 
     def bar_s() -> float:
-        """What a layout must beat: the best so far here or the incumbent."""
+        """What a layout must beat: the best so far here or the incumbent; with ``robust``, the
+        ``ROBUST_CANDIDATES``-th best layout so far (the candidates are the best few by nominal time, so
+        pruning against the best alone would drop some of them, depending on the search order)."""
+        if robust:
+            scores = sorted(f[0] for f in finalists)
+            return scores[ROBUST_CANDIDATES - 1] if len(scores) >= ROBUST_CANDIDATES else math.inf
         return min(incumbent_s, best[0] if best else math.inf)
     for mbs in mb_sets:
         own: dict[int, list[list[Group]]] = {}
@@ -185,11 +190,11 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         # The replicated family first: exact, and the incumbent that prunes the others (the flush bound
         # of ``_search`` skips most per-pool combinations' sync pricing).
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
-                                               micro_batches=mbs, cache=cache, incumbent=best, incumbent_s=incumbent_s,
-                                               uniform_space=not sub_cluster)
+                                               micro_batches=mbs, cache=cache, incumbent=None if robust else best,
+                                               incumbent_s=bar_s(), uniform_space=not sub_cluster)
         layouts += priced
         if replicated is not None:
-            best = replicated
+            best = replicated if best is None or replicated[0] < best[0] else best
             finalists.append(replicated)
         for mixed_set in mixed_sets(cost, pools, list(own)):
             alone = [i for i in range(len(pools)) if i in own and i not in mixed_set]
