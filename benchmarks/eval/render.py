@@ -51,7 +51,8 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
     for p in s["planning"]:
         lb = "timed out at" if p["layer_balanced_timed_out"] else "took"
         lines.append(f"- Planning time of eth at {p['gpus']} GPUs: **{fmt.sec(p['eth_s'])} s** (median of "
-                     f"{search['eth_runs']} run(s), {search['model']}, recipe batch); the exhaustive layer-balanced "
+                     f"{search['eth_runs']} run(s), {search['model']}, recipe batch, in one process: see *Search "
+                     "time*); the exhaustive layer-balanced "
                      f"search {lb} {fmt.sec(p['layer_balanced_s'])} s, the exhaustive search over eth's space "
                      f"{fmt.sec(p['exhaustive_eth_s'])} s ({p['exhaustive_eth_status']}).")
     if not s["planning"]:
@@ -87,7 +88,10 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
     sec = results["search"]
     lines = ["## Search time", "",
              f"{sec['model']}; {sec['clusters']}. eth's time is the median of "
-             f"{sec['eth_runs']} run(s) after a warm-up; each exhaustive search runs once under a budget of "
+             f"{sec['eth_runs']} run(s) after a warm-up, in this one process: the progress bars keep a thread "
+             "alive, which turns off the idle search's second process (`planner/ahead.py`), so these are the "
+             "one-CPU figures (`benchmarks/planner_scale.py` measures `make_plan` as `ethpipe plan` runs it); "
+             f"each exhaustive search runs once under a budget of "
              f"{fmt.sec(sec['budget_s'])} s and keeps its best plan so far when the budget runs out. "
              "\"eth vs layer-bal.\" is the exhaustive layer-balanced plan's estimated iteration time over eth's; "
              "\"eth quality\" the exhaustive eth-space plan's over eth's: one means eth found the best plan "
