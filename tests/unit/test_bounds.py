@@ -11,6 +11,7 @@ must be <= every price ``_price`` gives the candidate (equal and balanced data).
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -21,8 +22,10 @@ from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.planner.bounds import LowerBounds
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.replicated import _order_bound, _price, _refined_bound, layer_balanced_layouts, uniform_layouts
-from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, equal_layers
+from ethpipe.planner.replicated import (_order_bound, _price, _refined_bound, _split_bound, layer_balanced_layouts,
+                                         uniform_layouts)
+from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, build_template, equal_layers, template_flush_bound_s
+from ethpipe.planner.timing import StageSlot
 
 GPUS = ("h100_sxm", "a100_80gb_sxm", "a100_40gb_sxm", "v100_32gb_sxm2", "l4", "t4")
 PRESETS = ("tiny", "small", "tiny-gpt", "gpt3-125m", "gpt3-350m")
@@ -79,6 +82,10 @@ def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform:
     order_s = _order_bound(bounds, kinds, t, b, share, layers, recompute)
     assert order_s is not None, ("order bound says infeasible but the candidate priced", where)
     named["order (memory, fill and drain)"] = sync_s + order_s
+    if not uniform and options.balance_layers:
+        split_s = _split_bound(cost, bounds, 0, reps, heads, crossing, b, global_batch, recompute, options, cache, {})
+        assert split_s is not None, ("layer-split bound says infeasible but the candidate priced", where)
+        named["layer split (before it is made)"] = split_s
     for cutoff_s in (0.0, math.inf):  # 0: the memory-only shortcut where it applies; inf: the templates
         refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, b, uniform, global_batch, recompute, options,
                                  cache, {}, cutoff_s)
@@ -171,3 +178,32 @@ def test_capped_bottleneck_is_the_least_feasible_threshold(opts: list, num_layer
         assert got == math.inf
     else:  # k x per rounds differently from the scan's x / per: equal to a few ulps
         assert got == pytest.approx(feasible[0], rel=1e-12)
+
+
+TWO_NICS = {"nodes": [  # one GPU type on fast- and slow-NIC nodes: a template for one must not serve the other
+    {"gpu": "a100_40gb_sxm", "num_nodes": 2, "gpus_per_node": 2, "nic_gbit_s": 1600},
+    {"gpu": "a100_40gb_sxm", "num_nodes": 2, "gpus_per_node": 2, "nic_gbit_s": 10},
+    {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 200}]}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_template_flush_bound_is_at_most_the_templates_flush(seed: int) -> None:
+    """``template_flush_bound_s`` (what the searches prune with before building a template) <= the built
+    template's flush, on the real cost model: random stage orders over nodes of two NIC speeds sharing one
+    cache, every recompute mode, micro-batch sizes that do and do not divide the samples."""
+    rng = random.Random(seed)
+    model = load_model_spec(rng.choice(["gpt3-350m", "tiny", "small"]))
+    cost, cache = CostModel(cluster_from_dict(TWO_NICS), model, min(512, model.max_seq_len)), {}
+    recompute = rng.choice(["auto", "never", "always"])
+    for _ in range(6):
+        fast = rng.sample([0, 1, 2, 3, 8, 9], rng.randint(1, min(6, model.num_layers)))  # A100s 0-3: fast NICs
+        b, share = rng.choice([1, 2, 4]), rng.randint(1, 40)
+        for ranks in (fast, [r + 4 if r < 4 else r for r in fast]):  # the same shape on the slow-NIC nodes
+            slots = tuple(StageSlot(cost.cluster.devices[r].gpu.id, 1, (r,)) for r in ranks)
+            bound_s = template_flush_bound_s(cost, slots, b, recompute, share, cache)
+            tpl = build_template(cost, -1, slots, b, recompute, 0, cache)
+            if tpl is None:
+                assert math.isinf(bound_s)
+                continue
+            flush_s = float(tpl.timing.finish_s(share)[0])
+            assert bound_s <= flush_s, (ranks, b, share, recompute, bound_s, flush_s)

@@ -89,7 +89,6 @@ def test_tie_break_fixes_the_lopsided_greedy() -> None:
     assert sorted(part.num_layers, reverse=True) == [4, 3, 3, 3]
 
 
-
 def _flush_of_split(stages, counts, num_micro_batches: int) -> float:
     """The estimator's flush of a split: each stage's time split 1:2 into forward and backward."""
     times = np.array(_stage_times(stages, counts))

@@ -23,7 +23,7 @@ from ethpipe.planner.grouping import Group, equal_split, evaluate_groups, make_g
 from ethpipe.planner.partition import partition_layers
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Template, divisors, equal_layers, fixed_partition,
                                        pools_of, slots_for)
-from ethpipe.planner.timing import StageSlot, same_node_links, stage_options, timing_of_partition
+from ethpipe.planner.timing import StageSlot, link_key, stage_options, timing_of_partition
 
 __all__ = ["equal_split", "plan_layer_balanced", "plan_uniform"]
 
@@ -32,7 +32,7 @@ def _groups(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]], make) -
     """Group replicas with the same structure; ``make(slots)`` returns their Template or None."""
     by_key: dict[tuple, list[tuple[StageSlot, ...]]] = {}
     for slots in instances:
-        by_key.setdefault((tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots)), []).append(slots)
+        by_key.setdefault((tuple((s.device, s.tp) for s in slots), link_key(cost, slots)), []).append(slots)
     groups = []
     for members in by_key.values():
         tpl = make(members[0])

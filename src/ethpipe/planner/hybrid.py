@@ -38,7 +38,7 @@ from ethpipe.planner.grouping import Group, homogeneous_group, make_group
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
                                        slots_for, template_flush_bound_s)
-from ethpipe.planner.timing import StageSlot, same_node_links
+from ethpipe.planner.timing import StageSlot, link_key
 
 MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
 INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved family tried with every order
@@ -189,7 +189,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                 """One pipeline of each link structure (what the bound of their layer splits needs)."""
                 if not options.balance_layers:
                     return []
-                return list({same_node_links(cost, inst): inst for inst in map(instance, range(dp))}.values())
+                return list({link_key(cost, inst): inst for inst in map(instance, range(dp))}.values())
 
             heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
             share = -(-global_batch // dp)
@@ -275,7 +275,8 @@ def mixed_sets(cost: CostModel, pools: Sequence[Pool], standalone: Sequence[int]
     if not needy:
         return [()]
     donors = sorted(standalone, key=lambda i: -cost.gpu(pools[i].device).memory_bytes)
-    return [needy] + [tuple(sorted(needy + (d,))) for d in donors] + [tuple(range(len(pools)))]
+    sets = [needy] + [tuple(sorted(needy + (d,))) for d in donors] + [tuple(range(len(pools)))]
+    return list(dict.fromkeys(sets))  # one donor: the needy pools and it are all of them
 
 
 def hybrid_sets(cost: CostModel, pools: Sequence[Pool], standalone: Sequence[int]) -> list[tuple[int, ...]]:

@@ -100,7 +100,7 @@ def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -
     if depth == 0 or depth > num_layers:
         return None
     arrays = _option_arrays(stages)
-    threshold_s = _least_feasible_threshold_s(arrays, num_layers)
+    threshold_s = _least_feasible_threshold_s(arrays, num_layers, _k_layer_times(arrays, num_layers))
     if threshold_s is None:
         return None
     counts = _greedy(stages, num_layers, threshold_s)
@@ -130,10 +130,11 @@ def _option_arrays(stages: Sequence[Sequence[StageOption]]) -> tuple[np.ndarray,
     return table[..., 0], table[..., 1], table[..., 2]
 
 
-def _time_table(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _k_layer_times(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """(every option's time for 1..L layers where it holds them, (depth, L): each stage's cheapest time for k
-    layers, inf where no option holds k); the same arithmetic as ``StageOption.time_s``."""
+    layers, inf where no option holds k); the same arithmetic as ``StageOption.time_s``. Unlike
+    ``_time_tables`` (the tie-break DP's), not capped by a threshold."""
     fixed, per, most = arrays
     ks = np.arange(1, num_layers + 1, dtype=np.float64)
     values = fixed[..., None] + ks * per[..., None]
@@ -142,17 +143,20 @@ def _time_table(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: i
 
 
 def _least_feasible_threshold_s(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int,
-                                table: tuple[np.ndarray, np.ndarray] | None = None) -> float | None:
+                                table: tuple[np.ndarray, np.ndarray]) -> float | None:
     """The least stage time (some option's ``fixed + k * per_layer``) under which ``_greedy`` finds a split;
     None if none. A stage holds k layers under X iff its k-th time (cheapest option holding k) is <= X, and
     these times grow with k, so the stages hold ``#{(stage, k): t_k <= X}`` layers together: the least X is
     the larger of every stage's first time and the L-th smallest time of all (one ``np.partition``). Checked
-    against ``_feasible`` (its float tolerance): where the two disagree, a bisection over every value decides."""
-    candidates, times = table or _time_table(arrays, num_layers)
-    threshold_s = _order_threshold_s(times, num_layers)
+    against ``_feasible`` (its float tolerance): where the two disagree, a bisection over every value decides.
+    ``table``: ``_k_layer_times``."""
+    candidates, times = table
+    threshold_s = float(max(times[:, 0].max(), np.partition(times.ravel(), num_layers - 1)[num_layers - 1]))
     if math.isinf(threshold_s):
         return None
-    if _is_least_feasible(arrays, num_layers, candidates, threshold_s):
+    below = candidates[candidates < threshold_s]
+    if _feasible(arrays, num_layers, threshold_s) and not (
+            below.size and _feasible(arrays, num_layers, float(below.max()))):
         return threshold_s
     candidates = np.unique(candidates)  # the tolerance moved the boundary: search every value
     if not _feasible(arrays, num_layers, float(candidates[-1])):
@@ -164,17 +168,6 @@ def _least_feasible_threshold_s(arrays: tuple[np.ndarray, np.ndarray, np.ndarray
     return float(candidates[lo])
 
 
-def _order_threshold_s(times: np.ndarray, num_layers: int) -> float:
-    return float(max(times[:, 0].max(), np.partition(times.ravel(), num_layers - 1)[num_layers - 1]))
-
-
-def _is_least_feasible(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, candidates: np.ndarray,
-                       threshold_s: float) -> bool:
-    below = candidates[candidates < threshold_s]
-    return _feasible(arrays, num_layers, threshold_s) and not (
-        below.size and _feasible(arrays, num_layers, float(below.max())))
-
-
 def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int, num_micro_batches: int,
                         fill: bool = True) -> float:
     """A lower bound on the 1F1B flush (``cost.pipeline.stage_finish_s``, stage 0's last backward) of the split
@@ -182,54 +175,51 @@ def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int
     stage a's actions all run between micro-batch 0 crossing the stages before it and the last one's gradient
     crossing them back, so T >= S_a + m t_a (S_a: the time of the stages before a; ``fill=False`` drops it,
     for a smaller last micro-batch). Without the split itself (no tie-break DP, no timing): it holds every
-    stage at most X (the least feasible threshold), so each stage within its layers under X and the stages
-    before a at least what the later ones cannot hold; and one stage takes X (they hold L layers, fewer than
-    L times are below X). S_a is bounded by each stage's first layer plus its cheapest increment per extra
-    layer. 0.0 where the threshold needed the bisection (no claim); inf if no split fits memory."""
+    stage within its layers under X, the threshold ``partition_layers`` uses, so the stages before a hold at
+    least what the later ones cannot; and one stage takes at least X (fewer than L of the stages' times are
+    below X, or a stage's first layer takes X). S_a is bounded by each stage's first layer plus its cheapest
+    increment per extra layer. 0.0 (no claim) for negative per-layer times; inf if no split fits memory."""
     depth = len(stages)
     if depth == 0 or depth > num_layers:
         return math.inf
     arrays = _option_arrays(stages)
     if (arrays[1] < 0).any():
         return 0.0
-    candidates, times = _time_table(arrays, num_layers)
-    threshold_s = _order_threshold_s(times, num_layers)
-    if math.isinf(threshold_s):
+    table = _k_layer_times(arrays, num_layers)
+    threshold_s = _least_feasible_threshold_s(arrays, num_layers, table)
+    if threshold_s is None:
         return math.inf
-    if not _is_least_feasible(arrays, num_layers, candidates, threshold_s):
-        return 0.0
+    times = table[1]
     caps = np.minimum(_caps(arrays, threshold_s), num_layers).astype(np.int64)
     index = np.arange(depth)
     fewest = np.maximum(1, num_layers - (caps.sum() - caps))  # what the other stages cannot hold
     own_s = (num_micro_batches * times[index, fewest - 1]).tolist()
-    critical = (times[index, caps - 1] >= threshold_s).tolist()
+    critical = (times[index, caps - 1] >= threshold_s).tolist()  # may take the threshold within its layers
     with np.errstate(invalid="ignore"):
         steps = np.diff(times, axis=1)
-    increments = np.where(np.isfinite(steps), steps, np.inf).min(axis=1).tolist() if num_layers > 1 else []
-    first, caps_list = times[:, 0].tolist(), caps.tolist()
+    increment_s = np.where(np.isfinite(steps), steps, np.inf).min(axis=1).tolist() if num_layers > 1 else []
+    first_layer_s, caps_list = times[:, 0].tolist(), caps.tolist()
     later = int(caps.sum())  # what stages a.. hold at most
-    general, bottleneck_s, first_s = 0.0, math.inf, 0.0
+    general_s, bottleneck_s, firsts_s = 0.0, math.inf, 0.0
     cheapest: list[tuple[float, int]] = []  # (increment, room) of the stages before a, cheapest first
     for a in range(depth):
-        before = 0.0
+        before_s = 0.0
         if fill and a:
-            bisect.insort(cheapest, (increments[a - 1], caps_list[a - 1] - 1))
-            first_s += first[a - 1]
-            extra, before = num_layers - later - a, first_s  # layers the stages before a hold beyond one each
-            for inc, room in cheapest:
+            bisect.insort(cheapest, (increment_s[a - 1], caps_list[a - 1] - 1))
+            firsts_s += first_layer_s[a - 1]
+            extra, before_s = num_layers - later - a, firsts_s  # layers the stages before a hold beyond one each
+            for inc_s, room in cheapest:
                 if extra <= 0:
                     break
                 take = extra if extra < room else room
-                before += inc * take
+                before_s += inc_s * take
                 extra -= take
-            if extra > 0:  # no split puts that few layers from a on
-                later -= caps_list[a]
-                continue
-        general = max(general, before + own_s[a])
+            assert extra <= 0, "feasible under the threshold: the stages before a have room for what a.. cannot hold"
+        general_s = max(general_s, before_s + own_s[a])
         if critical[a]:
-            bottleneck_s = min(bottleneck_s, before + num_micro_batches * threshold_s)
+            bottleneck_s = min(bottleneck_s, before_s + num_micro_batches * threshold_s)
         later -= caps_list[a]
-    return max(general, bottleneck_s if math.isfinite(bottleneck_s) else 0.0)
+    return max(general_s, bottleneck_s if math.isfinite(bottleneck_s) else 0.0)
 
 
 def _caps(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], threshold_s: float) -> np.ndarray:

@@ -45,7 +45,7 @@ from ethpipe.planner.templates import (
     slots_for,
     template_flush_bound_s,
 )
-from ethpipe.planner.timing import StageSlot, same_node_links, timing_of_partition
+from ethpipe.planner.timing import StageSlot, link_key, timing_of_partition
 
 Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
@@ -124,7 +124,8 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                     for i in range(replicas):
                         ranks = range(i * d * t, (i + 1) * d * t, t)
                         key = (tuple(ranked[r][0] for r in ranks),
-                               tuple(devs[a].node == devs[b].node and nics[a] == nics[b] for a, b in pairwise(ranks)))
+                               tuple(True if devs[a].node == devs[b].node else (nics[a], nics[b])
+                                     for a, b in pairwise(ranks)))  # what ``link_key`` holds
                         keys.setdefault(key, [i, 0])[1] += 1
                     return [(slots_for(ranked[i * d * t:(i + 1) * d * t], t), c) for i, c in keys.values()]
                 crossing = _disjoint(cost, range(d * t), range(n - d * t, n))
@@ -135,7 +136,7 @@ def _structure(cost: CostModel, layout: Layout) -> list[tuple[tuple[StageSlot, .
     """Replicas grouped by structure (devices, TP, links), with node statistics (template filled in later)."""
     members: dict[tuple, list[tuple[StageSlot, ...]]] = {}
     for slots in layout:
-        members.setdefault((tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots)), []).append(slots)
+        members.setdefault((tuple((s.device, s.tp) for s in slots), link_key(cost, slots)), []).append(slots)
     return [(inst[0], make_group(cost, _placeholder(inst[0]), inst)) for inst in members.values()]
 
 
@@ -147,7 +148,7 @@ def _placeholder(slots: tuple[StageSlot, ...]) -> Template:
 def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recompute: str, granularity: int,
                     cache: dict) -> Template | None:
     """The uniform baseline's equal-layer split of a shape (memoised like ``build_template``)."""
-    key = ("equal", tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots), b, recompute, granularity)
+    key = ("equal", tuple((s.device, s.tp) for s in slots), link_key(cost, slots), b, recompute, granularity)
     if key not in cache:
         part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), b, recompute, cache)
         cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, b, granularity))
@@ -209,8 +210,8 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1 if split else 2, item))
             continue
         if stage == 1:  # the layer split's own bound: no templates yet
-            split_s = _split_bound(cost, bounds, key, reps, heads, crossing, b, global_batch, recompute, cache,
-                                   representatives)
+            split_s = _split_bound(cost, bounds, key, reps, heads, crossing, b, global_batch, recompute, options,
+                                   cache, representatives)
             if split_s is not None:
                 heapq.heappush(heap, (max(bound, split_s), next(counter), 2, item))
             continue
@@ -251,8 +252,8 @@ def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: Plann
 
 
 def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
-                 heads: Sequence[int], crossing: bool, b: int, global_batch: int, recompute: str, cache: dict,
-                 representatives: dict) -> float | None:
+                 heads: Sequence[int], crossing: bool, b: int, global_batch: int, recompute: str,
+                 options: PlannerOptions, cache: dict, representatives: dict) -> float | None:
     """Some pipeline runs >= ceil(B/P) samples: its flush is at least the fastest structure's
     ``flush_lower_bound_s`` (the split level 2 will make, bounded before it is made), plus the first stage's
     sync; None if some structure cannot hold the model or the batch is too small."""
@@ -263,7 +264,7 @@ def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[
     if global_batch < num_pipes:
         return None
     share = -(-global_batch // num_pipes)
-    flush_s = [template_flush_bound_s(cost, slots, b, recompute, share, cache) for slots, _ in structures]
+    flush_s = [template_flush_bound_s(cost, slots, b, recompute, share, cache, options) for slots, _ in structures]
     if any(math.isinf(f) for f in flush_s):
         return None
     slots = structures[0][0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ethpipe.cost.model import CostModel
 from ethpipe.planner.options import PlannerOptions
 from ethpipe.planner.partition import Partition, _choose, flush_lower_bound_s, partition_layers
-from ethpipe.planner.timing import PipelineTiming, StageSlot, same_node_links, stage_options, timing_of_partition
+from ethpipe.planner.timing import PipelineTiming, StageSlot, link_key, stage_options, timing_of_partition
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 
@@ -100,7 +100,7 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
                    recompute: str, nodes_per_pipeline: int, cache: dict,
                    options: PlannerOptions = PlannerOptions()) -> Template | None:
     """Partition and time one pipeline shape; None if it does not fit memory."""
-    key = (tuple((s.device, s.tp) for s in slots), same_node_links(cost, slots), micro_batch, recompute)
+    key = (tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
             part = partition_layers(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers)
@@ -125,7 +125,8 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
     stages = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
     key = ("flush_bound", stages, num_samples // micro_batch, num_samples % micro_batch == 0)
     if key not in cache:  # replicas whose links differ often have the same options (memoised per slot)
-        cache[key] = flush_lower_bound_s(stages, cost.model.num_layers, *key[2:])
+        # a hair under: the flush's own arithmetic (action times, stage_finish_s) rounds differently
+        cache[key] = flush_lower_bound_s(stages, cost.model.num_layers, *key[2:]) * (1 - 1e-12)
     return cache[key]
 
 

@@ -32,11 +32,15 @@ class StageSlot:
     ranks: tuple[int, ...]
 
 
-def same_node_links(cost: CostModel, slots: Sequence[StageSlot]) -> tuple[bool, ...]:
-    """Which consecutive stages share a node: with the devices, what a shape's receive times (its templates)
-    depend on."""
+def link_key(cost: CostModel, slots: Sequence[StageSlot]) -> tuple:
+    """What a shape's receive times depend on besides its devices (``CostModel.p2p_link_gbps``): per link,
+    whether both stages share a node, and across nodes both ends' rail and NIC. Templates are shared by key."""
     devs = cost.cluster.devices
-    return tuple(devs[a.ranks[0]].node == devs[b.ranks[0]].node for a, b in zip(slots, slots[1:]))
+    out = []
+    for a, b in zip(slots, slots[1:]):
+        x, y = devs[a.ranks[0]], devs[b.ranks[0]]
+        out.append(True if x.node == y.node else (x.flow_gbps, x.nic_gbps, y.flow_gbps, y.nic_gbps))
+    return tuple(out)
 
 
 def p2p_in_s(cost: CostModel, slots: Sequence[StageSlot], i: int, micro_batch: int) -> float:
