@@ -15,6 +15,13 @@ def _compositions(total: int, parts: int):
         yield [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def _random_shape(rng: random.Random, min_layers: int, max_layers: int, max_depth: int, min_depth: int = 1):
+    """(layers, depth, random stages): the cases the brute-force tests below draw."""
+    layers = rng.randint(min_layers, max_layers)
+    depth = rng.randint(min_depth, min(layers, max_depth))
+    return layers, depth, _random_stages(rng, depth, layers)
+
+
 def _random_stages(rng: random.Random, depth: int, layers: int):
     stages = []
     for _ in range(depth):
@@ -29,9 +36,7 @@ def _random_stages(rng: random.Random, depth: int, layers: int):
 @pytest.mark.parametrize("seed", range(300))
 def test_matches_brute_force(seed: int) -> None:
     rng = random.Random(seed)
-    layers = rng.randint(1, 10)
-    depth = rng.randint(1, min(layers, 5))
-    stages = _random_stages(rng, depth, layers)
+    layers, depth, stages = _random_shape(rng, 1, 10, 5)
     best = min((b for c in _compositions(layers, depth) if (b := bottleneck_of(stages, c)) is not None),
                default=None)
     part = partition_layers(stages, layers)
@@ -63,9 +68,7 @@ def _stage_times(stages, counts):
 def test_tie_break_matches_brute_force(seed: int) -> None:
     """Among the splits with the optimal bottleneck, the returned one has the least sum of squared stage times."""
     rng = random.Random(1000 + seed)
-    layers = rng.randint(2, 11)
-    depth = rng.randint(2, min(layers, 5))
-    stages = _random_stages(rng, depth, layers)
+    layers, depth, stages = _random_shape(rng, 2, 11, 5, min_depth=2)
     if rng.random() < 0.5:  # identical stages: ties on the bottleneck are the rule, not the exception
         stages = [stages[0]] * depth
     feasible = [c for c in _compositions(layers, depth) if bottleneck_of(stages, c) is not None]
@@ -99,9 +102,7 @@ def _flush_of_split(stages, counts, num_micro_batches: int) -> float:
 @pytest.mark.parametrize("seed", range(300))
 def test_flush_lower_bound_never_exceeds_the_flush_of_the_split_level_2_makes(seed: int) -> None:
     rng = random.Random(5000 + seed)
-    layers = rng.randint(1, 14)
-    depth = rng.randint(1, min(layers, 6))
-    stages = _random_stages(rng, depth, layers)
+    layers, _, stages = _random_shape(rng, 1, 14, 6)
     m = rng.randint(1, 9)
     part = partition_layers(stages, layers)
     bound, unfilled = flush_lower_bound_s(stages, layers, m), flush_lower_bound_s(stages, layers, m, fill=False)

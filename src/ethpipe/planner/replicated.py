@@ -45,7 +45,7 @@ from ethpipe.planner.templates import (
     slots_for,
     template_flush_bound_s,
 )
-from ethpipe.planner.timing import StageSlot, link_key, timing_of_partition
+from ethpipe.planner.timing import StageSlot, link_key, rank_link, timing_of_partition
 
 Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
@@ -108,7 +108,6 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
     node_sizes = {len(p.nodes[0]) for p in pools_of(cost)}
     ranked = [(cost.cluster.devices[r].gpu.id, r) for r in range(n)]
     devs = cost.cluster.devices
-    nics = [(d.nic_gbps, d.flow_gbps) for d in devs]
     for t in (t for t in divisors(min(node_sizes)) if t <= max_tp and all(g % t == 0 for g in node_sizes)
               and cost.model.tp_problem(t) is None):
         for d in divisors(n // t):
@@ -124,8 +123,7 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                     for i in range(replicas):
                         ranks = range(i * d * t, (i + 1) * d * t, t)
                         key = (tuple(ranked[r][0] for r in ranks),
-                               tuple(True if devs[a].node == devs[b].node else (nics[a], nics[b])
-                                     for a, b in pairwise(ranks)))  # what ``link_key`` holds
+                               tuple(rank_link(devs, a, b) for a, b in pairwise(ranks)))  # ``link_key``'s
                         keys.setdefault(key, [i, 0])[1] += 1
                     return [(slots_for(ranked[i * d * t:(i + 1) * d * t], t), c) for i, c in keys.values()]
                 crossing = _disjoint(cost, range(d * t), range(n - d * t, n))
@@ -251,19 +249,25 @@ def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: Plann
     return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
 
 
+def _replicas(key: int, reps: Callable[[], Structures], representatives: dict, global_batch: int
+              ) -> tuple[Structures, int, int]:
+    """One replica per structure (built once per layout), the number of pipelines and ceil(B/P)."""
+    if key not in representatives:
+        representatives[key] = reps()
+    structures = representatives[key]
+    num_pipes = sum(c for _, c in structures)
+    return structures, num_pipes, -(-global_batch // num_pipes)
+
+
 def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
                  heads: Sequence[int], crossing: bool, b: int, global_batch: int, recompute: str,
                  options: PlannerOptions, cache: dict, representatives: dict) -> float | None:
     """Some pipeline runs >= ceil(B/P) samples: its flush is at least the fastest structure's
     ``flush_lower_bound_s`` (the split level 2 will make, bounded before it is made), plus the first stage's
     sync; None if some structure cannot hold the model or the batch is too small."""
-    if key not in representatives:
-        representatives[key] = reps()
-    structures = representatives[key]
-    num_pipes = sum(c for _, c in structures)
+    structures, num_pipes, share = _replicas(key, reps, representatives, global_batch)
     if global_batch < num_pipes:
         return None
-    share = -(-global_batch // num_pipes)
     flush_s = [template_flush_bound_s(cost, slots, b, recompute, share, cache, options) for slots, _ in structures]
     if any(math.isinf(f) for f in flush_s):
         return None
@@ -277,18 +281,14 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callabl
     """A bound from one replica per structure: first the memory-aware bottleneck (no templates), then the
     exact flush at ceil(B/P) samples, the first stage's sync and its optimizer step. None: the layout
     cannot hold the model or the batch."""
-    if key not in representatives:
-        representatives[key] = reps()
-    structures = representatives[key]
+    structures, num_pipes, share = _replicas(key, reps, representatives, global_batch)
     devices = {tuple(s.device for s in slots) for slots, _ in structures}
     if len(devices) == 1 and not uniform:
         per_sample = bounds.memory_bottleneck_s(next(iter(devices)), structures[0][0][0].tp, b, recompute)
-        if per_sample * -(-global_batch // sum(c for _, c in structures)) >= cutoff_s:
-            return per_sample * -(-global_batch // sum(c for _, c in structures))
-    num_pipes = sum(c for _, c in structures)
+        if per_sample * share >= cutoff_s:
+            return per_sample * share
     if global_batch < num_pipes:
         return None
-    share = -(-global_batch // num_pipes)
     make = _make(cost, uniform, b, recompute, options, cache)
     templates = [make(slots) for slots, _ in structures]
     if any(t is None for t in templates):

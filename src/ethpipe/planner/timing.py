@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import equal_sizes_makespans, stage_finish_s, steady_lines
 from ethpipe.planner.partition import Partition, StageOption
@@ -33,14 +34,16 @@ class StageSlot:
 
 
 def link_key(cost: CostModel, slots: Sequence[StageSlot]) -> tuple:
-    """What a shape's receive times depend on besides its devices (``CostModel.p2p_link_gbps``): per link,
-    whether both stages share a node, and across nodes both ends' rail and NIC. Templates are shared by key."""
+    """What a shape's receive times depend on besides its devices (``CostModel.p2p_link_gbps``): each link's
+    ``rank_link``. Templates are shared by key."""
     devs = cost.cluster.devices
-    out = []
-    for a, b in zip(slots, slots[1:]):
-        x, y = devs[a.ranks[0]], devs[b.ranks[0]]
-        out.append(True if x.node == y.node else (x.flow_gbps, x.nic_gbps, y.flow_gbps, y.nic_gbps))
-    return tuple(out)
+    return tuple(rank_link(devs, a.ranks[0], b.ranks[0]) for a, b in zip(slots, slots[1:]))
+
+
+def rank_link(devices: Sequence[Device], a: int, b: int) -> bool | tuple[float, ...]:
+    """One link of ``link_key``: True inside a node, else both ends' rail and NIC."""
+    x, y = devices[a], devices[b]
+    return True if x.node == y.node else (x.flow_gbps, x.nic_gbps, y.flow_gbps, y.nic_gbps)
 
 
 def p2p_in_s(cost: CostModel, slots: Sequence[StageSlot], i: int, micro_batch: int) -> float:
