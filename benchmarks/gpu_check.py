@@ -1,9 +1,10 @@
 """GPU check, prepared for a short lease: measure, compare with the calibrated model, run tests/gpu.
 
 On the GPU it finds (matched to a catalog id by its name), it profiles one decoder block, the
-embedding and the head of a few model widths in fp32 (TF32 off), fp32 (TF32 on) and bf16 with
-``ethpipe.profiler`` (the runtime's own modules), prices the same layers with the calibrated cost
-model for that GPU type, runs ``pytest tests/gpu``, and writes docs/benchmarks/gpu.{md,json}.
+embedding and the head of a few model widths in fp32 (TF32 off), fp32 (TF32 on) and bf16 with SDPA's
+fused attention, and in fp32 with its math (materialised) path, with ``ethpipe.profiler`` (the
+runtime's own modules), prices the same layers with the calibrated cost model for that GPU type
+(``attention`` auto or materialised to match), runs ``pytest tests/gpu``, and writes docs/benchmarks/gpu.{md,json}.
 Meant to finish in under 8 minutes on one GPU; ``--device cpu`` runs the same logic on the CPU
 with tiny widths (what the tests do here).
 
@@ -28,7 +29,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "benchmarks"
-MODES = (("fp32", False), ("fp32", True), ("bf16", True))  # (dtype, tf32)
+# (dtype, tf32, attention): SDPA's fused kernels in each precision, and Megatron's unfused fp32 path (the
+# calibration profiles' runtime) through SDPA's math backend.
+MODES = (("fp32", False, "auto"), ("fp32", True, "auto"), ("bf16", True, "auto"), ("fp32", True, "materialised"))
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Row:
     width: int
     dtype: str
     tf32: bool
+    attention: str
     kind: str
     micro_batch: int
     measured_ms: tuple[float, float]  # fwd, bwd
@@ -52,7 +56,8 @@ def match_gpu(device_name: str) -> str | None:
     """The catalog id of a CUDA device name ("NVIDIA H200" -> "h200_sxm"), None if nothing matches.
 
     Matches the model token (H200, A100, L4, ...) and, where the catalog has several, the memory
-    size in the name; the SXM part wins over PCIe when the name does not say.
+    size and the form factor in the name (an id with ``sxm`` / ``pcie`` when the name says SXM / PCIe);
+    the SXM part wins over PCIe when the name does not say.
     """
     from ethpipe.catalog import gpu_catalog
 
@@ -67,7 +72,12 @@ def match_gpu(device_name: str) -> str | None:
         candidates = sized or candidates
     if not candidates:
         return None
-    return sorted(candidates, key=lambda g: ("PCIE" in g.name.upper(), len(g.id)))[0].id
+    form = next((f for f in ("PCIE", "SXM") if f in name), None)  # "Tesla V100-SXM2-16GB": the SXM2 variant
+
+    def rank(g):  # type: ignore[no-untyped-def]
+        named_form = form is not None and form.lower() in g.id
+        return (not named_form, "PCIE" in g.name.upper() and form != "PCIE", len(g.id))
+    return sorted(candidates, key=rank)[0].id
 
 
 def _spec(width: int, seq_len: int):  # type: ignore[no-untyped-def]
@@ -91,20 +101,19 @@ def measure(device: str, gpu_id: str, widths: list[int], seq_len: int, micro_bat
     cluster = cluster_from_dict({"nodes": [node]})
     for width in widths:
         spec = _spec(width, seq_len)
-        for dtype, tf32 in MODES:
-            if device == "cuda":
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-                torch.backends.cudnn.allow_tf32 = tf32
+        for dtype, tf32, attention in MODES:
             prof = profile_model(spec, ProfileSettings(seq_len=seq_len, micro_batch_sizes=micro_batches,
-                                                       device=device, dtype=dtype, repeats=repeats, warmup=2))
-            cost = CostModel(cluster, spec, seq_len, dtype_bytes=dtype_bytes(dtype), dtype=dtype, tf32=tf32)
+                                                       device=device, dtype=dtype, repeats=repeats, warmup=2,
+                                                       tf32=tf32, attention=attention))
+            cost = CostModel(cluster, spec, seq_len, dtype_bytes=dtype_bytes(dtype), dtype=dtype, tf32=tf32,
+                             attention_mode=attention)
             for b in micro_batches:
                 predicted = {"block": cost.layer_times_s(gpu_id, b),
                              "embedding": cost.end_times_s(gpu_id, b, 1, first=True, last=False),
                              "head": cost.end_times_s(gpu_id, b, 1, first=False, last=True)}
                 for kind, (fwd_s, bwd_s) in predicted.items():
                     t = prof.layers[kind][b]
-                    rows.append(Row(width, dtype, tf32, kind, b, (t.fwd_s * 1e3, t.bwd_s * 1e3),
+                    rows.append(Row(width, dtype, tf32, attention, kind, b, (t.fwd_s * 1e3, t.bwd_s * 1e3),
                                     (fwd_s * 1e3, bwd_s * 1e3)))
     return rows
 
@@ -125,13 +134,13 @@ def render(result: dict[str, Any]) -> str:
              f"{result['wall_s']:.0f} s in all. Reproduce: `python benchmarks/gpu_check.py`. Times are one layer "
              "pass of ethpipe's own modules (`ethpipe.profiler`, median of the repeats) vs the calibrated cost "
              "model for that GPU type (`ethpipe.cost`), ms; error = predicted / measured - 1.", "",
-             "| width | dtype | TF32 | layer | micro-batch | measured fwd / bwd | predicted fwd / bwd | error |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| width | dtype | TF32 | attention | layer | micro-batch | measured fwd / bwd | predicted fwd / bwd | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         mf, mb = r["measured_ms"]
         pf, pb = r["predicted_ms"]
         ef, eb = (p / m - 1 for p, m in zip(r["predicted_ms"], r["measured_ms"]))
-        lines.append(f"| {r['width']} | {r['dtype']} | {'on' if r['tf32'] else 'off'} | {r['kind']} | "
+        lines.append(f"| {r['width']} | {r['dtype']} | {'on' if r['tf32'] else 'off'} | {r['attention']} | {r['kind']} | "
                      f"{r['micro_batch']} | {mf:.3f} / {mb:.3f} | {pf:.3f} / {pb:.3f} | {ef:+.0%} / {eb:+.0%} |")
     block = [abs(e) for r in result["rows"] if r["kind"] == "block"
              for e in (p / m - 1 for p, m in zip(r["predicted_ms"], r["measured_ms"]))]

@@ -11,6 +11,10 @@ profiler copies the second block to layers 2..L), ``head`` = the final norm + he
 ``optimizer_s_per_param`` = the profile's optimizer step / the 2-block profiling model's
 parameters (0 where the artifact recorded 0).
 
+V100-16 is the SXM2 part (``v100_16gb_sxm2``: 15.7 TFLOP/s fp32): the artifact's intra-node curve for it
+peaks at 68 GB/s, which only NVLink gives (PCIe Gen3 x16 carries ~12). Attention is Megatron's unfused
+fp32 path (``attention="materialised"``): the per-layer memory keeps one s x s matrix per head.
+
 TF32: the runs used PyTorch's default math mode, which the profiles do not record. OPT-350 on
 every Ampere/Hopper GPU runs its blocks faster than the fp32 CUDA-core peak allows (A100-40:
 ~30 TFLOP/s against 19.5), so TF32 was on. OPT-30 and LLaMA on A100-40 (the files written by
@@ -32,7 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SOURCE = "Sailor artifact, eth-easl/sailor commit cf2c8e3c, Megatron-DeepSpeed fp32 profiles"
 
 GPU_IDS = {  # Sailor's name -> ethpipe catalog id
-    "A100-40": "a100_40gb_sxm", "A100-80": "a100_80gb_sxm", "V100-16": "v100_16gb", "GH-96": "gh200_96gb",
+    "A100-40": "a100_40gb_sxm", "A100-80": "a100_80gb_sxm", "V100-16": "v100_16gb_sxm2", "GH-96": "gh200_96gb",
     "RTX-3090": "rtx_3090", "Titan-RTX": "titan_rtx", "RTX-2080": "rtx_2080_ti",
 }
 GPUS_PER_NODE = {"A100-40": 4, "V100-16": 4, "A100-80": 4, "GH-96": 4, "Titan-RTX": 8, "RTX-2080": 8, "RTX-3090": 8}
@@ -101,7 +105,7 @@ def convert(root: Path, model: str, gpu: str) -> list[SailorProfile]:
             device_name=f"cuda: {gpu} (Sailor)", device_kind="cuda", dtype="fp32", model=spec.to_dict(),
             seq_len=SEQ_LEN[model], layers=layers,
             optimizer_s_per_param=opt[tp] / params if params and opt[tp] > 0 else 0.0,
-            peak_memory_bytes=memory, tp=tp, tf32=(model, gpu) not in NOT_TF32)
+            peak_memory_bytes=memory, tp=tp, tf32=(model, gpu) not in NOT_TF32, attention="materialised")
         out.append(SailorProfile(model, gpu, prof))
     return out
 

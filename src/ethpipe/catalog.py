@@ -78,18 +78,27 @@ def _efficiency_for(arch: str) -> float:
     return _DEFAULT_EFFICIENCY
 
 
+# Variant keys that name a form factor (``{sxm2: 15.7, pcie: 14}``): their ids are ``<entry id>_<key>``.
+_FORM_FACTORS = ("sxm", "sxm2", "sxm4", "sxm5", "pcie")
+
+
 def _scalar(value: Any, variant: str | None) -> Any:
-    """Some catalog fields list per-variant values ({a100_pcie_40gb: 40, ...})."""
+    """Some catalog fields list per-variant values ({a100_pcie_40gb: 40, ...} or {sxm2: 15.7, pcie: 14})."""
     if isinstance(value, dict):
         return value.get(variant) if variant in value else min(value.values())
     return value
 
 
 def _expand_variants(entry: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """(id, variant) pairs: the entry's own id (smallest variant, conservative) plus one per variant."""
+    """(id, variant) pairs: the entry's own id (smallest variant, conservative) plus one per variant.
+
+    A variant keyed by its own id (``a100_pcie_40gb``) keeps it; a form-factor key (``sxm2``) gets
+    ``<entry id>_<key>`` (``v100_16gb_sxm2``), so the NVLink part can be named where it is the one used.
+    """
     variant_keys = {k for v in entry.values() if isinstance(v, dict) for k in v}
-    variants = sorted(k for k in variant_keys if k.startswith(entry["id"].split("_")[0]))
-    return [(entry["id"], None)] + [(v, v) for v in variants]
+    named = sorted(k for k in variant_keys if k.startswith(entry["id"].split("_")[0]))
+    forms = sorted(k for k in variant_keys if k in _FORM_FACTORS)
+    return [(entry["id"], None)] + [(v, v) for v in named] + [(f"{entry['id']}_{f}", f) for f in forms]
 
 
 def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuSpec | None:
@@ -100,6 +109,10 @@ def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuS
     if not peak or not mem:
         return None
     link = entry.get("intra_node_interconnect") or {}
+    if variant in link and isinstance(link[variant], dict):  # per-form-factor link ({sxm2: {...}, pcie: {...}})
+        link = link[variant]
+    elif link and all(isinstance(v, dict) for v in link.values()):  # no variant chosen: the slowest link
+        link = min(link.values(), key=lambda v: float(v.get("per_gpu_bidir_gbps") or 0.0))
     bidir = _scalar(link.get("per_gpu_bidir_gbps"), variant) or _DEFAULT_INTRA_NODE_BIDIR_GBPS
     return GpuSpec(
         id=gpu_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
@@ -215,5 +216,8 @@ def plan_from_dict(data: Any) -> Plan:
     idle = _idle_devices(data.get("idle_devices", []), cluster, pipes)
     predicted = data.get("predicted")
     extra = {k: v for k, v in data.items() if k not in _KNOWN}
+    if extra.get("attention", "auto") not in ATTENTION_CHOICES:
+        raise UserError(f"plan field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got "
+                        f"{extra['attention']!r}: re-make the plan with `ethpipe plan --attention ...`")
     return Plan(str(data["method"]) if "method" in data else "custom", model, batch, seq_len, pipes, blocks,
                 spec, cluster, predicted, extra, version, idle)

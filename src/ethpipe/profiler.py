@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.cost.profile import LAYER_KINDS, LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
@@ -38,6 +39,8 @@ class ProfileSettings:
     warmup: int = 2
     num_threads: int = 1  # one compute thread per rank, as the CPU runtime runs
     seed: int = 0
+    tf32: bool = True  # CUDA fp32 matmuls on TF32 tensor cores (what a default plan is priced and run with)
+    attention: str = "auto"  # SDPA's own pick (the runtime's default), or "materialised" (its math path)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -50,6 +53,8 @@ class ProfileSettings:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"--device must be cpu or cuda, got '{self.device}'")
+        if self.attention not in ATTENTION_CHOICES:
+            raise UserError(f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{self.attention}'")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda requested but torch sees no CUDA device: use --device cpu")
         if self.num_threads < 1:
@@ -192,6 +197,7 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
         raise UserError(f"--seq-len {settings.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(settings.num_threads)
+    modes = _kernel_modes(settings)
     try:
         device = torch.device(settings.device)
         module = build_stage(spec, (0, 1), first=True, last=True, seed=settings.seed, device=device)
@@ -204,6 +210,10 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
         optimizer_s = _optimizer_s_per_param(module, settings, device)
     finally:
         torch.set_num_threads(previous_threads)
+        _restore(modes)
+    cuda_fp32 = settings.device == "cuda" and settings.dtype == "fp32"
+    # Off CUDA nothing is switched: SDPA ran its own pick, so that is what the profile measured.
+    attention = settings.attention if settings.device == "cuda" else "auto"
     return MeasuredProfile(
         device_name=device_name(settings.device),
         device_kind=settings.device,
@@ -213,4 +223,32 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
         layers=layers,
         optimizer_s_per_param=optimizer_s,
         peak_memory_bytes=memory,
+        tf32=settings.tf32 if cuda_fp32 else None,
+        attention=attention,
     )
+
+
+def _kernel_modes(settings: ProfileSettings) -> list[tuple[Callable[[bool], None], bool]]:
+    """Set CUDA's TF32 and SDPA backends for the profile as a plan would (``runtime/matmul_mode.py``);
+    returns (setter, previous value) pairs to restore. No-op off CUDA."""
+    if settings.device != "cuda" or not torch.cuda.is_available():
+        return []
+    matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
+    fused = settings.attention != "materialised"
+    changes = [  # what runtime/matmul_mode.apply_kernel_modes sets for a plan
+        (lambda v: setattr(matmul, "allow_tf32", v), matmul.allow_tf32, settings.tf32),
+        (lambda v: setattr(cudnn, "allow_tf32", v), cudnn.allow_tf32, settings.tf32),
+        (cuda.enable_flash_sdp, cuda.flash_sdp_enabled(), fused),
+        (cuda.enable_mem_efficient_sdp, cuda.mem_efficient_sdp_enabled(), fused),
+        (cuda.enable_cudnn_sdp, cuda.cudnn_sdp_enabled(), fused),
+        (cuda.enable_math_sdp, cuda.math_sdp_enabled(), True),
+        (cuda.allow_fp16_bf16_reduction_math_sdp, cuda.fp16_bf16_reduction_math_sdp_allowed(), not fused),
+    ]
+    for setter, _, value in changes:
+        setter(value)
+    return [(setter, previous) for setter, previous, _ in changes]
+
+
+def _restore(modes: list[tuple[Callable[[bool], None], bool]]) -> None:
+    for setter, previous in modes:
+        setter(previous)

@@ -85,3 +85,33 @@ def test_gpu_fp16_follows_the_fp32_reference(tmp_path: Path) -> None:
     update = sum(float((ref.state[k] - init[k]).pow(2).sum()) for k in ref.state) ** 0.5
     assert error <= 0.25 * update
     assert not any(r["skipped"] for r in records)
+
+
+@pytest.mark.parametrize("attention", ["auto", "materialised"])
+def test_gpu_attention_backend_keeps_what_the_plan_budgeted(attention: str) -> None:
+    """What a causal fp16 SDPA forward keeps for backward: auto (fused kernels) no s x s matrix; materialised
+    (the math path, reducing in fp16) one fp16 matrix per head, not the fp32 one an upcast would keep."""
+    import torch.nn.functional as F
+
+    from ethpipe.plan import Plan
+    from ethpipe.runtime.matmul_mode import apply_attention, set_sdpa_backends
+
+    plan = Plan.__new__(Plan)
+    object.__setattr__(plan, "extra", {"attention": attention})
+    try:
+        assert apply_attention(plan, torch.device("cuda")) == attention
+        q, k, v = (torch.randn(1, 8, 2048, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+                   for _ in range(3))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - base
+        scores = 8 * 2048 * 2048 * 2
+        if attention == "materialised":
+            assert scores <= kept < 1.5 * scores, kept
+        else:
+            assert kept < 0.25 * scores, kept
+        out.sum().backward()
+    finally:
+        set_sdpa_backends(True)

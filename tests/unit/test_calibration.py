@@ -37,12 +37,59 @@ def test_large_gemm_cost_follows_the_math_mode_peak() -> None:
     assert math_mode(get_gpu("v100_32gb_sxm2"), "fp32", True) == ("simd", 15.7)  # Volta has no TF32
 
 
-def test_small_gemms_run_further_from_peak_than_wide_ones() -> None:
-    dev = DeviceCompute.build(A100, IDEAL, "bf16", True)
+def test_kernel_time_is_its_roofline_and_never_beats_its_launch() -> None:
+    dev = DeviceCompute.build(A100, IDEAL, "bf16", True)  # A100-80: 312 TFLOP/s bf16, 2039 GB/s
+    skinny = ops.gemm("g", 2048, 256, 256, 2)  # 2 x 2048 x 256 x 256 FLOPs; reads 2048x256 + 256x256, writes 2048x256
+    assert dev.layer_s([skinny]) == pytest.approx(2 * (2 * 2048 * 256 + 256 * 256) / 2039e9)  # memory-bound
+    wide = ops.gemm("g", 8192, 8192, 8192, 2)
+    assert dev.layer_s([wide]) == pytest.approx(2 * 8192**3 / 312e12)  # compute-bound
+    both = dev.layer_s([skinny, wide])
+    assert both == pytest.approx(dev.layer_s([skinny]) + dev.layer_s([wide]))  # kernels run one after another
+    slow_launch = DeviceCompute.build(A100, Calibration({"ampere": ArchConstants(1.0, 1.0, 1.0, 1e-3, 2e-4, "t",
+                                                                                 ("tensor_eff",))}), "bf16", True)
+    assert slow_launch.layer_s([skinny, wide]) == pytest.approx(1e-3 + 2 * 8192**3 / 312e12 + 2e-4)
+
     def eff(n: int) -> float:
         k = ops.gemm("g", 2048, n, n, 2)
         return k.flops / (dev.layer_s([k]) * 312e12)
-    assert eff(256) < eff(1024) < eff(8192) < 1.0
+    # A100 bf16 ridge: 312e12 / 2039e9 = 153 FLOP/byte; n = 128 and 256 sit below it (62 and 120), 1024 above.
+    assert eff(128) < eff(256) < eff(1024) == pytest.approx(1.0) == eff(8192)
+
+
+def test_attention_kernels_priced_by_implementation_by_hand() -> None:
+    """Flash (bf16, sm80+), SDPA's memory-efficient kernel (fp32: 3xTF32 on sm80+, CUDA cores before) and the
+    materialised s x s path, each against its hand count on one head-dim-128 decoder block."""
+    spec = ModelSpec(name="a", num_layers=2, hidden_size=4096, num_heads=32, num_kv_heads=32, ffn_hidden_size=11008,
+                     vocab_size=32000, max_seq_len=4096)
+    s, b = 4096, 1
+    fused_flops = 4.0 * b * 32 * s * s * 128 * 0.5  # QK^T and PV, causal half
+    a100, v100 = get_gpu("a100_80gb_sxm"), get_gpu("v100_32gb_sxm2")
+
+    def attn(gpu, dtype: str, tf32: bool, choice: str) -> tuple[float, float]:
+        dev = DeviceCompute.build(gpu, IDEAL, dtype, tf32)
+        impl = ops.attention_impl(gpu.arch, dtype, choice)
+        ks = [k for k in ops.block_kernels(spec, s, b, 1, 2 if dtype != "fp32" else 4, impl, False)
+              if k.name in ("flash_attn", "efficient_attn", "qk", "softmax", "pv")]
+        return sum(c for _, c, _ in dev.kernel_terms(ks)), dev.layer_s(ks)
+
+    assert ops.attention_impl("ampere", "bf16") == "flash" and ops.attention_impl("volta", "fp16") == "efficient"
+    assert ops.attention_impl("ampere", "fp32") == "efficient" and ops.attention_impl("ampere", "bf16",
+                                                                                      "materialised") == "materialised"
+    flash_c, flash_t = attn(a100, "bf16", True, "auto")
+    assert flash_c == pytest.approx(fused_flops / 312e12) and flash_t == pytest.approx(flash_c)  # compute-bound
+    for tf32 in (True, False):  # 3xTF32 whatever the matmul TF32 setting
+        assert attn(a100, "fp32", tf32, "auto")[0] == pytest.approx(3 * fused_flops / 156e12)
+    assert attn(v100, "fp32", True, "auto")[0] == pytest.approx(fused_flops / 15.7e12)  # no TF32: CUDA cores
+    assert attn(v100, "fp16", True, "auto")[0] == pytest.approx(fused_flops / 125e12)  # fp16 tensor cores
+    # Materialised fp32: QK^T and PV in full (no causal skip) on TF32, plus 4 passes over the fp32 scores.
+    mat_c, mat_t = attn(a100, "fp32", True, "materialised")
+    assert mat_c == pytest.approx(2 * fused_flops / 156e12)
+    scores = 32 * s * s * 4
+    softmax_s = ops.SOFTMAX_PASSES["unfused"][0] * scores / 2039e9
+    qk_s = max(2 * 32 * s * s * 128 / 156e12, 4 * 32 * (2 * s * 128 + s * s) / 2039e9)
+    pv_s = max(2 * 32 * s * s * 128 / 156e12, 4 * 32 * (s * s + 2 * s * 128) / 2039e9)
+    assert mat_t == pytest.approx(qk_s + softmax_s + pv_s)
+    assert mat_t > 2 * attn(a100, "fp32", True, "auto")[1]  # the score traffic dominates at s = 4096
 
 
 def test_fp32_and_bf16_plans_priced_as_the_hardware_runs() -> None:
@@ -63,13 +110,18 @@ def test_activation_memory_by_attention_implementation() -> None:
         {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100},
         {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}]})
     spec = load_model_spec("gpt3-1.3b")
-    cost = CostModel(clu, spec, 2048, dtype_bytes=2, dtype="fp16")
-    assert cost.attention("a100_80gb_sxm") == "flash" and cost.attention("v100_32gb_sxm2") == "materialised"
-    _, flash = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="a100_80gb_sxm")
-    _, mat = cost.memory_terms(1, 1, 1, False, first=False, last=False, device="v100_32gb_sxm2")
     scores = spec.num_heads * 2048 * 2048 * 2  # one fp16 s x s matrix per head
-    # Same model states and the same runtime tensors; without a fused kernel the scores are kept too.
-    assert mat - flash == pytest.approx(scores)
+    auto = CostModel(clu, spec, 2048, dtype_bytes=2, dtype="fp16")
+    assert auto.attention("a100_80gb_sxm") == "flash" and auto.attention("v100_32gb_sxm2") == "efficient"
+    forced = CostModel(clu, spec, 2048, dtype_bytes=2, dtype="fp16", attention_mode="materialised")
+    assert forced.attention("a100_80gb_sxm") == forced.attention("v100_32gb_sxm2") == "materialised"
+
+    def per_layer(cost: CostModel, device: str) -> float:
+        return cost.memory_terms(1, 1, 1, False, first=False, last=False, device=device)[1]
+    # SDPA's fused kernels keep no scores on either GPU; the materialised path keeps one matrix per head.
+    assert per_layer(auto, "v100_32gb_sxm2") == per_layer(auto, "a100_80gb_sxm")
+    for device in ("a100_80gb_sxm", "v100_32gb_sxm2"):
+        assert per_layer(forced, device) - per_layer(auto, device) == pytest.approx(scores)
     assert memory.block_activation_bytes_materialised(spec, 2048, 2, 1) == pytest.approx(
         2048 * 2 * (3 * spec.hidden_size + 2 * spec.q_dim + 2 * spec.kv_dim + spec.ffn_hidden_size
                     + spec.num_heads * 2048))
@@ -94,19 +146,26 @@ def test_fit_recovers_the_constants_that_generated_the_profiles() -> None:
                      vocab_size=32000, max_seq_len=512)
     obs = [o for m in (small, wide) for tf32 in (True, False)
            for o in calibrate.observations(_synthetic_profile(m, "a100_40gb_sxm", truth, tf32), get_gpu("a100_40gb_sxm"))]
-    fitted = calibrate.fit(obs).architectures["ampere"]
+    fitted = calibrate.fit(obs)
+    ampere = fitted.architectures["ampere"]
+    # Exact data: the prior (a family near the centre, the centre near the physical defaults) moves the
+    # estimate by well under 1%, and the fitted model reproduces every pass to 0.2%.
     for name in ("tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"):
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
-    assert set(fitted.fitted) == {"tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"}
+        assert getattr(ampere, name) == pytest.approx(getattr(truth, name), rel=0.01), name
+    assert max(abs(e) for e in calibrate.relative_errors(obs, fitted)) < 0.002
+    assert set(ampere.fitted) == {"tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"}
+    assert fitted.fallback is not None and fitted.constants("ada") == (fitted.fallback, False)
 
 
-def test_unidentified_constant_keeps_its_default() -> None:
+def test_unidentified_constant_takes_the_centres_value() -> None:
     truth = ArchConstants(0.7, 0.8, 0.75, 5e-6, 1e-4, "truth", ("tensor_eff",))
     spec = load_model_spec("small")
     obs = calibrate.observations(_synthetic_profile(spec, "v100_16gb", truth, True), get_gpu("v100_16gb"))
-    fitted = calibrate.fit(obs).architectures["volta"]
-    assert "tensor_eff" not in fitted.fitted  # fp32 on Volta never touches tensor cores
-    assert fitted.simd_eff == pytest.approx(0.8, rel=1e-6)
+    fitted = calibrate.fit(obs)
+    volta = fitted.architectures["volta"]
+    assert "tensor_eff" not in volta.fitted  # fp32 on Volta never touches tensor cores
+    assert volta.tensor_eff == pytest.approx(fitted.fallback.tensor_eff, rel=1e-6)
+    assert volta.simd_eff == pytest.approx(0.8, rel=0.01)
 
 
 def test_uncalibrated_gpu_says_so_and_plan_records_the_model() -> None:
@@ -114,10 +173,25 @@ def test_uncalibrated_gpu_says_so_and_plan_records_the_model() -> None:
 
     clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
     plan = make_plan(clu, load_model_spec("gpt3-1.3b"), 16, 2048, max_tp=1, dtype="bf16")
-    assert "uncalibrated (datasheet" in plan.extra["compute_model"]["devices"]["l4"]
-    assert plan.extra["tf32"] is True
+    assert "uncalibrated family (datasheet peaks x the efficiencies fitted across measured GPUs)" in \
+        plan.extra["compute_model"]["devices"]["l4"]
+    assert plan.extra["tf32"] is True and plan.extra["attention"] == "auto"
+    assert "fallback" in plan.extra["compute_model"]["calibration"]
     sim_cost = CostModel.for_plan(plan)
     assert sim_cost.layer_times_s("l4", 1) == CostModel(clu, load_model_spec("gpt3-1.3b"), 2048).layer_times_s("l4", 1)
+
+
+def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: Path) -> None:
+    import yaml
+
+    from ethpipe.cost.hardware import load_calibration
+    from ethpipe.errors import UserError
+
+    old = {"version": 1, "architectures": {"ampere": {"tensor_eff": 0.5, "simd_eff": 0.9, "mem_eff": 0.8,
+                                                      "launch_s": 1e-5, "layer_s": 1e-4}}}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(UserError, match="field 'version' must be 2 .*re-run `ethpipe calibrate`"):
+        load_calibration(tmp_path / "old.yaml")
 
 
 def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
@@ -208,8 +282,9 @@ def test_lomo_block_backward_meets_targets(lomo_rows: list[dict]) -> None:
 
 
 @needs_shared
-@pytest.mark.xfail(reason="known miss (docs/benchmarks/calibration.md): OPT-350 forward predicted from the "
-                          "compute-bound models alone is ~15% off", strict=False)
+@pytest.mark.xfail(reason="known miss (docs/benchmarks/calibration.md): the median meets the target, the worst "
+                          "case (OPT-350 on GPUs measured on OPT-350 only, predicted from the other models) does not",
+                   strict=False)
 def test_lomo_block_forward_meets_targets(lomo_rows: list[dict]) -> None:
     median, worst = _median_worst(lomo_rows, "block", "fwd")
     assert median < 0.10 and worst < 0.25
@@ -218,7 +293,7 @@ def test_lomo_block_forward_meets_targets(lomo_rows: list[dict]) -> None:
 @needs_shared
 def test_lomo_block_forward_within_what_is_reported(lomo_rows: list[dict]) -> None:
     median, worst = _median_worst(lomo_rows, "block", "fwd")
-    assert median < 0.20 and worst < 0.50
+    assert median < 0.10 and worst < 0.35  # docs/benchmarks/calibration.md: 5.8% / 31.8%
 
 
 @needs_shared
@@ -269,3 +344,93 @@ def test_replanned_clusters_predict_within_20_percent_and_rebalance_within_3() -
         assert abs(r["prediction_error"]) < 0.20, r
         assert r["rebalanced_quality"] < 0.03, r
         assert r["rebalanced_under_profiles_s"] <= r["calibrated_plan_under_profiles_s"] * (1 + 1e-9), r
+
+
+def test_layer_times_at_any_micro_batch_are_the_kernels_rooflines() -> None:
+    """The cost model prices each micro-batch from per-kernel lines: the same as pricing the kernel list itself."""
+    clu = cluster_from_dict({"nodes": [{"gpu": "v100_16gb_sxm2", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}]})
+    spec = load_model_spec("gpt3-350m")
+    cost = CostModel(clu, spec, 2048, dtype_bytes=2, dtype="fp16")
+    dev = DeviceCompute.build(get_gpu("v100_16gb_sxm2"), calibrate_shipped(), "fp16", True)
+    for b in (1, 3, 7, 32):
+        want = tuple(dev.layer_s(ops.layer_kernels("block", spec, 2048, b, 1, 2, "efficient", bw)) for bw in (False, True))
+        assert cost.layer_times_s("v100_16gb_sxm2", b) == pytest.approx(want, rel=1e-12)
+
+
+def calibrate_shipped() -> Calibration:
+    from ethpipe.cost.hardware import shipped_calibration
+
+    return shipped_calibration()
+
+
+@pytest.mark.parametrize("model, seq_len", [("tiny", 64), ("small", 128), ("small", 512), ("gpt3-125m", 128),
+                                            ("llama2-7b", 4096)])
+def test_device_speed_never_exceeds_what_the_kernels_allow(model: str, seq_len: int) -> None:
+    """achievable_flops is the per-sample step at large micro-batches: at most the math unit's efficiency x peak
+    for every catalog GPU (in model FLOPs, which count the causal half of attention that fused kernels skip:
+    at most 25% more at these shapes), and no micro-batch beats it (so balance efficiency stays <= 1)."""
+    from ethpipe.catalog import gpu_catalog
+    from ethpipe.cost import compute
+
+    spec = load_model_spec(model)
+    gpus = [g for g in gpu_catalog().values() if g.arch and g.memory_bandwidth_gbps > 0]
+    clu = cluster_from_dict({"nodes": [{"gpu": g.id, "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}
+                                       for g in gpus]})
+    for dtype in ("fp32", "fp16"):
+        cost = CostModel(clu, spec, seq_len, dtype_bytes=ops_bytes(dtype), dtype=dtype)
+        for g in gpus:
+            hw = DeviceCompute.build(g, calibrate_shipped(), dtype, True)
+            eff = hw.constants.tensor_eff if hw.unit == "tensor" else hw.constants.simd_eff
+            rate = cost.achievable_flops(g.id)
+            assert 0 < rate <= 1.25 * eff * hw.peak_tflops * 1e12, (g.id, dtype)
+            for b in (1, 4, 64):
+                per_sample_s = (spec.num_layers * sum(cost.layer_times_s(g.id, b))
+                                + sum(cost.end_times_s(g.id, b, 1, first=True, last=True))) / b
+                assert compute.model_train_flops(spec, seq_len, 1) / per_sample_s <= rate * (1 + 1e-9), (g.id, b)
+
+
+def test_a_profile_measured_with_other_kernels_is_refused_in_one_line() -> None:
+    from ethpipe.errors import UserError
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}]})
+    spec = load_model_spec("tiny")
+    prof = MeasuredProfile("cuda: A100", "cuda", "fp32", spec.to_dict(), 64, {"block": {1: LayerTiming(1e-3, 2e-3)}},
+                           0.0, tf32=False, attention="materialised")
+    with pytest.raises(UserError, match="attention 'materialised' but the plan is priced for 'auto'"):
+        CostModel(clu, spec, 64, dtype_bytes=4, dtype="fp32", profiles={"a100_80gb_sxm": prof})
+    with pytest.raises(UserError, match="TF32 off but the plan is priced --tf32"):
+        CostModel(clu, spec, 64, dtype_bytes=4, dtype="fp32", profiles={"a100_80gb_sxm": prof},
+                  attention_mode="materialised")
+    CostModel(clu, spec, 64, dtype_bytes=4, dtype="fp32", tf32=False, profiles={"a100_80gb_sxm": prof},
+              attention_mode="materialised")
+
+
+def test_plans_recording_constants_of_the_earlier_model_are_priced_with_the_shipped_ones() -> None:
+    """A plan from before the roofline model (calibration version 1) still simulates and re-plans."""
+    import dataclasses
+
+    from ethpipe.cli.replan_cmds import recorded_calibration, replan
+    from ethpipe.planner import make_plan
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 200}]})
+    plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1)
+    record = plan.extra["compute_model"]["calibration"]
+    old = dataclasses.replace(plan, extra={**plan.extra, "compute_model": {
+        "devices": {}, "calibration": {**record, "version": 1}}})
+    assert recorded_calibration(old) is None
+    assert CostModel.for_plan(old).layer_times_s("a100_80gb_sxm", 1) == CostModel.for_plan(plan).layer_times_s(
+        "a100_80gb_sxm", 1)
+    assert replan(old, clu).predicted["iteration_time_s"] == pytest.approx(plan.predicted["iteration_time_s"])
+
+
+def test_replan_keeps_the_recorded_fallback() -> None:
+    from ethpipe.cli.replan_cmds import recorded_calibration
+    from ethpipe.planner import make_plan
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    slow = ArchConstants(0.2, 0.3, 0.3, 2e-5, 1e-4, "user centre", ("tensor_eff",))
+    plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1, dtype="bf16",
+                     calibration=Calibration({}, "user", slow))
+    assert recorded_calibration(plan).fallback.tensor_eff == 0.2
+    assert CostModel.for_plan(plan).layer_times_s("l4", 1)[0] > CostModel(clu, load_model_spec("gpt3-125m"), 512)\
+        .layer_times_s("l4", 1)[0]

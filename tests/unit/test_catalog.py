@@ -30,3 +30,13 @@ def test_catalog_cli_prints_every_key_in_full_at_80_columns() -> None:
     assert set(gpu_catalog()) <= first_cells
     assert set(model_presets()) <= first_cells
     assert "…" not in "".join(first_cells)
+
+
+def test_form_factor_variants_get_their_own_ids() -> None:
+    """{sxm2: ..., pcie: ...} fields give <id>_sxm2 / <id>_pcie; the bare id stays the conservative (smallest) one."""
+    sxm2, pcie, bare = get_gpu("v100_16gb_sxm2"), get_gpu("v100_16gb_pcie"), get_gpu("v100_16gb")
+    assert (sxm2.peak_fp32_tflops, sxm2.peak_tflops, sxm2.intra_node_gbps) == (15.7, 125.0, 150.0)  # NVLink 2
+    assert (pcie.peak_fp32_tflops, pcie.peak_tflops, pcie.intra_node_gbps) == (14.0, 112.0, 16.0)  # PCIe Gen3
+    assert (bare.peak_fp32_tflops, bare.intra_node_gbps) == (pcie.peak_fp32_tflops, pcie.intra_node_gbps)
+    assert sxm2.memory_bytes == bare.memory_bytes and sxm2.arch == "volta"
+    assert get_gpu("p100_sxm2").peak_fp32_tflops == 10.6 and get_gpu("p100_pcie").peak_fp32_tflops == 9.3

@@ -59,6 +59,7 @@ def test_catalog_lists_gpus_and_models() -> None:
     (["--cluster", "examples/clusters/a100_v100.yaml", "--model", "tiny", "--max-tp", "1", "--global-batch", "1"],
      "smaller than the"),
     (["--cluster", DEMO, "--model", "tiny", "--profile", "x.json"], "--profile-as"),
+    (["--cluster", DEMO, "--model", "tiny", "--attention", "flash2"], "attention must be one of auto, materialised"),
 ])
 def test_errors_one_line_exit_2_no_file(tmp_path: Path, args, needle) -> None:
     out = tmp_path / "plan.json"

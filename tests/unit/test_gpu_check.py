@@ -19,7 +19,9 @@ import gpu_check  # noqa: E402
     ("NVIDIA H100 80GB HBM3", "h100_sxm"),
     ("NVIDIA A100-SXM4-40GB", "a100_40gb_sxm"),
     ("NVIDIA A100-SXM4-80GB", "a100_80gb_sxm"),
-    ("Tesla V100-SXM2-16GB", "v100_16gb"),
+    ("Tesla V100-SXM2-16GB", "v100_16gb_sxm2"),
+    ("Tesla V100-PCIE-16GB", "v100_16gb_pcie"),
+    ("Tesla V100-SXM2-32GB", "v100_32gb_sxm2"),
     ("NVIDIA L4", "l4"),
     ("Some Unknown Accelerator", None),
 ])
@@ -31,7 +33,7 @@ def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
     result = gpu_check.main(["--device", "cpu", "--gpu-id", "a100_80gb_sxm", "--widths", "64", "--seq-len", "32",
                              "--micro-batches", "1,2", "--repeats", "1", "--skip-tests", "--out-dir", str(tmp_path)])
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert {(r["dtype"], r["tf32"]) for r in rows} == set(gpu_check.MODES)
+    assert {(r["dtype"], r["tf32"], r["attention"]) for r in rows} == set(gpu_check.MODES)
     assert {r["kind"] for r in rows} == {"embedding", "block", "head"} and {r["micro_batch"] for r in rows} == {1, 2}
     assert all(m > 0 and p > 0 and math.isfinite(p) for r in rows for m, p in zip(r["measured_ms"], r["predicted_ms"]))
     report = (tmp_path / "gpu.md").read_text()

@@ -61,3 +61,14 @@ def test_settings_reject_bad_values() -> None:
         ProfileSettings(seq_len=8, micro_batch_sizes=(1,), dtype="int8")
     with pytest.raises(ValueError, match="seq-len"):
         profile_model(load_model_spec("tiny"), ProfileSettings(seq_len=10_000, micro_batch_sizes=(1,)))
+    with pytest.raises(ValueError, match="--attention must be one of auto, materialised"):
+        ProfileSettings(seq_len=8, micro_batch_sizes=(1,), attention="flash")
+
+
+def test_profile_records_the_kernel_modes_it_ran_with(tiny_profile) -> None:  # noqa: ANN001
+    """CPU: no TF32 to speak of (None), and nothing switched SDPA off its own pick, so that is recorded even
+    when materialised attention was asked for (only CUDA has the backends to switch)."""
+    assert tiny_profile.tf32 is None and tiny_profile.attention == "auto"
+    asked = profile_model(load_model_spec("tiny"), ProfileSettings(seq_len=32, micro_batch_sizes=(1,), repeats=1,
+                                                                    warmup=0, attention="materialised"))
+    assert asked.attention == "auto"

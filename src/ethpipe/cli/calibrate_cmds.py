@@ -12,8 +12,9 @@ from ethpipe.cli.app import app, console, user_errors
 from ethpipe.errors import UserError
 
 HEADER = """# Compute-model constants fitted by `ethpipe calibrate` (use with `ethpipe plan --catalog THIS_FILE`).
-# Per GPU architecture family: fractions of the datasheet peaks (tensor_eff, simd_eff, mem_eff) and
-# per-kernel / per-layer overheads in seconds; `fitted` lists the constants the profiles pinned.
+# Per GPU architecture family: fractions of the datasheet peaks (tensor_eff, simd_eff, mem_eff), the least
+# time of a kernel (launch_s) and the per-layer overhead (layer_s), in seconds; `fitted` lists the
+# constants the profiles inform (the others sit at the fit's centre, near the shipped fallback).
 """
 
 
@@ -30,7 +31,7 @@ def calibrate(
 
     from ethpipe.catalog import get_gpu
     from ethpipe.cost.calibrate import fit, observations, relative_errors
-    from ethpipe.cost.hardware import load_calibration
+    from ethpipe.cost.hardware import DEFAULT_CONSTANTS, load_calibration
     from ethpipe.cost.profile import load_profile
     from ethpipe.plan import write_text_atomic
 
@@ -41,8 +42,10 @@ def calibrate(
     if not obs:
         raise UserError("the profiles hold no measured layer times: re-run `ethpipe profile`")
     names = ", ".join(p.name for p in profiles)
-    fitted = fit(obs, source=f"ethpipe calibrate on {names}")
-    result = load_calibration(catalog).merged(fitted) if catalog else fitted
+    # Centred on the shipped fit's fallback: a few profiles of one GPU then move only what they inform.
+    base = load_calibration(catalog)
+    fitted = fit(obs, source=f"ethpipe calibrate on {names}", prior=base.fallback or DEFAULT_CONSTANTS)
+    result = base.merged(fitted) if catalog else fitted
     write_text_atomic(out, HEADER + yaml.safe_dump(result.to_dict(), sort_keys=False))
     table = Table(title=f"fitted on {len(obs)} layer passes")
     for col in ("architecture", "tensor eff", "simd eff", "mem eff", "launch us", "layer us", "fitted", "median err"):

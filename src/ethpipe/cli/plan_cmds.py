@@ -26,6 +26,9 @@ ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Mea
 ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]
 Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32", help="fp32 plans: matmuls on TF32 tensor cores where the "
                                                             "GPU has them (PyTorch/Megatron training default: on).")]
+AttentionOpt = Annotated[str, typer.Option("--attention", help="auto (the fused kernels PyTorch SDPA runs: flash or "
+                                                             "memory-efficient) | materialised (the unfused s x s "
+                                                             "scores of a Megatron-style runtime).")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", help="Calibrated constants from `ethpipe calibrate "
                                                                      "--out` (over the shipped ones).")]
 GIB = 2**30
@@ -99,7 +102,7 @@ def _metrics_line(plan: Any) -> str:
 def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
          method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
          max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
-         dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None,
+         dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None, attention: AttentionOpt = "auto",
          robust: Annotated[bool, typer.Option("--robust", help="eth: of the best few candidates, the one with the "
                                                               "best worst case under +-30% per-type speed "
                                                               "(data re-split allowed).")] = False,
@@ -112,7 +115,8 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust)
+                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
+                       attention=attention)
     if out is not None:
         result.save(out)
     if as_json:
@@ -140,7 +144,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
 @user_errors
 def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
             recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
-            dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None,
+            dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None, attention: AttentionOpt = "auto",
             out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
             plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
             ) -> None:
@@ -156,7 +160,7 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     calibration = load_calibration(catalog)
     plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                          dtype=dtype, tf32=tf32, calibration=calibration)
+                          dtype=dtype, tf32=tf32, calibration=calibration, attention=attention)
              for m in METHODS}
     worst = {m: robust_record(p, CostModel.for_plan(p, profiles)) for m, p in plans.items()}
     eth_time = plans["eth"].predicted["iteration_time_s"]

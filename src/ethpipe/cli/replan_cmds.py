@@ -17,7 +17,8 @@ import typer
 
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
-from ethpipe.cost.hardware import Calibration, calibration_from_dict, shipped_calibration
+from ethpipe.cost import hardware
+from ethpipe.cost.hardware import Calibration, shipped_calibration
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import AUTO, plan_dtype
@@ -25,7 +26,8 @@ from ethpipe.precision import AUTO, plan_dtype
 
 def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
     """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs), with
-    its dtype, TF32 setting and compute constants, so the new plan is priced as the old one was.
+    its dtype, TF32 setting, attention kernels and compute constants, so the new plan is priced as the old
+    one was.
 
     ``allow_idle=False`` when the world is already running on every device of ``cluster``."""
     from ethpipe.planner import METHODS, PlannerOptions, make_plan
@@ -35,7 +37,7 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
                        fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
     new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
                     options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
-                    calibration=recorded_calibration(old))
+                    calibration=recorded_calibration(old), attention=str(old.extra.get("attention", "auto")))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
         new = dataclasses.replace(new, extra={**new.extra, "emulation": emulation})
@@ -43,12 +45,15 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
 
 
 def recorded_calibration(plan: Plan) -> Calibration | None:
-    """The compute constants the plan was priced with (a user's `--catalog` fit), over the shipped ones
-    for architecture families the plan did not use; None for plans that record none."""
-    recorded = (plan.extra.get("compute_model") or {}).get("calibration")
-    if not recorded:
+    """The compute constants the plan was priced with (a user's `--catalog` fit, and the fallback for families
+    nobody measured), over the shipped ones for families the plan did not use; None for plans that record
+    none, or constants of an earlier compute model (the shipped ones then price the re-plan)."""
+    recorded = hardware.recorded_calibration((plan.extra.get("compute_model") or {}).get("calibration"),
+                                             "plan field 'compute_model.calibration'")
+    if recorded is None:
         return None
-    return shipped_calibration().merged(calibration_from_dict(recorded, "plan field 'compute_model.calibration'"))
+    merged = shipped_calibration().merged(recorded)
+    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback)
 
 
 def first_devices(cluster: Cluster, world_size: int) -> Cluster:

@@ -128,6 +128,10 @@ def profile_cmd(
     repeats: Annotated[int, typer.Option(help="timed repeats (the median is kept)")] = 5,
     warmup: Annotated[int, typer.Option(help="untimed warm-up runs")] = 2,
     threads: Annotated[int, typer.Option(help="torch compute threads (the CPU runtime uses 1 per rank)")] = 1,
+    tf32: Annotated[bool, typer.Option("--tf32/--no-tf32", help="cuda fp32: matmuls on TF32 tensor cores (as a "
+                                                                "default plan runs them); recorded")] = True,
+    attention: Annotated[str, typer.Option(help="auto (SDPA's fused kernels, the runtime's default) or "
+                                                "materialised (SDPA's math path); recorded")] = "auto",
 ) -> None:
     """Measure per-layer forward/backward times and memory on this machine for `plan --profile`."""
     from ethpipe.model_spec import load_model_spec
@@ -135,7 +139,8 @@ def profile_cmd(
 
     spec = load_model_spec(model)
     settings = ProfileSettings(seq_len=seq_len, micro_batch_sizes=_parse_sizes(micro_batch_sizes), device=device,
-                               dtype=dtype, repeats=repeats, warmup=warmup, num_threads=threads)
+                               dtype=dtype, repeats=repeats, warmup=warmup, num_threads=threads, tf32=tf32,
+                               attention=attention)
     with console.status(f"profiling {spec.name} at seq_len {seq_len} on {device}"):
         result = profile_model(spec, settings)
     result.save(out)

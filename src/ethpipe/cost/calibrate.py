@@ -1,13 +1,21 @@
 """Fit the per-architecture constants of ``cost/hardware.py`` to measured layer profiles.
 
-Every measured layer pass gives one equation: its time is linear in ``x = (1/tensor_eff,
-1/simd_eff, 1/mem_eff, launch_s, layer_s)`` with coefficients from the kernel inventory
-(``cost/ops.py``) and the GPU's datasheet numbers, plus the tensor-parallel all-reduces priced
-on the intra-node link. ``fit`` solves these per architecture family by least squares on the
-*relative* error (numpy), keeping every constant physical (efficiencies in (0, 1], times >= 0):
-a constant the data cannot pin (no fp32 CUDA-core GEMMs measured, say) or that would leave its
-range keeps its default and is not listed in ``fitted``. Profiles of several GPU types and
-models combine; any model works because the inventory, not the layer, is what is fitted.
+Every measured layer pass is one equation: its time is the sum over its kernels (``cost/ops.py``)
+of ``max(compute / eff, memory / mem_eff, launch_s)`` plus ``layer_s`` plus the tensor-parallel
+all-reduces priced on the intra-node link. ``fit`` solves all families at once as a maximum a
+posteriori estimate (``scipy.optimize.least_squares``), in log space so every constant stays
+positive and inside its physical range:
+
+* each measured pass has a relative error with standard deviation ``OBS_SD`` (10%: repeated runs
+  of one GPU and model in the Sailor artifact scatter by that much);
+* a family's constants sit around a common centre, a factor ``exp(FAMILY_SD)`` apart (GPUs reach
+  different fractions of their datasheets, but not arbitrary ones);
+* the centre sits around ``prior`` (physical defaults, or the shipped fallback for a user's fit).
+
+So a constant a family's data cannot pin (no TF32 GEMM measured, no launch-bound kernel) takes the
+centre's value rather than an arbitrary one, and the centre itself becomes the ``fallback`` that
+prices families nobody measured. Profiles of several GPU types and models combine; any model
+works because the kernel inventory, not the layer, is what is fitted.
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import spec_from_dict
 
 INTRA_NODE_LATENCY_S = 5e-6
+OBS_SD = 0.10  # relative scatter of one measured layer pass
+FAMILY_SD = (0.3, 0.3, 0.3, 1.0, 1.0)  # log-space spread of families around the centre (effs; launch, layer)
+CENTRE_SD = (1.0, 1.0, 1.0, 2.0, 2.0)  # log-space spread of the centre around the prior
 # Physical ranges of x = (1/tensor_eff, 1/simd_eff, 1/mem_eff, launch_s, layer_s).
-_LOWER = np.array([1.0, 1.0, 1.0, 0.0, 0.0])
+_LOWER = np.array([1.0, 1.0, 1.0, 1e-7, 1e-7])
 _UPPER = np.array([20.0, 20.0, 20.0, 1e-3, 5e-3])
 
 # Link bandwidth (GB/s per direction) for a TP all-reduce of ``num_bytes`` over ``tp`` GPUs of a type.
@@ -57,16 +68,22 @@ class Observation:
     micro_batch: int
     tp: int
     measured_s: float
-    features: tuple[float, ...]  # coefficients of x (DeviceCompute.features)
+    terms: tuple[tuple[int, float, float], ...]  # per kernel: DeviceCompute.kernel_terms
     comm_s: float  # TP all-reduces, priced on the link (not fitted)
 
     def predict_s(self, constants: ArchConstants) -> float:
-        x = _x_of(constants)
-        return float(np.dot(self.features, x)) + self.comm_s
+        effs = (constants.tensor_eff, constants.simd_eff)
+        return sum(max(c / effs[u], m / constants.mem_eff, constants.launch_s) for u, c, m in self.terms) + \
+            constants.layer_s + self.comm_s
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:
     return np.array([1.0 / c.tensor_eff, 1.0 / c.simd_eff, 1.0 / c.mem_eff, c.launch_s, c.layer_s])
+
+
+def _constants_of(x: np.ndarray, source: str, fitted: tuple[str, ...]) -> ArchConstants:
+    return ArchConstants(tensor_eff=float(1.0 / x[0]), simd_eff=float(1.0 / x[1]), mem_eff=float(1.0 / x[2]),
+                         launch_s=float(x[3]), layer_s=float(x[4]), source=source, fitted=fitted)
 
 
 def profile_dtype_tf32(profile: MeasuredProfile) -> tuple[str, bool]:
@@ -74,15 +91,15 @@ def profile_dtype_tf32(profile: MeasuredProfile) -> tuple[str, bool]:
     return profile.dtype, True if profile.tf32 is None else profile.tf32
 
 
-def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shipped_link_gbps,
-                 attention: ops.Attention | None = None) -> list[Observation]:
-    """Every (kind, pass, micro-batch) of ``profile`` measured on ``gpu`` (zero times are 'not captured')."""
+def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shipped_link_gbps) -> list[Observation]:
+    """Every (kind, pass, micro-batch) of ``profile`` measured on ``gpu`` (zero times are 'not captured'),
+    priced with the attention implementation the profile recorded."""
     if not gpu.arch or gpu.memory_bandwidth_gbps <= 0:
         raise UserError(f"GPU '{gpu.id}' has no architecture or memory bandwidth in the catalog: it cannot be calibrated")
     model = spec_from_dict(profile.model)
     dtype, tf32 = profile_dtype_tf32(profile)
     device = DeviceCompute.build(gpu, Calibration({}), dtype, tf32)
-    attn = attention or ops.attention_impl(gpu.arch, dtype)
+    attn = ops.attention_impl(gpu.arch, dtype, profile.attention)
     e = profile.dtype_bytes
     out = []
     for kind in LAYER_KINDS:
@@ -94,59 +111,92 @@ def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shi
                 comm_s = sum(comm.ring_allreduce_s(profile.tp, n, link_gbps(gpu, profile.tp, n), INTRA_NODE_LATENCY_S)
                              for n in ops.tp_allreduce_bytes(kind, model, profile.seq_len, b, e, backward))
                 out.append(Observation(gpu.arch, gpu.id, model.name, kind, backward, b, profile.tp, measured,
-                                       tuple(device.features(kernels)), comm_s))
+                                       tuple(device.kernel_terms(kernels)), comm_s))
     return out
 
 
-def _solve(rows: np.ndarray, target: np.ndarray, fixed: dict[int, float]) -> np.ndarray:
-    free = [i for i in range(rows.shape[1]) if i not in fixed]
-    x = np.array([fixed.get(i, 0.0) for i in range(rows.shape[1])])
-    if free:
-        rhs = target - rows[:, list(fixed)] @ np.array(list(fixed.values())) if fixed else target
-        sol, *_ = np.linalg.lstsq(rows[:, free], rhs, rcond=None)
-        x[free] = sol
-    return x
+@dataclass(frozen=True)
+class _Problem:
+    """The observations as flat arrays: one row per kernel, grouped by observation and family."""
+
+    families: tuple[str, ...]
+    obs_family: np.ndarray  # family index of each observation
+    measured_s: np.ndarray
+    comm_s: np.ndarray
+    kernel_obs: np.ndarray  # observation index of each kernel
+    kernel_unit: np.ndarray
+    kernel_compute_s: np.ndarray  # at 100% of peak
+    kernel_memory_s: np.ndarray  # at 100% of bandwidth
+
+    @classmethod
+    def of(cls, obs: Sequence[Observation]) -> _Problem:
+        families = tuple(sorted({o.arch for o in obs}))
+        index = {f: i for i, f in enumerate(families)}
+        rows = [(i, u, c, m) for i, o in enumerate(obs) for u, c, m in o.terms]
+        k = np.array(rows, dtype=float).reshape(-1, 4)
+        return cls(families, np.array([index[o.arch] for o in obs]), np.array([o.measured_s for o in obs]),
+                   np.array([o.comm_s for o in obs]), k[:, 0].astype(int), k[:, 1].astype(int), k[:, 2], k[:, 3])
+
+    def _terms_s(self, x: np.ndarray) -> np.ndarray:
+        """(kernels x 3) compute, memory and launch seconds of every kernel for per-family constants ``x``."""
+        fam = self.obs_family[self.kernel_obs]
+        return np.stack([self.kernel_compute_s * x[fam, self.kernel_unit], self.kernel_memory_s * x[fam, 2],
+                         x[fam, 3]], axis=1)
+
+    def predict_s(self, x: np.ndarray) -> np.ndarray:
+        """Predicted seconds of every observation for per-family constants ``x`` (families x 5)."""
+        kernel_s = self._terms_s(x).max(axis=1)
+        per_obs = np.bincount(self.kernel_obs, weights=kernel_s, minlength=len(self.measured_s))
+        return per_obs + x[self.obs_family, 4] + self.comm_s
+
+    def informed(self, x: np.ndarray) -> np.ndarray:
+        """(families x 5) which constants each family's data inform at ``x``: a unit's efficiency where one of
+        its kernels is compute-bound, mem_eff where one is memory-bound, launch_s where one sits on the floor;
+        layer_s always (every pass pays it)."""
+        fam = self.obs_family[self.kernel_obs]
+        binding = self._terms_s(x).argmax(axis=1)
+        out = np.zeros((len(self.families), 5), dtype=bool)
+        for f in range(len(self.families)):
+            mine = fam == f
+            out[f] = [bool(np.any(mine & (binding == 0) & (self.kernel_unit == 0))),
+                      bool(np.any(mine & (binding == 0) & (self.kernel_unit == 1))),
+                      bool(np.any(mine & (binding == 1))), bool(np.any(mine & (binding == 2))), True]
+        return out
 
 
-def fit_architecture(obs: Sequence[Observation], defaults: ArchConstants = DEFAULT_CONSTANTS,
-                     source: str = "") -> ArchConstants:
-    """Least squares on relative error; out-of-range or unidentified constants stay at their defaults."""
+def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEFAULT_CONSTANTS) -> Calibration:
+    """One set of constants per architecture family found in ``obs``, and their centre as the fallback."""
+    from scipy.optimize import least_squares  # imported here: planning never needs scipy
+
+    obs = list(obs)
     if not obs:
-        return defaults
-    feats = np.array([o.features for o in obs])
-    meas = np.array([o.measured_s for o in obs])
-    comm_s = np.array([o.comm_s for o in obs])
-    rows, target = feats / meas[:, None], (meas - comm_s) / meas
-    default_x = _x_of(defaults)
-    # A column pins its constant only if it varies enough relative to the others.
-    fixed = {i: default_x[i] for i in range(5) if not np.any(feats[:, i] > 0)}
-    for _ in range(6):
-        x = _solve(rows, target, fixed)
-        bad = [i for i in range(5) if i not in fixed and not (_LOWER[i] <= x[i] <= _UPPER[i])]
-        if not bad:
-            break
-        worst = max(bad, key=lambda i: max(_LOWER[i] - x[i], x[i] - _UPPER[i]) / max(_UPPER[i], 1e-12))
-        fixed[worst] = float(np.clip(x[worst], _LOWER[worst], _UPPER[worst]))
-    else:  # pragma: no cover - 5 constants, each fixed at most once
-        x = _solve(rows, target, fixed)
-    fitted = tuple(CONSTANT_NAMES[i] for i in range(5) if i not in fixed or fixed[i] != default_x[i])
-    return ArchConstants(tensor_eff=float(1.0 / x[0]), simd_eff=float(1.0 / x[1]), mem_eff=float(1.0 / x[2]),
-                         launch_s=float(x[3]),
-                         layer_s=float(x[4]), source=source, fitted=fitted)
+        return Calibration({}, source)
+    problem = _Problem.of(obs)
+    num_families = len(problem.families)
+    family_sd, centre_sd = np.array(FAMILY_SD), np.array(CENTRE_SD)
+    log_prior = np.log(np.clip(_x_of(prior), _LOWER, _UPPER))
 
+    def residuals(v: np.ndarray) -> np.ndarray:
+        centre, fams = v[:5], v[5:].reshape(num_families, 5)
+        rel = (problem.predict_s(np.exp(fams)) - problem.measured_s) / problem.measured_s / OBS_SD
+        return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd])
 
-def fit(obs: Iterable[Observation], source: str = "") -> Calibration:
-    """One set of constants per architecture family found in ``obs``."""
-    by_arch: dict[str, list[Observation]] = {}
-    for o in obs:
-        by_arch.setdefault(o.arch, []).append(o)
+    lo, hi = np.tile(np.log(_LOWER), num_families + 1), np.tile(np.log(_UPPER), num_families + 1)
+    start = np.clip(np.tile(log_prior, num_families + 1), lo + 1e-9, hi - 1e-9)
+    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0)
+    centre, fams = np.exp(solution.x[:5]), np.exp(solution.x[5:].reshape(num_families, 5))
+    informed = problem.informed(fams)
+    note = f"{source}; " if source else ""
     archs = {}
-    for arch, group in sorted(by_arch.items()):
+    for i, family in enumerate(problem.families):
+        group = [o for o in obs if o.arch == family]
         gpus = ", ".join(sorted({o.gpu for o in group}))
         models = ", ".join(sorted({o.model for o in group}))
-        note = f"{source}; " if source else ""
-        archs[arch] = fit_architecture(group, source=f"{note}fitted to {len(group)} layer passes ({gpus}; {models})")
-    return Calibration(archs, source)
+        fitted = tuple(name for name, ok in zip(CONSTANT_NAMES, informed[i]) if ok)
+        archs[family] = _constants_of(fams[i], f"{note}fitted to {len(group)} layer passes ({gpus}; {models})", fitted)
+    fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
+                                     f"({', '.join(problem.families)}): for families nobody measured", CONSTANT_NAMES)
+    return Calibration(archs, source, fallback)
 
 
 def relative_errors(obs: Iterable[Observation], calibration: Calibration) -> list[float]:

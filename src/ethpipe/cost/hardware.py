@@ -1,16 +1,19 @@
 """Kernel times on one GPU: datasheet peaks times a few fitted constants per architecture.
 
-A kernel takes ``launch_s + flops / (peak * eff) + bytes / (bandwidth * mem_eff)``, a layer pass
-adds ``layer_s`` (host-side work per module: Python, hooks, synchronisation). ``peak`` is the
-datasheet peak of the math mode actually used (``math_mode``): 16-bit tensor cores for
-bf16/fp16, TF32 tensor cores for fp32 on GPUs that have them when TF32 is allowed, CUDA-core
-fp32 otherwise. The sum (not the max) of compute and memory time is what makes a GEMM's
-efficiency grow with its arithmetic intensity: ``eff_GEMM = eff / (1 + ridge / intensity)``,
-so small or skinny GEMMs run far from peak and wide ones approach ``eff``.
+A kernel takes ``max(flops / (peak x eff), bytes / (bandwidth x mem_eff), launch_s)``: the
+roofline (a kernel is bound by its slower resource, compute or memory traffic, and never
+beats its launch), and a layer pass adds ``layer_s`` (host-side work per module: Python,
+hooks, synchronisation). ``peak`` is the datasheet peak of the math mode actually used
+(``math_mode``): 16-bit tensor cores for bf16/fp16, TF32 tensor cores for fp32 on GPUs that
+have them when TF32 is allowed, CUDA-core fp32 otherwise; the memory-efficient attention
+kernel has its own (``ops.KernelUnit``). A GEMM's efficiency thus grows with its arithmetic
+intensity up to the ridge point (``bandwidth x mem_eff / (peak x eff)`` FLOP per byte), so
+skinny GEMMs and the ``s x s`` score GEMMs run far from peak and wide ones reach ``eff``.
 
 The constants (``ArchConstants``) are per architecture family, fitted to measured profiles
 (``cost/calibrate.py``) and shipped in ``data/calibration.yaml`` with their sources; a family
-nobody measured falls back to ``DEFAULT_CONSTANTS`` and is reported as uncalibrated.
+nobody measured uses the calibration's ``fallback`` (the constants fitted across every
+measured family: what measured GPUs reach of their datasheets) and is reported as such.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
 from ethpipe.errors import UserError
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: roofline kernels (max of compute, memory, launch) and a fallback family
 CONSTANT_NAMES = ("tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
 TENSOR_ARCHS = ("volta", "turing", "ampere", "ada", "hopper", "cdna")
 
@@ -51,47 +54,73 @@ class ArchConstants:
         return out
 
 
-# Defaults where nothing was measured: cuBLAS-class GEMMs reach ~60-70% of tensor peak and ~80%
-# of CUDA-core fp32 peak; streaming kernels ~80% of HBM bandwidth (STREAM-like); ~5 us per launch.
-DEFAULT_CONSTANTS = ArchConstants(0.6, 0.8, 0.8, 5e-6, 50e-6, "defaults (no measurement)")
+# Physical defaults (the fit's prior, and what a calibration without a fallback uses): cuBLAS-class
+# GEMMs reach ~70% of tensor peak and ~90% of CUDA-core fp32 peak; streaming kernels ~85% of the
+# datasheet bandwidth (STREAM-like); ~5 us per launch; ~50 us of host work per module.
+DEFAULT_CONSTANTS = ArchConstants(0.7, 0.9, 0.85, 5e-6, 50e-6, "defaults (no measurement)")
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted constants by architecture family (``data/calibration.yaml`` or `ethpipe calibrate`)."""
+    """Fitted constants by architecture family (``data/calibration.yaml`` or `ethpipe calibrate`).
+
+    ``fallback`` prices families nobody measured: the constants the fit puts at the centre of
+    every measured family (datasheet peaks x what measured GPUs reach of theirs).
+    """
 
     architectures: Mapping[str, ArchConstants]
     source: str = ""
+    fallback: ArchConstants | None = None
 
     def constants(self, arch: str) -> tuple[ArchConstants, bool]:
         """(constants, calibrated?) of an architecture family."""
         if arch in self.architectures and self.architectures[arch].fitted:
             return self.architectures[arch], True
-        return DEFAULT_CONSTANTS, False
+        return self.fallback or DEFAULT_CONSTANTS, False
 
     def merged(self, other: Calibration) -> Calibration:
-        """``other``'s families win (a user's calibration over the shipped one)."""
-        return Calibration({**self.architectures, **other.architectures}, other.source or self.source)
+        """``other``'s families win (a user's calibration over the shipped one); the base's fallback stays,
+        being fitted on more families than one user's GPUs."""
+        return Calibration({**self.architectures, **other.architectures}, other.source or self.source,
+                           self.fallback or other.fallback)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": CALIBRATION_VERSION, "source": self.source,
-                "architectures": {k: v.to_dict() for k, v in sorted(self.architectures.items())}}
+        out: dict[str, Any] = {"version": CALIBRATION_VERSION, "source": self.source,
+                               "architectures": {k: v.to_dict() for k, v in sorted(self.architectures.items())}}
+        if self.fallback is not None:
+            out["fallback"] = self.fallback.to_dict()
+        return out
+
+
+def _constants_from_dict(raw: Any, where: str, name: str) -> ArchConstants:
+    try:
+        values = {k: float(raw[k]) for k in CONSTANT_NAMES}
+        fitted = tuple(str(x) for x in raw.get("fitted", CONSTANT_NAMES))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UserError(f"{where} field '{name}' is missing or has a malformed {err}") from None
+    if min(values["tensor_eff"], values["simd_eff"], values["mem_eff"]) <= 0:
+        raise UserError(f"{where} field '{name}': efficiencies must be positive")
+    return ArchConstants(**values, source=str(raw.get("source", "")), fitted=fitted)
 
 
 def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
     if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
-        raise UserError(f"{where} field 'version' must be {CALIBRATION_VERSION}: re-run `ethpipe calibrate`")
-    archs = {}
-    for name, raw in (data.get("architectures") or {}).items():
-        try:
-            values = {k: float(raw[k]) for k in CONSTANT_NAMES}
-            fitted = tuple(str(x) for x in raw.get("fitted", CONSTANT_NAMES))
-        except (KeyError, TypeError, ValueError) as err:
-            raise UserError(f"{where} field 'architectures.{name}' is missing or has a malformed {err}") from None
-        if min(values["tensor_eff"], values["simd_eff"], values["mem_eff"]) <= 0:
-            raise UserError(f"{where} field 'architectures.{name}': efficiencies must be positive")
-        archs[str(name)] = ArchConstants(**values, source=str(raw.get("source", "")), fitted=fitted)
-    return Calibration(archs, str(data.get("source", "")))
+        raise UserError(f"{where} field 'version' must be {CALIBRATION_VERSION} (the current compute model's "
+                        "constants): re-run `ethpipe calibrate`, or re-make the plan")
+    archs = {str(name): _constants_from_dict(raw, where, f"architectures.{name}")
+             for name, raw in (data.get("architectures") or {}).items()}
+    fallback = _constants_from_dict(data["fallback"], where, "fallback") if data.get("fallback") else None
+    return Calibration(archs, str(data.get("source", "")), fallback)
+
+
+def recorded_calibration(data: Any, where: str) -> Calibration | None:
+    """The constants a plan recorded; None where it records none, or records constants of an earlier compute
+    model (a lower ``version``: they do not describe today's kernel times, so the shipped ones price it)."""
+    if not data:
+        return None
+    if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] < CALIBRATION_VERSION:
+        return None
+    return calibration_from_dict(data, where)
 
 
 @lru_cache(maxsize=1)
@@ -128,6 +157,10 @@ def has_hardware_model(gpu: GpuSpec) -> bool:
     return bool(gpu.arch) and gpu.memory_bandwidth_gbps > 0
 
 
+KernelLines = tuple[tuple[int, float, float, float, float], ...]  # DeviceCompute.kernel_lines
+TF32X3_PASSES = 3  # 3xTF32 emulates one fp32 product with three TF32 MMAs (big*big + big*small + small*big)
+
+
 @dataclass(frozen=True)
 class DeviceCompute:
     """Prices kernels on one GPU type in one precision."""
@@ -137,27 +170,70 @@ class DeviceCompute:
     calibrated: bool
     unit: str
     peak_tflops: float
+    dtype: str = "bf16"
 
     @classmethod
     def build(cls, gpu: GpuSpec, calibration: Calibration, dtype: str, tf32: bool) -> DeviceCompute:
         unit, peak = math_mode(gpu, dtype, tf32)
         constants, calibrated = calibration.constants(gpu.arch)
-        return cls(gpu, constants, calibrated, unit, peak)
+        return cls(gpu, constants, calibrated, unit, peak, dtype)
 
-    def features(self, kernels: Iterable[Kernel]) -> list[float]:
-        """Coefficients of (1/tensor_eff, 1/simd_eff, 1/mem_eff, launch_s, layer_s) in the layer time."""
-        kernels = list(kernels)
-        compute_s = sum(k.flops for k in kernels) / (self.peak_tflops * 1e12)
-        memory_s = sum(k.num_bytes for k in kernels) / (self.gpu.memory_bandwidth_gbps * 1e9)
-        tensor = compute_s if self.unit == "tensor" else 0.0
-        simd = compute_s if self.unit == "simd" else 0.0
-        return [tensor, simd, memory_s, float(len(kernels)), 1.0]
+    def _unit_of(self, kernel: Kernel) -> tuple[int, float, float]:
+        """(unit index: 0 tensor / 1 CUDA cores, peak TFLOP/s, FLOPs executed) of a kernel's matrix work."""
+        unit, peak, flops = self.unit, self.peak_tflops, kernel.flops
+        if kernel.unit == "fmha" and self.dtype == "fp32":
+            if self.gpu.tf32_tflops > 0:
+                unit, peak, flops = "tensor", self.gpu.tf32_tflops, TF32X3_PASSES * kernel.flops
+            else:
+                unit, peak = "simd", self.gpu.peak_fp32_tflops or self.gpu.peak_tflops
+        return (0 if unit == "tensor" else 1), peak, flops
+
+    def kernel_terms(self, kernels: Iterable[Kernel]) -> list[tuple[int, float, float]]:
+        """Per kernel: (unit index, compute seconds at 100% of peak, memory seconds at 100% of bandwidth).
+
+        What the fit (``cost/calibrate.py``) needs: a kernel's time is ``max(compute_s / eff[unit],
+        memory_s / mem_eff, launch_s)``.
+        """
+        bw = self.gpu.memory_bandwidth_gbps * 1e9
+        out = []
+        for k in kernels:
+            unit, peak, flops = self._unit_of(k)
+            out.append((unit, flops / (peak * 1e12), k.num_bytes / bw))
+        return out
 
     def layer_s(self, kernels: Iterable[Kernel]) -> float:
         c = self.constants
-        f = self.features(kernels)
-        return f[0] / c.tensor_eff + f[1] / c.simd_eff + f[2] / c.mem_eff + f[3] * c.launch_s + f[4] * c.layer_s
+        effs = (c.tensor_eff, c.simd_eff)
+        return sum(max(compute_s / effs[unit], memory_s / c.mem_eff, c.launch_s)
+                   for unit, compute_s, memory_s in self.kernel_terms(kernels)) + c.layer_s
+
+    def kernel_lines(self, at_one: Iterable[Kernel], at_two: Iterable[Kernel]) -> KernelLines:
+        """Per kernel (unit, compute_s, compute step_s, memory_s, memory step_s) from one layer pass's kernels at
+        micro-batch 1 and 2: exact lines, since FLOPs and bytes are affine in the micro-batch."""
+        return tuple((u, c1, c2 - c1, m1, m2 - m1)
+                     for (u, c1, m1), (_, c2, m2) in zip(self.kernel_terms(at_one), self.kernel_terms(at_two),
+                                                         strict=True))
+
+    def lines_s(self, lines: KernelLines, micro_batch: int) -> float:
+        """``layer_s`` of the pass at ``micro_batch`` from its kernel lines (no kernel list to rebuild)."""
+        c, extra = self.constants, micro_batch - 1
+        effs = (c.tensor_eff, c.simd_eff)
+        return sum(max((c1 + extra * dc) / effs[u], (m1 + extra * dm) / c.mem_eff, c.launch_s)
+                   for u, c1, dc, m1, dm in lines) + c.layer_s
+
+    def per_sample_s(self, lines: KernelLines) -> float:
+        """Seconds per extra sample at large micro-batches: each kernel's compute or memory step, whichever
+        binds. Pass times are convex in the micro-batch (rooflines over a floor), so no micro-batch runs a
+        sample faster: ``lines_s(b) / b >= per_sample_s`` for every b."""
+        c = self.constants
+        effs = (c.tensor_eff, c.simd_eff)
+        return sum(max(dc / effs[u], dm / c.mem_eff) for u, _, dc, _, dm in lines)
 
     def describe(self) -> str:
-        state = "calibrated" if self.calibrated else "uncalibrated (datasheet, default efficiencies)"
+        if self.calibrated:
+            state = "calibrated"
+        elif self.constants.fitted:
+            state = "uncalibrated family (datasheet peaks x the efficiencies fitted across measured GPUs)"
+        else:
+            state = "uncalibrated (datasheet, default efficiencies)"
         return f"{self.gpu.id} {state}: {self.unit} {self.peak_tflops:g} TFLOP/s, {self.gpu.memory_bandwidth_gbps:g} GB/s"

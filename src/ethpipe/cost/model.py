@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.cost import comm, compute, links, memory, ops
+from ethpipe.cost.model_memory import MemoryPricing
 from ethpipe.cost.p2p import P2pFlows, p2p_flows
-from ethpipe.cost.hardware import Calibration, DeviceCompute, calibration_from_dict, has_hardware_model, shipped_calibration
+from ethpipe.cost.hardware import (
+    Calibration, DeviceCompute, KernelLines, has_hardware_model, recorded_calibration, shipped_calibration,
+)
 from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.errors import UserError
@@ -27,9 +30,6 @@ from ethpipe.plan import Block, Plan, Stage
 # Launch/synchronisation overhead of one layer's kernels per pass: keeps tiny micro-batches
 # from looking free. Negligible for real model sizes (a 7B block at b=1, s=4096 takes ~10 ms).
 LAYER_OVERHEAD_S = 10e-6
-# Adam touches ~30 bytes per parameter (read w, g, m, v, master; write w, m, v, master).
-OPTIMIZER_BYTES_PER_PARAM = 30
-DEFAULT_MEMORY_BANDWIDTH_GBPS = 300.0
 TP_ALLREDUCES_PER_PASS = 2  # Megatron: one after attention, one after the MLP, in fwd and in bwd
 
 
@@ -56,7 +56,7 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 @dataclass(frozen=True)
-class CostModel:
+class CostModel(MemoryPricing):
     cluster: Cluster
     model: ModelSpec
     seq_len: int
@@ -64,6 +64,9 @@ class CostModel:
     profiles: Mapping[str, MeasuredProfile] | None = field(default=None, compare=False)
     dtype: str | None = None  # precision name; None = from dtype_bytes (4 -> fp32, else bf16)
     tf32: bool = True  # fp32 matmuls on TF32 tensor cores where the GPU has them (PyTorch/Megatron training)
+    # Attention kernels: "auto" = what PyTorch SDPA (ethpipe's runtime) picks per device and dtype,
+    # "materialised" = the unfused s x s path (a Megatron-style runtime; ops.attention_impl).
+    attention_mode: str = "auto"
     calibration: Calibration | None = field(default=None, compare=False)  # None = the shipped constants
     # Cross-node p2p NIC sharing of one plan (``cost/p2p.py``; ``with_plan_p2p``); None = every flow alone.
     p2p_flows: P2pFlows | None = field(default=None, compare=False)
@@ -85,10 +88,15 @@ class CostModel:
         if dtype_bytes(dtype) != self.dtype_bytes:
             raise ValueError(f"dtype '{dtype}' has {dtype_bytes(dtype)}-byte elements, not {self.dtype_bytes}")
         object.__setattr__(self, "dtype", dtype)
+        if self.attention_mode not in ops.ATTENTION_CHOICES:
+            raise UserError(f"attention must be one of {', '.join(ops.ATTENTION_CHOICES)}, got {self.attention_mode!r}: "
+                            "use --attention auto (the fused kernels PyTorch SDPA runs) or materialised")
+        for name, prof in (self.profiles or {}).items():
+            prof.check_kernel_modes(name, self.attention_mode, dtype, self.tf32)
         cal = self.calibration or shipped_calibration()
         object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
                                          for t, g in gpus.items() if has_hardware_model(g)})
-        object.__setattr__(self, "_affine", {})
+        object.__setattr__(self, "_kernel_memo", {})
         object.__setattr__(self, "_memo", {})  # memory terms and parameter counts: pure in their arguments
         object.__setattr__(self, "_p2p", {})  # p2p seconds by (src, dst, micro-batch): depend on p2p_flows
         s, m = self.seq_len, self.model
@@ -105,11 +113,12 @@ class CostModel:
         if plan.cluster is None:
             raise UserError("plan field 'cluster' is missing: re-make the plan with `ethpipe plan`")
         dtype = str(plan.extra.get("dtype", "bf16"))
-        recorded = (plan.extra.get("compute_model") or {}).get("calibration")
-        calibration = calibration_from_dict(recorded, "plan field 'compute_model.calibration'") if recorded else None
+        calibration = recorded_calibration((plan.extra.get("compute_model") or {}).get("calibration"),
+                                           "plan field 'compute_model.calibration'")
         full = cluster_from_dict(plan.cluster)
         cost = cls(full, plan.resolve_model(), plan.seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles,
-                   dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration)
+                   dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration,
+                   attention_mode=str(plan.extra.get("attention", "auto")))
         # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
         return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
 
@@ -117,7 +126,7 @@ class CostModel:
         """The same pricing on ``cluster`` (e.g. ``without_devices``); profiles of types it lacks are dropped."""
         profiles = {t: p for t, p in (self.profiles or {}).items() if t in cluster.gpu_types}
         return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
-                         dtype=self.dtype, tf32=self.tf32, calibration=self.calibration)
+                         dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode)
 
     # -- device facts ------------------------------------------------------------------
 
@@ -141,12 +150,13 @@ class CostModel:
     def achievable_flops(self, device_type: str) -> float:
         """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
         if self._priced_by_kernels(device_type):
-            # Per-sample (marginal) rate over the whole model: fixed per-layer costs amortise away at
-            # large micro-batches, so this bounds what any plan reaches (balance efficiency <= 1).
-            slope = [self._kernel_times_s(device_type, k, 2, 1) for k in ("block", "embedding", "head")]
-            base = [self._kernel_times_s(device_type, k, 1, 1) for k in ("block", "embedding", "head")]
-            per = [sum(s2) - sum(s1) for s2, s1 in zip(slope, base)]
-            per_sample_s = self.model.num_layers * per[0] + per[1] + per[2]
+            # Per-sample (marginal) rate over the whole model at large micro-batches: fixed costs
+            # amortised, weight-bound GEMMs compute-bound. No micro-batch runs a sample faster
+            # (DeviceCompute.per_sample_s), so no plan reaches more (balance efficiency <= 1).
+            hw = self._hw[device_type]  # type: ignore[attr-defined]
+            block, emb, head = (sum(hw.per_sample_s(lines) for lines in self._kernel_lines(device_type, k, 1))
+                                for k in ("block", "embedding", "head"))
+            per_sample_s = self.model.num_layers * block + emb + head
             return compute.model_train_flops(self.model, self.seq_len, 1) / per_sample_s
         if self.profiles and device_type in self.profiles:
             fwd, bwd = self._profile_or_analytic(device_type, "block", 1)
@@ -154,9 +164,12 @@ class CostModel:
         return self.gpu(device_type).achievable_flops
 
     def attention(self, device_type: str) -> ops.Attention:
-        """FlashAttention where the GPU and dtype have it, else the materialised s x s scores."""
+        """The attention kernel this device type runs (``ops.attention_impl``): SDPA's flash or
+        memory-efficient kernel under ``auto``, or the materialised s x s scores when forced."""
         hw = self._hw.get(device_type)  # type: ignore[attr-defined]
-        return ops.attention_impl(hw.gpu.arch, str(self.dtype)) if hw is not None else "flash"
+        if hw is None:
+            return "materialised" if self.attention_mode == "materialised" else "flash"
+        return ops.attention_impl(hw.gpu.arch, str(self.dtype), self.attention_mode)
 
     def compute_model_notes(self) -> dict[str, str]:
         """Per device type, how its compute is priced (calibrated / datasheet / profile / legacy)."""
@@ -196,19 +209,28 @@ class CostModel:
         fwd = micro_batch * flops / rate
         return fwd + LAYER_OVERHEAD_S, compute.BACKWARD_FLOPS_FACTOR * fwd + LAYER_OVERHEAD_S
 
-    def _kernel_times_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
-        """(fwd, bwd) of one layer from the per-kernel model; exact affine in the micro-batch, so cached as a line."""
+    def _kernel_lines(self, device_type: str, kind: str, tp: int) -> tuple[KernelLines, KernelLines]:
+        """(fwd, bwd) per-kernel lines of one layer (``DeviceCompute.kernel_lines``), memoised."""
         key = (device_type, kind, tp)
-        lines = self._affine.get(key)  # type: ignore[attr-defined]
-        if lines is None:
+        memo = self._kernel_memo  # type: ignore[attr-defined]
+        if key not in memo:
             hw, attn = self._hw[device_type], self.attention(device_type)  # type: ignore[attr-defined]
-            def at(b: int, backward: bool) -> float:
-                return hw.layer_s(ops.layer_kernels(kind, self.model, self.seq_len, b, tp, self.dtype_bytes, attn,
-                                                    backward))
-            lines = tuple((at(1, bw), at(2, bw) - at(1, bw)) for bw in (False, True))
-            self._affine[key] = lines  # type: ignore[attr-defined]
-        (f0, f1), (b0, b1) = lines
-        return f0 + f1 * (micro_batch - 1), b0 + b1 * (micro_batch - 1)
+
+            def kernels(b: int, backward: bool) -> list[ops.Kernel]:
+                return ops.layer_kernels(kind, self.model, self.seq_len, b, tp, self.dtype_bytes, attn, backward)
+            memo[key] = tuple(hw.kernel_lines(kernels(1, bw), kernels(2, bw)) for bw in (False, True))
+        return memo[key]
+
+    def _kernel_times_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
+        """(fwd, bwd) of one layer from the per-kernel model: each kernel's roofline at this micro-batch
+        (piecewise-linear in it, so priced per size from the memoised lines)."""
+        key = (device_type, kind, micro_batch, tp)
+        memo = self._kernel_memo  # type: ignore[attr-defined]
+        if key not in memo:
+            hw = self._hw[device_type]  # type: ignore[attr-defined]
+            fwd, bwd = self._kernel_lines(device_type, kind, tp)
+            memo[key] = hw.lines_s(fwd, micro_batch), hw.lines_s(bwd, micro_batch)
+        return memo[key]
 
     def _priced_by_kernels(self, device_type: str) -> bool:
         """The per-kernel hardware model prices this type: it has one, and no measured profile replaces it."""
@@ -330,82 +352,3 @@ class CostModel:
         shapes = block_sync_shapes(plan, self.cluster, lambda b, first, last: self.block_grad_bytes(
             b, first=first, last=last))
         return [self.sync_s(shape) for shape in shapes]
-
-    # -- parameters, optimizer, memory ---------------------------------------------------
-
-    def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
-        key = ("params", num_layers, first, last)
-        memo = self._memo  # type: ignore[attr-defined]
-        if key not in memo:
-            m = self.model
-            memo[key] = num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
-                m.head_params() if last else 0)
-        return memo[key]
-
-    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
-        """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
-        num_layers = block.layers[1] - block.layers[0]
-        return self.stage_params(num_layers, first=first, last=last) * self.dtype_bytes
-
-    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
-        prof = self.profiles.get(stage.device) if self.profiles else None
-        if prof is not None:
-            return params * prof.optimizer_s_per_param
-        bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
-        return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9)
-
-    def memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, *,
-                     first: bool, last: bool, device: str | None = None) -> tuple[float, float]:
-        """(fixed, per-layer) bytes of a stage: memory is linear in its number of layers.
-
-        Activations come from the device type's measured profile where it has them (scaled by
-        the analytic ratio when the profile was taken on another model, sequence length, dtype
-        or TP degree), else from the analytic per-tensor count. Memoised (the planner's bounds ask
-        for every pipeline position of every shape).
-        """
-        key = ("terms", tp, micro_batch, in_flight, recompute, first, last, device)
-        memo = self._memo  # type: ignore[attr-defined]
-        if key not in memo:
-            memo[key] = self._memory_terms(tp, micro_batch, in_flight, recompute, first, last, device)
-        return memo[key]
-
-    def _memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
-                      device: str | None) -> tuple[float, float]:
-        m, s, d = self.model, self.seq_len, self.dtype_bytes
-        bpp = self._state_bpp  # type: ignore[attr-defined]
-        full = self._activation_bytes(device, "block", micro_batch, tp)
-        kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
-        per_layer = (bpp * m.params_per_layer() / tp + in_flight * kept
-                     + memory.autocast_weight_bytes(m.params_per_layer(), d, tp))
-        fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
-        fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
-        fixed += full if recompute else 0.0
-        fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
-        return fixed, per_layer
-
-    def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
-        """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the
-        device has no fused attention kernel for the dtype; a measured profile rescales them."""
-        m, s, d = self.model, self.seq_len, self.dtype_bytes
-        materialised = device is not None and self.attention(device) == "materialised"
-
-        def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
-            if kind != "block":
-                return memory.runtime_head_activation_bytes(spec, seq_len, dtype_bytes, tp)
-            scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if materialised else 0.0
-            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp) + scores
-
-        ours = analytic(m, s, d, tp) * micro_batch
-        prof = self.profiles.get(device) if self.profiles and device else None
-        measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]
-        if prof is None or measured is None:
-            return ours
-        theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1) * micro_batch
-        return measured * ours / theirs
-
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
-        """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held."""
-        fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last,
-                                             device=stage.device)
-        return int(fixed + stage.num_layers * per_layer)

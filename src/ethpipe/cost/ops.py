@@ -2,15 +2,22 @@
 
 A layer (embedding, decoder block, final norm + head + loss) is a list of ``Kernel``s, each
 with the FLOPs it does on matrix units and the bytes it moves through device memory. The
-inventory follows Megatron-style training (the implementation the calibration profiles were
-measured on): fused LayerNorm, GEMMs with the bias folded in or added by the next elementwise
-kernel, no dropout (the profiles keep no dropout masks), and attention either materialised
-(``QK^T`` writes the ``s x s`` scores, elementwise scale / mask / softmax passes, ``P V``) or
-fused (FlashAttention: one kernel, no score matrix in memory, causal half of the FLOPs).
+inventory follows Megatron-style training: fused LayerNorm, GEMMs with the bias folded in or
+added by the next elementwise kernel, no dropout (the calibration profiles keep no dropout
+masks). Attention is priced by the implementation that runs it (``attention_impl``):
+
+* ``flash``: FlashAttention-2 (PyTorch SDPA's flash backend: 16-bit on sm80+): one kernel, no
+  score matrix in memory, the causal half of the FLOPs, backward recomputes ``QK^T``.
+* ``efficient``: SDPA's memory-efficient backend (CUTLASS FMHA), what ethpipe's runtime gets in
+  fp32 everywhere and in fp16 on Volta/Turing: the same fused shape as flash; in fp32 on sm80+
+  its matmuls run as 3xTF32 on tensor cores (three TF32 MMAs per fp32 product), elsewhere on the
+  layer's own math unit.
+* ``materialised``: the unfused path (Megatron-DeepSpeed without its fused softmax, which the
+  Sailor profiles measured): ``QK^T`` writes the ``s x s`` scores, elementwise scale / mask /
+  softmax passes, ``P V``.
 
 Times come from ``cost/hardware.py``; this module only counts, so it is exact arithmetic that
-tests can check by hand. Every count is affine in the micro-batch size (weights are read once
-per GEMM), which ``CostModel`` relies on to tabulate times cheaply.
+tests can check by hand.
 """
 
 from __future__ import annotations
@@ -20,8 +27,15 @@ from typing import Literal
 
 from ethpipe.model_spec import ModelSpec
 
-Attention = Literal["flash", "materialised"]
+Attention = Literal["flash", "efficient", "materialised"]
+AttentionChoice = Literal["auto", "materialised"]  # a plan's choice: auto = what PyTorch SDPA runs
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", "materialised")
 KernelKind = Literal["gemm", "mem"]
+# Math unit of a kernel: "" = the layer's GEMM mode (hardware.math_mode); "fmha" = the memory-efficient
+# attention kernel's own: 3xTF32 tensor cores for fp32 where the GPU has TF32 (whatever the plan's TF32
+# setting), CUDA cores for fp32 elsewhere, tensor cores for 16-bit (hardware.DeviceCompute prices it).
+KernelUnit = Literal["", "fmha"]
+FLASH_ARCHS = ("ampere", "ada", "hopper", "cdna")  # sm80+, and ROCm (CK / aotriton flash kernels)
 LOGITS_BYTES = 4  # cross-entropy runs on fp32 logits
 FLASH_CAUSAL_FRACTION = 0.5  # FlashAttention skips the masked upper triangle
 FLASH_BWD_FLOPS_FACTOR = 2.5  # backward recomputes QK^T: 5 s x s GEMMs against forward's 2
@@ -40,12 +54,13 @@ BWD_ELEMENTWISE_FACTOR = 2.0
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel launch: matrix FLOPs and device-memory bytes."""
+    """One kernel launch: matrix FLOPs (as executed on ``unit``) and device-memory bytes."""
 
     name: str
     kind: KernelKind
     flops: float
     num_bytes: float
+    unit: KernelUnit = ""
 
 
 def gemm(name: str, m: float, n: float, k: float, elem_bytes: int, batch: float = 1.0) -> Kernel:
@@ -57,11 +72,20 @@ def mem(name: str, num_bytes: float) -> Kernel:
     return Kernel(name, "mem", 0.0, num_bytes)
 
 
-def attention_impl(arch: str, dtype: str) -> Attention:
-    """FlashAttention(-2) needs 16-bit inputs and an Ampere-or-newer GPU (sm80+); else materialised."""
-    if dtype in ("bf16", "fp16") and arch in ("ampere", "ada", "hopper"):
+def attention_impl(arch: str, dtype: str, choice: str = "auto") -> Attention:
+    """The attention kernel a plan's layers run: SDPA's pick under ``auto``, else the forced one.
+
+    PyTorch SDPA (ethpipe's runtime) takes FlashAttention-2 for 16-bit inputs on sm80+ and the
+    memory-efficient kernel otherwise (fp32 on any GPU, fp16 on Volta/Turing); ``materialised``
+    is the unfused path of runtimes without a fused kernel (Megatron-DeepSpeed in fp32).
+    """
+    if choice == "materialised":
+        return "materialised"
+    if choice != "auto":
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice!r}")
+    if dtype in ("bf16", "fp16") and arch in FLASH_ARCHS:
         return "flash"
-    return "materialised"
+    return "efficient"
 
 
 def _linear(name: str, tokens: float, k_in: float, n_out: float, e: int, backward: bool) -> list[Kernel]:
@@ -104,10 +128,14 @@ def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, ele
 def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: float, q: float, kv: float, e: int,
                        attention: Attention, backward: bool) -> list[Kernel]:
     batch = micro_batch * heads
-    if attention == "flash":
+    if attention in ("flash", "efficient"):
+        # Both skip the masked upper triangle and recompute QK^T in backward; both read Q, K, V and
+        # write O (backward: reads them and dO, writes dQ, dK, dV).
         flops = 4.0 * batch * s * s * d * FLASH_CAUSAL_FRACTION * (FLASH_BWD_FLOPS_FACTOR if backward else 1.0)
         io = tokens * (2 * q + 2 * kv) * e * (2 if backward else 1)
-        return [Kernel("flash_attn", "gemm", flops, io)]
+        if attention == "flash":
+            return [Kernel("flash_attn", "gemm", flops, io)]
+        return [Kernel("efficient_attn", "gemm", flops, io, unit="fmha")]
     scores = batch * s * s * e
     passes = SOFTMAX_PASSES["fused" if e < 4 else "unfused"][1 if backward else 0]
     permute = mem("permute", 2 * tokens * q * e)

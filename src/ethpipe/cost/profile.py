@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.plan import write_text_atomic
 
@@ -40,6 +41,9 @@ class MeasuredProfile:
     version: int = PROFILE_VERSION
     tp: int = 1  # tensor-parallel degree the times were taken at (times include its all-reduces)
     tf32: bool | None = None  # fp32 matmuls on TF32 tensor cores? (None: not recorded; fp32 on Ampere+ assumes on)
+    # Attention of the measured runtime: "auto" = PyTorch SDPA's fused kernels (ethpipe's runtime),
+    # "materialised" = the unfused s x s path (Megatron-DeepSpeed in fp32, e.g. the Sailor profiles).
+    attention: str = "auto"
 
     def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
@@ -59,6 +63,19 @@ class MeasuredProfile:
         if micro_batch in points:
             return float(points[micro_batch])
         return _fit({b: LayerTiming(float(v), 0.0) for b, v in points.items()}, micro_batch, "fwd_s")
+
+    def check_kernel_modes(self, device_type: str, attention: str, dtype: str, tf32: bool) -> None:
+        """This profile's times replace the model's for ``device_type``: they must have been measured with the
+        kernels the plan runs (its attention implementation, and for fp32 its TF32 setting)."""
+        if self.attention != attention:
+            raise UserError(f"profile for device type '{device_type}' was measured with attention '{self.attention}' "
+                            f"but the plan is priced for '{attention}': re-profile with `ethpipe profile --attention "
+                            f"{attention}` or plan with --attention {self.attention}")
+        if dtype == "fp32" and self.dtype == "fp32" and self.tf32 is not None and self.tf32 != tf32:
+            have, want = ("--tf32", "--no-tf32") if self.tf32 else ("--no-tf32", "--tf32")
+            raise UserError(f"profile for device type '{device_type}' was measured with TF32 "
+                            f"{'on' if self.tf32 else 'off'} but the plan is priced {want}: re-profile with "
+                            f"`ethpipe profile {want}` or plan with {have}")
 
     @property
     def dtype_bytes(self) -> int:
@@ -80,6 +97,7 @@ class MeasuredProfile:
             "peak_memory_bytes": {k: {str(b): v for b, v in d.items()} for k, d in self.peak_memory_bytes.items()},
             "tp": self.tp,
             "tf32": self.tf32,
+            "attention": self.attention,
         }
 
     def save(self, path: str | Path) -> None:
@@ -119,9 +137,17 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             peak_memory_bytes=memory,
             tp=int(data.get("tp", 1)),
             tf32=None if data.get("tf32") is None else bool(data["tf32"]),
+            attention=_attention(data.get("attention", "auto")),
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
+
+
+def _attention(value: Any) -> str:
+    if value not in ATTENTION_CHOICES:
+        raise UserError(f"profile field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got {value!r}: "
+                        "re-run `ethpipe profile --attention auto|materialised`")
+    return str(value)
 
 
 def load_profile(path: str | Path) -> MeasuredProfile:

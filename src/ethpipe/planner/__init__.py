@@ -26,7 +26,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
               dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
-              robust: bool = False) -> Plan:
+              robust: bool = False, attention: str = "auto") -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -35,6 +35,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     precision the runtime will use (activation and gradient bytes); ``auto`` is bf16 where every
     device has it, else fp16, and bf16 on a device without it is refused (``ethpipe.precision``).
     It is recorded in the plan (``extra["dtype"]``) so the simulator prices the plan the same way.
+    ``attention`` (recorded as ``extra["attention"]``): ``auto`` prices the fused kernels PyTorch SDPA
+    runs (ethpipe's runtime), ``materialised`` the unfused s x s path of a Megatron-style runtime
+    (the runtime then forces SDPA's math backend on CUDA so memory matches).
     ``robust`` (eth only): pick the best worst case under per-type speed perturbations among the
     best few candidates (``planner/robust.py``) and record it in ``predicted`` (``worst_case_time_s``,
     ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
@@ -53,7 +56,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"--robust applies to --method eth only, not '{method}': drop --robust or use eth")
     dtype = plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
-                     tf32=tf32, calibration=calibration)
+                     tf32=tf32, calibration=calibration, attention_mode=attention)
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
         from ethpipe.planner.idle import plan_with_idle
@@ -80,7 +83,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
-    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "tf32": tf32,
+    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "tf32": tf32, "attention": attention,
                                             "compute_model": compute_model_record(cost)})
 
 
@@ -88,7 +91,7 @@ def compute_model_record(cost: CostModel) -> dict:
     """What priced the plan's compute, written into the plan so `ethpipe simulate` prices it the same way."""
     used = {cost.gpu(t).arch for t in cost.device_speeds()}
     cal = cost.calibration or shipped_calibration()
-    record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source)
+    record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback)
     return {"devices": cost.compute_model_notes(), "calibration": record.to_dict()}
 
 

@@ -42,6 +42,11 @@ from ethpipe.planner.timing import StageSlot, link_key
 
 MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
 INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved family tried with every order
+# ... and on clusters this small, where a shape costs little: the pre-score ranks shapes at micro-batch 1 on
+# a bound, and with kernel launch floors a many-way TP shape can rank 4th-6th and still win (measured with an
+# earlier fit of the roofline constants: 4 A100-40 + 4 L4 + 4 T4, llama2-7b, 96 samples, 6% slower than the
+# exhaustive search with 3 shapes, equal with 6).
+INTERLEAVED_SHAPES_SMALL, SMALL_CLUSTER_DEVICES = 6, 16
 ALL_ORDERS_UP_TO = 3  # pools; with more, a few type orders (by speed, by memory, the smallest memory first)
 SPLIT_FRACTIONS = (1 / 2, 1 / 4, 3 / 4)  # of a pool's nodes on its best shape, the rest on its second best
 
@@ -175,7 +180,8 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             lambda i: (i != smallest, -cost.device_speed(pools[i].device)))}
     ranks = [[r for node in p.nodes for r in node] for p in pools]
     out = []
-    for _, dp, tps, slices in (shapes if every else _per_count_first(shapes, INTERLEAVED_SHAPES)):
+    keep = INTERLEAVED_SHAPES_SMALL if cost.cluster.num_devices <= SMALL_CLUSTER_DEVICES else INTERLEAVED_SHAPES
+    for _, dp, tps, slices in (shapes if every else _per_count_first(shapes, keep)):
         # Each pool's stages once (slices start at multiples of its TP degree): pipeline k takes a run of them.
         stages_of = [slots_for([(p.device, r) for r in ranks[i]], tps[i]) for i, p in enumerate(pools)]
         runs = [s // t for s, t in zip(slices, tps)]

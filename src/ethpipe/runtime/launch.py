@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ethpipe.errors import UserError, write_crash_report
 from ethpipe.plan import Plan
-from ethpipe.runtime.matmul_mode import apply_tf32
+from ethpipe.runtime.matmul_mode import apply_kernel_modes
 from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
 from ethpipe.runtime.watchdog import WATCHDOG_EXIT_CODE
 
@@ -84,7 +84,7 @@ def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, r
     torch.set_num_threads(num_threads)
     try:
         device = pick_device(config, rank, world_size)
-        apply_tf32(plan, device)
+        apply_kernel_modes(plan, device)
         records = train(plan, config, rank, world_size, device, init_method=f"file://{run_dir}/store")
     except UserError as err:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -163,7 +163,7 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     check_plan_runnable(plan, world_size)
     device = pick_device(config, local_rank, local_world)
-    apply_tf32(plan, device)
+    apply_kernel_modes(plan, device)
     return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config))
 
 

@@ -1,0 +1,105 @@
+"""CostModel's parameters, optimizer and memory pricing (a mixin: ``cost/model.py`` holds the state).
+
+Memory per stage is linear in its number of layers (``memory_terms``: fixed and per-layer bytes),
+which is what lets the planner's partition search check a whole stage in one multiply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ethpipe.cost import memory
+from ethpipe.cost.profile import MeasuredProfile
+from ethpipe.model_spec import ModelSpec, spec_from_dict
+from ethpipe.plan import Block, Stage
+
+# Adam touches ~30 bytes per parameter (read w, g, m, v, master; write w, m, v, master).
+OPTIMIZER_BYTES_PER_PARAM = 30
+DEFAULT_MEMORY_BANDWIDTH_GBPS = 300.0
+
+
+class MemoryPricing:
+    """Parameter counts, gradient bytes, optimizer time and memory of a ``CostModel`` (its fields and memos)."""
+
+    model: ModelSpec
+    seq_len: int
+    dtype_bytes: int
+    profiles: Mapping[str, MeasuredProfile] | None
+
+    def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
+        key = ("params", num_layers, first, last)
+        memo = self._memo  # type: ignore[attr-defined]
+        if key not in memo:
+            m = self.model
+            memo[key] = num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
+                m.head_params() if last else 0)
+        return memo[key]
+
+    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
+        """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
+        num_layers = block.layers[1] - block.layers[0]
+        return self.stage_params(num_layers, first=first, last=last) * self.dtype_bytes
+
+    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
+        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
+        prof = self.profiles.get(stage.device) if self.profiles else None
+        if prof is not None:
+            return params * prof.optimizer_s_per_param
+        bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
+        return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9)
+
+    def memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, *,
+                     first: bool, last: bool, device: str | None = None) -> tuple[float, float]:
+        """(fixed, per-layer) bytes of a stage: memory is linear in its number of layers.
+
+        Activations come from the device type's measured profile where it has them (scaled by
+        the analytic ratio when the profile was taken on another model, sequence length, dtype
+        or TP degree), else from the analytic per-tensor count. Memoised (the planner's bounds ask
+        for every pipeline position of every shape).
+        """
+        key = ("terms", tp, micro_batch, in_flight, recompute, first, last, device)
+        memo = self._memo  # type: ignore[attr-defined]
+        if key not in memo:
+            memo[key] = self._memory_terms(tp, micro_batch, in_flight, recompute, first, last, device)
+        return memo[key]
+
+    def _memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
+                      device: str | None) -> tuple[float, float]:
+        m, s, d = self.model, self.seq_len, self.dtype_bytes
+        bpp = self._state_bpp  # type: ignore[attr-defined]
+        full = self._activation_bytes(device, "block", micro_batch, tp)
+        kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
+        per_layer = (bpp * m.params_per_layer() / tp + in_flight * kept
+                     + memory.autocast_weight_bytes(m.params_per_layer(), d, tp))
+        fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
+        fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
+        fixed += full if recompute else 0.0
+        fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
+        return fixed, per_layer
+
+    def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
+        """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the
+        plan forces materialised attention (SDPA's fused kernels keep none); a measured profile rescales them."""
+        m, s, d = self.model, self.seq_len, self.dtype_bytes
+        materialised = device is not None and self.attention(device) == "materialised"
+
+        def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int, scores_kept: bool) -> float:
+            if kind != "block":
+                return memory.runtime_head_activation_bytes(spec, seq_len, dtype_bytes, tp)
+            scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if scores_kept else 0.0
+            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp) + scores
+
+        ours = analytic(m, s, d, tp, materialised) * micro_batch
+        prof = self.profiles.get(device) if self.profiles and device else None
+        measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]
+        if prof is None or measured is None:
+            return ours
+        theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1,
+                          prof.attention == "materialised") * micro_batch
+        return measured * ours / theirs
+
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+        """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held."""
+        fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last,
+                                             device=stage.device)
+        return int(fixed + stage.num_layers * per_layer)
