@@ -24,6 +24,7 @@ from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.cost.profile import LAYER_KINDS, LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
+from ethpipe.runtime.matmul_mode import kernel_mode_switches, restore_switches, set_switches
 from ethpipe.runtime.model import Decoder, build_stage, rope_tables
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -210,7 +211,7 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
         optimizer_s = _optimizer_s_per_param(module, settings, device)
     finally:
         torch.set_num_threads(previous_threads)
-        _restore(modes)
+        restore_switches(modes)
     cuda_fp32 = settings.device == "cuda" and settings.dtype == "fp32"
     # Off CUDA nothing is switched: SDPA ran its own pick, so that is what the profile measured.
     attention = settings.attention if settings.device == "cuda" else "auto"
@@ -229,26 +230,8 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
 
 
 def _kernel_modes(settings: ProfileSettings) -> list[tuple[Callable[[bool], None], bool]]:
-    """Set CUDA's TF32 and SDPA backends for the profile as a plan would (``runtime/matmul_mode.py``);
-    returns (setter, previous value) pairs to restore. No-op off CUDA."""
+    """Set CUDA's TF32 and SDPA switches for the profile as a plan sets them (``runtime/matmul_mode.py``);
+    returns what ``restore_switches`` puts back. No-op off CUDA."""
     if settings.device != "cuda" or not torch.cuda.is_available():
         return []
-    matmul, cudnn, cuda = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
-    fused = settings.attention != "materialised"
-    changes = [  # what runtime/matmul_mode.apply_kernel_modes sets for a plan
-        (lambda v: setattr(matmul, "allow_tf32", v), matmul.allow_tf32, settings.tf32),
-        (lambda v: setattr(cudnn, "allow_tf32", v), cudnn.allow_tf32, settings.tf32),
-        (cuda.enable_flash_sdp, cuda.flash_sdp_enabled(), fused),
-        (cuda.enable_mem_efficient_sdp, cuda.mem_efficient_sdp_enabled(), fused),
-        (cuda.enable_cudnn_sdp, cuda.cudnn_sdp_enabled(), fused),
-        (cuda.enable_math_sdp, cuda.math_sdp_enabled(), True),
-        (cuda.allow_fp16_bf16_reduction_math_sdp, cuda.fp16_bf16_reduction_math_sdp_allowed(), not fused),
-    ]
-    for setter, _, value in changes:
-        setter(value)
-    return [(setter, previous) for setter, previous, _ in changes]
-
-
-def _restore(modes: list[tuple[Callable[[bool], None], bool]]) -> None:
-    for setter, previous in modes:
-        setter(previous)
+    return set_switches(kernel_mode_switches(settings.tf32, settings.attention))

@@ -27,7 +27,7 @@ import numpy as np
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cost import comm, links, ops
-from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, ArchConstants, Calibration, DeviceCompute
+from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, ArchConstants, Calibration, DeviceCompute, pass_s
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import spec_from_dict
@@ -72,9 +72,7 @@ class Observation:
     comm_s: float  # TP all-reduces, priced on the link (not fitted)
 
     def predict_s(self, constants: ArchConstants) -> float:
-        effs = (constants.tensor_eff, constants.simd_eff)
-        return sum(max(c / effs[u], m / constants.mem_eff, constants.launch_s) for u, c, m in self.terms) + \
-            constants.layer_s + self.comm_s
+        return pass_s(constants, self.terms) + self.comm_s
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:

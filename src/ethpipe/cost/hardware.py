@@ -158,6 +158,16 @@ def has_hardware_model(gpu: GpuSpec) -> bool:
 
 
 KernelLines = tuple[tuple[int, float, float, float, float], ...]  # DeviceCompute.kernel_lines
+
+
+def pass_s(constants: ArchConstants, terms: Iterable[tuple[int, float, float]]) -> float:
+    """One layer pass: each kernel's ``max(compute_s / eff[unit], memory_s / mem_eff, launch_s)`` over its
+    (unit, compute_s at 100% of peak, memory_s at 100% of bandwidth) terms, plus ``layer_s``."""
+    effs = (constants.tensor_eff, constants.simd_eff)
+    return sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, constants.launch_s)
+               for unit, compute_s, memory_s in terms) + constants.layer_s
+
+
 TF32X3_PASSES = 3  # 3xTF32 emulates one fp32 product with three TF32 MMAs (big*big + big*small + small*big)
 
 
@@ -202,10 +212,7 @@ class DeviceCompute:
         return out
 
     def layer_s(self, kernels: Iterable[Kernel]) -> float:
-        c = self.constants
-        effs = (c.tensor_eff, c.simd_eff)
-        return sum(max(compute_s / effs[unit], memory_s / c.mem_eff, c.launch_s)
-                   for unit, compute_s, memory_s in self.kernel_terms(kernels)) + c.layer_s
+        return pass_s(self.constants, self.kernel_terms(kernels))
 
     def kernel_lines(self, at_one: Iterable[Kernel], at_two: Iterable[Kernel]) -> KernelLines:
         """Per kernel (unit, compute_s, compute step_s, memory_s, memory step_s) from one layer pass's kernels at
@@ -216,10 +223,8 @@ class DeviceCompute:
 
     def lines_s(self, lines: KernelLines, micro_batch: int) -> float:
         """``layer_s`` of the pass at ``micro_batch`` from its kernel lines (no kernel list to rebuild)."""
-        c, extra = self.constants, micro_batch - 1
-        effs = (c.tensor_eff, c.simd_eff)
-        return sum(max((c1 + extra * dc) / effs[u], (m1 + extra * dm) / c.mem_eff, c.launch_s)
-                   for u, c1, dc, m1, dm in lines) + c.layer_s
+        extra = micro_batch - 1
+        return pass_s(self.constants, ((u, c1 + extra * dc, m1 + extra * dm) for u, c1, dc, m1, dm in lines))
 
     def per_sample_s(self, lines: KernelLines) -> float:
         """Seconds per extra sample at large micro-batches: each kernel's compute or memory step, whichever

@@ -28,8 +28,7 @@ from typing import Literal
 from ethpipe.model_spec import ModelSpec
 
 Attention = Literal["flash", "efficient", "materialised"]
-AttentionChoice = Literal["auto", "materialised"]  # a plan's choice: auto = what PyTorch SDPA runs
-ATTENTION_CHOICES: tuple[str, ...] = ("auto", "materialised")
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", "materialised")  # a plan's choice: auto = what PyTorch SDPA runs
 KernelKind = Literal["gemm", "mem"]
 # Math unit of a kernel: "" = the layer's GEMM mode (hardware.math_mode); "fmha" = the memory-efficient
 # attention kernel's own: 3xTF32 tensor cores for fp32 where the GPU has TF32 (whatever the plan's TF32

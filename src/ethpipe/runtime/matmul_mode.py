@@ -1,10 +1,53 @@
-"""Match the GPU's kernel modes to what the plan was priced for: TF32 on or off, attention backend."""
+"""Match the GPU's kernel modes to what the plan was priced for: TF32 on or off, attention backend.
+
+The switches are data (``_tf32_switches``, ``_sdpa_switches``): the runtime sets them for a plan, and the
+profiler sets the same ones for a profile and puts them back (``set_switches`` returns what to restore).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ethpipe.plan import Plan
+
+# (setter, getter, value) of one process-wide CUDA switch.
+Switch = tuple[Callable[[bool], None], Callable[[], bool], bool]
+
+
+def _tf32_switches(tf32: bool) -> list[Switch]:
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    return [(lambda v: setattr(matmul, "allow_tf32", v), lambda: matmul.allow_tf32, tf32),
+            (lambda v: setattr(cudnn, "allow_tf32", v), lambda: cudnn.allow_tf32, tf32)]
+
+
+def _sdpa_switches(fused: bool) -> list[Switch]:
+    """Fused SDPA kernels on (PyTorch's default) or off: the math path, reducing in the inputs' dtype."""
+    cuda = torch.backends.cuda
+    return [(cuda.enable_flash_sdp, cuda.flash_sdp_enabled, fused),
+            (cuda.enable_mem_efficient_sdp, cuda.mem_efficient_sdp_enabled, fused),
+            (cuda.enable_cudnn_sdp, cuda.cudnn_sdp_enabled, fused),
+            (cuda.enable_math_sdp, cuda.math_sdp_enabled, True),
+            (cuda.allow_fp16_bf16_reduction_math_sdp, cuda.fp16_bf16_reduction_math_sdp_allowed, not fused)]
+
+
+def set_switches(switches: Sequence[Switch]) -> list[tuple[Callable[[bool], None], bool]]:
+    """Set each switch; returns (setter, previous value) pairs, for ``restore_switches``."""
+    previous = [(setter, getter()) for setter, getter, _ in switches]
+    for setter, _, value in switches:
+        setter(value)
+    return previous
+
+
+def restore_switches(previous: Sequence[tuple[Callable[[bool], None], bool]]) -> None:
+    for setter, value in previous:
+        setter(value)
+
+
+def kernel_mode_switches(tf32: bool, attention: str) -> list[Switch]:
+    """Every switch a plan's (or profile's) kernel times depend on."""
+    return _tf32_switches(tf32) + _sdpa_switches(attention != "materialised")
 
 
 def apply_tf32(plan: Plan, device: torch.device) -> bool | None:
@@ -16,8 +59,7 @@ def apply_tf32(plan: Plan, device: torch.device) -> bool | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     tf32 = bool(plan.extra.get("tf32", True))
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
+    set_switches(_tf32_switches(tf32))
     return tf32
 
 
@@ -39,11 +81,7 @@ def apply_attention(plan: Plan, device: torch.device) -> str | None:
 
 def set_sdpa_backends(fused: bool) -> None:
     """Fused SDPA kernels on (PyTorch's default) or off (the math path, reducing in the inputs' dtype)."""
-    torch.backends.cuda.enable_flash_sdp(fused)
-    torch.backends.cuda.enable_mem_efficient_sdp(fused)
-    torch.backends.cuda.enable_cudnn_sdp(fused)
-    torch.backends.cuda.enable_math_sdp(True)
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(not fused)
+    set_switches(_sdpa_switches(fused))
 
 
 def apply_kernel_modes(plan: Plan, device: torch.device) -> None:
