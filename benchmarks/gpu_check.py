@@ -4,7 +4,11 @@ On the GPU it finds (matched to a catalog id by its name), it profiles one decod
 embedding and the head of a few model widths in fp32 (TF32 off), fp32 (TF32 on) and bf16 with SDPA's
 fused attention, and in fp32 with its math (materialised) path, with ``ethpipe.profiler`` (the
 runtime's own modules), prices the same layers with the calibrated cost model for that GPU type
-(``attention`` auto or materialised to match), runs ``pytest tests/gpu``, and writes docs/benchmarks/gpu.{md,json}.
+(``attention`` auto or materialised to match), runs ``pytest tests/gpu``, and writes docs/benchmarks/gpu.{md,json}. It also keeps the measured profiles
+(``gpu_profiles/*.json``, this run's only) and fits the GPU family's constants to their block and head
+passes (``gpu_calibration.yaml``: `ethpipe calibrate`'s fit, centred on the shipped fallback, on the
+passes the shipped fit uses): the shipped constants come from fp32 profiles only, so this fit is what
+measures the family's 16-bit tensor-core efficiency.
 Meant to finish in under 8 minutes on one GPU; ``--device cpu`` runs the same logic on the CPU
 with tiny widths (what the tests do here).
 
@@ -18,6 +22,7 @@ import argparse
 import json
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -91,7 +96,8 @@ def _spec(width: int, seq_len: int):  # type: ignore[no-untyped-def]
 
 
 def measure(device: str, gpu_id: str, widths: list[int], seq_len: int, micro_batches: tuple[int, ...],
-            repeats: int) -> list[Row]:
+            repeats: int, profile_dir: Path | None = None) -> list[Row]:
+    """Every mode's layer passes measured and priced; each mode's profile saved to ``profile_dir`` if given."""
     from ethpipe.cluster import cluster_from_dict
     from ethpipe.cost.model import CostModel, dtype_bytes
     from ethpipe.profiler import ProfileSettings, profile_model
@@ -105,6 +111,8 @@ def measure(device: str, gpu_id: str, widths: list[int], seq_len: int, micro_bat
             prof = profile_model(spec, ProfileSettings(seq_len=seq_len, micro_batch_sizes=micro_batches,
                                                        device=device, dtype=dtype, repeats=repeats, warmup=2,
                                                        tf32=tf32, attention=attention))
+            if profile_dir is not None:
+                prof.save(profile_dir / f"w{width}_{dtype}_tf32{'on' if tf32 else 'off'}_{attention}.json")
             cost = CostModel(cluster, spec, seq_len, dtype_bytes=dtype_bytes(dtype), dtype=dtype, tf32=tf32,
                              attention_mode=attention)
             for b in micro_batches:
@@ -116,6 +124,27 @@ def measure(device: str, gpu_id: str, widths: list[int], seq_len: int, micro_bat
                     rows.append(Row(width, dtype, tf32, attention, kind, b, (t.fwd_s * 1e3, t.bwd_s * 1e3),
                                     (fwd_s * 1e3, bwd_s * 1e3)))
     return rows
+
+
+def fit_family(gpu_id: str, profile_dir: Path, source: str, out: Path) -> dict[str, Any]:
+    """Fit the GPU family's constants to the saved profiles (`ethpipe calibrate`'s fit) and write them to ``out``."""
+    import yaml
+
+    from ethpipe.catalog import get_gpu
+    from ethpipe.cost import calibrate
+    from ethpipe.cost.hardware import DEFAULT_CONSTANTS, shipped_calibration
+    from ethpipe.cost.profile import load_profile
+
+    gpu = get_gpu(gpu_id)
+    obs = [o for path in sorted(profile_dir.glob("*.json")) for o in calibrate.observations(load_profile(path), gpu)
+           if o.kind != "embedding"]  # as the shipped fit: blocks and heads
+    fitted = calibrate.fit(obs, source=source, prior=shipped_calibration().fallback or DEFAULT_CONSTANTS)
+    out.write_text(yaml.safe_dump(fitted.to_dict(), sort_keys=False))
+    errors = sorted(abs(e) for e in calibrate.relative_errors(obs, fitted))
+    return {"arch": gpu.arch, "constants": shipped_calibration().merged(fitted).constants(gpu.arch)[0].to_dict(),
+            "informed": list(fitted.architectures[gpu.arch].fitted),
+            "shipped": shipped_calibration().constants(gpu.arch)[0].to_dict(), "num_passes": len(obs),
+            "median_error": errors[len(errors) // 2], "worst_error": errors[-1]}
 
 
 def run_gpu_tests() -> dict[str, Any]:
@@ -148,6 +177,17 @@ def render(result: dict[str, Any]) -> str:
         block.sort()
         lines += ["", f"Block passes: median |error| {block[len(block) // 2]:.0%}, worst {block[-1]:.0%} "
                       f"over {len(block)} passes."]
+    fit = result.get("fit")
+    if fit:
+        from ethpipe.cost.hardware import CONSTANT_NAMES as names
+        lines += ["", f"## Constants fitted to these profiles ({fit['arch']}, {fit['num_passes']} block and head passes)",
+                  "", f"Written to gpu_calibration.yaml (use: `ethpipe plan --catalog gpu_calibration.yaml`); in-sample "
+                      f"median |error| {fit['median_error']:.0%}, worst {fit['worst_error']:.0%}.", "",
+                  "| constant | shipped | with these profiles | informed by these profiles |", "|---|---|---|---|"]
+        lines += [f"| {n} | {fit['shipped'][n]:.4g} | {fit['constants'][n]:.4g} | "
+                  f"{'yes' if n in fit['informed'] else 'no'} |" for n in names]
+    elif result.get("fit_error"):
+        lines += ["", "## Constants fitted to these profiles", "", f"The fit failed: {result['fit_error']}"]
     tests = result.get("tests")
     lines += ["", "## tests/gpu", "", f"`{tests['summary']}` (exit {tests['returncode']}, {tests['wall_s']:.0f} s)"
               if tests else "not run (`--skip-tests`)", ""]
@@ -170,15 +210,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("no CUDA device: run on the GPU machine, or --device cpu for a dry run")
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu"
     gpu_id = args.gpu_id or match_gpu(name) or "a100_80gb_sxm"
+    profile_dir = args.out_dir / "gpu_profiles"
+    shutil.rmtree(profile_dir, ignore_errors=True)  # an earlier run's profiles (other widths, another GPU) go
+    profile_dir.mkdir(parents=True)
     rows = measure(args.device, gpu_id, [int(w) for w in args.widths.split(",")], args.seq_len,
-                   tuple(int(b) for b in args.micro_batches.split(",")), args.repeats)
+                   tuple(int(b) for b in args.micro_batches.split(",")), args.repeats, profile_dir)
     result: dict[str, Any] = {
         "device_name": name, "gpu_id": gpu_id, "gpu_id_matched": args.gpu_id is None and match_gpu(name) is not None,
         "machine": f"torch {torch.__version__}, CUDA {torch.version.cuda}", "rows": [r.__dict__ for r in rows],
-        "tests": None if args.skip_tests else run_gpu_tests(),
     }
+    (args.out_dir / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")  # the measurements, before anything fails
+    try:
+        result["fit"] = fit_family(gpu_id, profile_dir, f"benchmarks/gpu_check.py on {name}",
+                                   args.out_dir / "gpu_calibration.yaml")
+    except Exception as err:  # noqa: BLE001  (a scarce GPU run keeps its rows and the tests whatever the fit does)
+        result["fit_error"] = f"{type(err).__name__}: {err}"
+    result["tests"] = None if args.skip_tests else run_gpu_tests()
     result["wall_s"] = time.time() - started
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out_dir / "gpu.md").write_text(render(result))
     print(render(result))

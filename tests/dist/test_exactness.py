@@ -68,7 +68,7 @@ def _planned_plans() -> tuple[Plan, Plan]:
                      dataclasses.replace(GPT_LIKE, name="test-gpt-24", num_layers=24))
     kinds = [{s.device for s in p.stages} for p in hybrid.pipelines]
     assert any(len(k) > 1 for k in kinds) and any(len(k) == 1 for k in kinds), "precondition: a hybrid layout"
-    per_type = planned((("a100_80gb_sxm", 1, 2), ("v100_16gb", 1, 4)), "llama2-7b", 8,
+    per_type = planned((("a100_80gb_sxm", 1, 2), ("v100_16gb", 1, 4)), "llama2-7b", 4,
                        dataclasses.replace(LLAMA_LIKE, name="test-llama-32", num_layers=32, num_kv_heads=4))
     assert any(len({(s.device, s.tp) for s in p.stages}) > 1 and len({s.tp for s in p.stages}) > 1
                for p in per_type.pipelines), "precondition: TP degree per device type in one pipeline"

@@ -10,13 +10,21 @@ import pytest
 from ethpipe.catalog import get_gpu
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost import calibrate, memory, ops
-from ethpipe.cost.hardware import ArchConstants, Calibration, DeviceCompute, math_mode
+from ethpipe.cost.hardware import (
+    CONSTANT_NAMES,
+    DEFAULT_CONSTANTS,
+    UNITS,
+    ArchConstants,
+    Calibration,
+    DeviceCompute,
+    math_mode,
+)
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
 from ethpipe.model_spec import ModelSpec, load_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
-IDEAL = Calibration({a: ArchConstants(1.0, 1.0, 1.0, 0.0, 0.0, "test", ("tensor_eff",))
+IDEAL = Calibration({a: ArchConstants(1.0, 1.0, 1.0, 1.0, 0.0, 0.0, "test", ("tensor_eff",))
                      for a in ("ampere", "volta", "hopper", "turing")})
 A100 = get_gpu("a100_80gb_sxm")
 
@@ -35,6 +43,7 @@ def test_large_gemm_cost_follows_the_math_mode_peak() -> None:
     assert _gemm_s("fp32", False) / bf16 == pytest.approx(312 / 19.5, rel=0.05)  # CUDA-core fp32: ~16x
     assert _gemm_s("fp32", True) / bf16 == pytest.approx(312 / 156, rel=0.05)  # TF32: 2x
     assert math_mode(get_gpu("v100_32gb_sxm2"), "fp32", True) == ("simd", 15.7)  # Volta has no TF32
+    assert math_mode(A100, "fp32", True) == ("tf32", 156) and math_mode(A100, "bf16", True) == ("tensor", 312)
 
 
 def test_kernel_time_is_its_roofline_and_never_beats_its_launch() -> None:
@@ -45,7 +54,7 @@ def test_kernel_time_is_its_roofline_and_never_beats_its_launch() -> None:
     assert dev.layer_s([wide]) == pytest.approx(2 * 8192**3 / 312e12)  # compute-bound
     both = dev.layer_s([skinny, wide])
     assert both == pytest.approx(dev.layer_s([skinny]) + dev.layer_s([wide]))  # kernels run one after another
-    slow_launch = DeviceCompute.build(A100, Calibration({"ampere": ArchConstants(1.0, 1.0, 1.0, 1e-3, 2e-4, "t",
+    slow_launch = DeviceCompute.build(A100, Calibration({"ampere": ArchConstants(1.0, 1.0, 1.0, 1.0, 1e-3, 2e-4, "t",
                                                                                  ("tensor_eff",))}), "bf16", True)
     assert slow_launch.layer_s([skinny, wide]) == pytest.approx(1e-3 + 2 * 8192**3 / 312e12 + 2e-4)
 
@@ -127,44 +136,56 @@ def test_activation_memory_by_attention_implementation() -> None:
                     + spec.num_heads * 2048))
 
 
-def _synthetic_profile(model: ModelSpec, gpu_id: str, constants: ArchConstants, tf32: bool) -> MeasuredProfile:
+def _synthetic_profile(model: ModelSpec, gpu_id: str, constants: ArchConstants, tf32: bool,
+                       dtype: str = "fp32") -> MeasuredProfile:
     gpu = get_gpu(gpu_id)
-    dev = DeviceCompute.build(gpu, Calibration({gpu.arch: constants}), "fp32", tf32)
-    attn = ops.attention_impl(gpu.arch, "fp32")
+    dev = DeviceCompute.build(gpu, Calibration({gpu.arch: constants}), dtype, tf32)
+    attn = ops.attention_impl(gpu.arch, dtype)
     layers: dict[str, dict[int, LayerTiming]] = {}
     for kind in ("embedding", "block", "head"):
-        layers[kind] = {b: LayerTiming(*(dev.layer_s(ops.layer_kernels(kind, model, 512, b, 1, 4, attn, bw))
+        layers[kind] = {b: LayerTiming(*(dev.layer_s(ops.layer_kernels(kind, model, 512, b, 1, ops_bytes(dtype), attn,
+                                                                        bw))
                                          for bw in (False, True))) for b in (1, 2, 4, 8)}
-    return MeasuredProfile("synthetic", "cuda", "fp32", model.to_dict(), 512, layers, 0.0, tf32=tf32)
+    return MeasuredProfile("synthetic", "cuda", dtype, model.to_dict(), 512, layers, 0.0,
+                           tf32=tf32 if dtype == "fp32" else None)
 
 
 def test_fit_recovers_the_constants_that_generated_the_profiles() -> None:
-    truth = ArchConstants(0.71, 0.83, 0.77, 7e-6, 150e-6, "truth", ("tensor_eff",))
+    truth = ArchConstants(0.64, 0.71, 0.83, 0.77, 7e-6, 150e-6, "truth", ("tensor_eff",))
     small = ModelSpec(name="s", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=8, ffn_hidden_size=2048,
                       vocab_size=32000, max_seq_len=512, activation="gelu", norm="layernorm", position="learned")
     wide = ModelSpec(name="w", num_layers=4, hidden_size=4096, num_heads=32, num_kv_heads=8, ffn_hidden_size=11008,
                      vocab_size=32000, max_seq_len=512)
-    obs = [o for m in (small, wide) for tf32 in (True, False)
-           for o in calibrate.observations(_synthetic_profile(m, "a100_40gb_sxm", truth, tf32), get_gpu("a100_40gb_sxm"))]
-    fitted = calibrate.fit(obs)
+    a100 = get_gpu("a100_40gb_sxm")
+    runs = [(m, tf32, "fp32") for m in (small, wide) for tf32 in (True, False)]
+    fp32_obs = [o for m, tf32, dtype in runs for o in calibrate.observations(
+        _synthetic_profile(m, a100.id, truth, tf32, dtype), a100)]
+    bf16_obs = [o for m in (small, wide) for o in calibrate.observations(
+        _synthetic_profile(m, a100.id, truth, True, "bf16"), a100)]
+    fitted = calibrate.fit(fp32_obs + bf16_obs)
     ampere = fitted.architectures["ampere"]
     # Exact data: the prior (a family near the centre, the centre near the physical defaults) moves the
     # estimate by well under 1%, and the fitted model reproduces every pass to 0.2%.
-    for name in ("tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"):
+    for name in CONSTANT_NAMES:
         assert getattr(ampere, name) == pytest.approx(getattr(truth, name), rel=0.01), name
-    assert max(abs(e) for e in calibrate.relative_errors(obs, fitted)) < 0.002
-    assert set(ampere.fitted) == {"tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s"}
+    assert max(abs(e) for e in calibrate.relative_errors(fp32_obs + bf16_obs, fitted)) < 0.002
+    assert set(ampere.fitted) == set(CONSTANT_NAMES)
     assert fitted.fallback is not None and fitted.constants("ada") == (fitted.fallback, False)
+    # fp32 profiles alone say nothing of the 16-bit tensor cores: bf16 GEMMs keep the default efficiency.
+    fp32_only = calibrate.fit(fp32_obs).architectures["ampere"]
+    assert "tensor_eff" not in fp32_only.fitted and "tf32_eff" in fp32_only.fitted
+    assert fp32_only.tensor_eff == pytest.approx(DEFAULT_CONSTANTS.tensor_eff, rel=1e-3)
+    assert fp32_only.tf32_eff == pytest.approx(truth.tf32_eff, rel=0.01)
 
 
 def test_unidentified_constant_takes_the_centres_value() -> None:
-    truth = ArchConstants(0.7, 0.8, 0.75, 5e-6, 1e-4, "truth", ("tensor_eff",))
+    truth = ArchConstants(0.7, 0.7, 0.8, 0.75, 5e-6, 1e-4, "truth", ("tensor_eff",))
     spec = load_model_spec("small")
     obs = calibrate.observations(_synthetic_profile(spec, "v100_16gb", truth, True), get_gpu("v100_16gb"))
     fitted = calibrate.fit(obs)
     volta = fitted.architectures["volta"]
-    assert "tensor_eff" not in volta.fitted  # fp32 on Volta never touches tensor cores
-    assert volta.tensor_eff == pytest.approx(fitted.fallback.tensor_eff, rel=1e-6)
+    assert "tf32_eff" not in volta.fitted  # fp32 on Volta never touches tensor cores
+    assert volta.tf32_eff == pytest.approx(fitted.fallback.tf32_eff, rel=1e-6)
     assert volta.simd_eff == pytest.approx(0.8, rel=0.01)
 
 
@@ -190,8 +211,16 @@ def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: P
     old = {"version": 1, "architectures": {"ampere": {"tensor_eff": 0.5, "simd_eff": 0.9, "mem_eff": 0.8,
                                                       "launch_s": 1e-5, "layer_s": 1e-4}}}
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
-    with pytest.raises(UserError, match="field 'version' must be 2 .*re-run `ethpipe calibrate`"):
+    with pytest.raises(UserError, match="field 'version' must be 3 .*re-run `ethpipe calibrate`"):
         load_calibration(tmp_path / "old.yaml")
+    # Version 2: one tensor_eff for TF32 and 16-bit alike (a user's may have been fitted on either).
+    two = calibrate_shipped().to_dict()
+    two["version"] = 2
+    for family in two["architectures"].values():
+        del family["tf32_eff"]
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
+    with pytest.raises(UserError, match="field 'version' must be 3 .*re-run `ethpipe calibrate`"):
+        load_calibration(tmp_path / "two.yaml")
 
 
 def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
@@ -214,7 +243,7 @@ def test_replan_keeps_the_plans_tf32_setting_and_compute_constants() -> None:
         return cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": num_nodes, "gpus_per_node": 4,
                                              "nic_gbit_s": 200}]})
 
-    slow = Calibration({"ampere": ArchConstants(0.3, 0.5, 0.5, 2e-5, 1e-4, "user fit", ("tensor_eff",))})
+    slow = Calibration({"ampere": ArchConstants(0.3, 0.3, 0.5, 0.5, 2e-5, 1e-4, "user fit", CONSTANT_NAMES)})
     spec = load_model_spec("gpt3-125m")
     old = make_plan(cluster(2), spec, 32, 512, max_tp=1, dtype="fp32", tf32=False, calibration=slow)
     new = replan(old, cluster(1))
@@ -239,7 +268,7 @@ def test_simulate_catalog_reprices_a_plan_with_other_constants(tmp_path: Path) -
     clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})
     plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1, dtype="fp32")
     plan.save(tmp_path / "plan.json")
-    slow = Calibration({"ampere": ArchConstants(0.2, 0.3, 0.3, 2e-5, 1e-4, "user fit", ("tensor_eff",))})
+    slow = Calibration({"ampere": ArchConstants(0.2, 0.2, 0.3, 0.3, 2e-5, 1e-4, "user fit", CONSTANT_NAMES)})
     (tmp_path / "slow.yaml").write_text(yaml.safe_dump(slow.to_dict()))
 
     def simulated_s(*extra: str) -> float:
@@ -380,7 +409,7 @@ def test_device_speed_never_exceeds_what_the_kernels_allow(model: str, seq_len: 
         cost = CostModel(clu, spec, seq_len, dtype_bytes=ops_bytes(dtype), dtype=dtype)
         for g in gpus:
             hw = DeviceCompute.build(g, calibrate_shipped(), dtype, True)
-            eff = hw.constants.tensor_eff if hw.unit == "tensor" else hw.constants.simd_eff
+            eff = hw.constants.unit_effs()[UNITS.index(hw.unit)]
             rate = cost.achievable_flops(g.id)
             assert 0 < rate <= 1.25 * eff * hw.peak_tflops * 1e12, (g.id, dtype)
             for b in (1, 4, 64):
@@ -415,12 +444,29 @@ def test_plans_recording_constants_of_the_earlier_model_are_priced_with_the_ship
     clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 200}]})
     plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1)
     record = plan.extra["compute_model"]["calibration"]
-    old = dataclasses.replace(plan, extra={**plan.extra, "compute_model": {
-        "devices": {}, "calibration": {**record, "version": 1}}})
-    assert recorded_calibration(old) is None
-    assert CostModel.for_plan(old).layer_times_s("a100_80gb_sxm", 1) == CostModel.for_plan(plan).layer_times_s(
-        "a100_80gb_sxm", 1)
-    assert replan(old, clu).predicted["iteration_time_s"] == pytest.approx(plan.predicted["iteration_time_s"])
+    for version in (1, 2):  # 2: one tensor_eff priced TF32 and 16-bit GEMMs alike
+        old = dataclasses.replace(plan, extra={**plan.extra, "compute_model": {
+            "devices": {}, "calibration": {**record, "version": version}}})
+        assert recorded_calibration(old) is None
+        assert CostModel.for_plan(old).layer_times_s("a100_80gb_sxm", 1) == CostModel.for_plan(plan).layer_times_s(
+            "a100_80gb_sxm", 1)
+        assert replan(old, clu).predicted["iteration_time_s"] == pytest.approx(plan.predicted["iteration_time_s"])
+
+
+def test_plan_says_which_gemm_efficiency_no_measurement_informs() -> None:
+    """The shipped profiles are fp32: a bf16 plan says its 16-bit GEMM efficiency is assumed, an fp32 one does not,
+    and fp32 measurements do not move what bf16 GEMMs are priced at."""
+    from ethpipe.planner import make_plan
+
+    clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})
+    spec = load_model_spec("gpt3-125m")
+    bf16 = make_plan(clu, spec, 16, 512, max_tp=1, dtype="bf16").extra["compute_model"]["devices"]["a100_80gb_sxm"]
+    fp32 = make_plan(clu, spec, 16, 512, max_tp=1, dtype="fp32").extra["compute_model"]["devices"]["a100_80gb_sxm"]
+    assert bf16.startswith("a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s (no 16-bit tensor-core GEMM "
+                           "measured: 70% of that peak assumed)")
+    assert fp32.startswith("a100_80gb_sxm calibrated: tf32 156 TFLOP/s, 2039 GB/s,")
+    shipped = calibrate_shipped().constants("ampere")[0]
+    assert shipped.tensor_eff == pytest.approx(DEFAULT_CONSTANTS.tensor_eff) != shipped.tf32_eff
 
 
 def test_replan_keeps_the_recorded_fallback() -> None:
@@ -428,9 +474,28 @@ def test_replan_keeps_the_recorded_fallback() -> None:
     from ethpipe.planner import make_plan
 
     clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
-    slow = ArchConstants(0.2, 0.3, 0.3, 2e-5, 1e-4, "user centre", ("tensor_eff",))
+    slow = ArchConstants(0.2, 0.2, 0.3, 0.3, 2e-5, 1e-4, "user centre", CONSTANT_NAMES)
     plan = make_plan(clu, load_model_spec("gpt3-125m"), 16, 512, max_tp=1, dtype="bf16",
                      calibration=Calibration({}, "user", slow))
     assert recorded_calibration(plan).fallback.tensor_eff == 0.2
     assert CostModel.for_plan(plan).layer_times_s("l4", 1)[0] > CostModel(clu, load_model_spec("gpt3-125m"), 512)\
         .layer_times_s("l4", 1)[0]
+
+
+def test_a_users_bf16_fit_keeps_the_familys_measured_tf32_efficiency() -> None:
+    """`ethpipe calibrate` on bf16 profiles measures the 16-bit tensor cores only: over the shipped constants
+    (what `--catalog` does) it replaces what it measured and keeps the rest, TF32 included."""
+    truth = ArchConstants(0.55, 0.9, 0.9, 0.6, 9e-6, 40e-6, "truth", ("tensor_eff",))
+    a100 = get_gpu("a100_40gb_sxm")
+    spec = load_model_spec("gpt3-1.3b")
+    user = calibrate.fit(calibrate.observations(_synthetic_profile(spec, a100.id, truth, True, "bf16"), a100),
+                         source="user bf16")
+    assert "tensor_eff" in user.architectures["ampere"].fitted and "tf32_eff" not in user.architectures["ampere"].fitted
+    base = calibrate_shipped()
+    merged = base.merged(user).constants("ampere")[0]
+    assert merged.tensor_eff == pytest.approx(0.55, rel=0.01)
+    assert merged.tf32_eff == base.constants("ampere")[0].tf32_eff  # not the user fit's centre
+    assert set(merged.fitted) >= {"tensor_eff", "tf32_eff"} and merged.source.startswith("user bf16")
+    # A family the base never measured is taken whole.
+    assert base.merged(Calibration({"ada": user.architectures["ampere"]})).constants("ada")[0] == \
+        user.architectures["ampere"]

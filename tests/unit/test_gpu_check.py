@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ethpipe.cost.hardware import load_calibration
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gpu_check  # noqa: E402
@@ -30,6 +32,8 @@ def test_device_names_match_catalog_ids(name: str, want: str | None) -> None:
 
 
 def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
+    (tmp_path / "gpu_profiles").mkdir()
+    (tmp_path / "gpu_profiles" / "earlier_run.json").write_text("{}")  # another run's: must not be fitted
     result = gpu_check.main(["--device", "cpu", "--gpu-id", "a100_80gb_sxm", "--widths", "64", "--seq-len", "32",
                              "--micro-batches", "1,2", "--repeats", "1", "--skip-tests", "--out-dir", str(tmp_path)])
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
@@ -38,3 +42,9 @@ def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
     assert all(m > 0 and p > 0 and math.isfinite(p) for r in rows for m, p in zip(r["measured_ms"], r["predicted_ms"]))
     report = (tmp_path / "gpu.md").read_text()
     assert report.count("| 64 |") == len(rows) and "not run" in report and result["gpu_id"] == "a100_80gb_sxm"
+    # The profiles are kept for `ethpipe calibrate`, and the family's constants fitted to them load as a catalog.
+    assert len(list((tmp_path / "gpu_profiles").glob("*.json"))) == len(gpu_check.MODES)
+    fitted = load_calibration(tmp_path / "gpu_calibration.yaml")
+    assert fitted.constants("ampere")[0].source.startswith("benchmarks/gpu_check.py on ")
+    assert result["fit"]["num_passes"] == 2 * 2 * 2 * len(gpu_check.MODES)  # (block, head) x mbs x (fwd, bwd)
+    assert "## Constants fitted to these profiles (ampere" in report

@@ -63,12 +63,13 @@ def test_per_type_tp_inside_one_pipeline_wins_and_round_trips() -> None:
 
 
 def test_split_pool_wins_and_round_trips() -> None:
-    # The H100 pool's nodes are shared by two shapes (depth 1 and 2): a finer split of the batch (0.2% here).
-    cluster = _cluster(("h100_sxm", 4, 4), ("v100_32gb_sxm2", 3, 4))
+    # The A100 pool's nodes are shared by two shapes (depth 1 and 2): a finer split of the batch. The gain is
+    # small (0.2% here, 0.19-0.27% at batches 17-32) and the family is the rarest winner of the search.
+    cluster = _cluster(("a100_80gb_sxm", 3, 2), ("v100_32gb_sxm2", 2, 2))
     spec = load_model_spec("gpt3-1.3b")
-    plan, _ = _wins_and_round_trips(cluster, spec, 88, "split_pools")
-    h100 = {(p.depth, p.stages[0].tp) for p in plan.pipelines if p.stages[0].device == "h100_sxm"}
-    assert len(h100) == 2 and all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
+    plan, _ = _wins_and_round_trips(cluster, spec, 23, "split_pools")
+    a100 = {(p.depth, p.stages[0].tp) for p in plan.pipelines if p.stages[0].device == "a100_80gb_sxm"}
+    assert len(a100) == 2 and all(len({s.device for s in p.stages}) == 1 for p in plan.pipelines)
 
 
 SMALL = [

@@ -55,13 +55,14 @@ def test_resplit_keeps_layers_and_batch_and_moves_data_off_the_slowed_type() -> 
 def test_layer_balanced_replicas_lose_to_per_type_pipelines_when_a_type_is_slower() -> None:
     """Issue 13's case, qualitatively (llama2-7b, 8 A100 + 8 V100): every layer-balanced replica holds
     V100 stages, so a slower V100 slows every replica and re-splitting data cannot help; per-type
-    pipelines move samples to the A100 pipelines and absorb part of it."""
+    pipelines move samples to the A100 pipelines and absorb part of it. At nominal speeds the per-type plan
+    is ~12% slower here (the shipped constants), so the V100s run at half speed: a slowdown that matters."""
     clu, spec = _a100_v100(), load_model_spec("llama2-7b")
     balanced = make_plan(clu, spec, 64, 4096, "layer-balanced", max_tp=1)
     per_type = make_plan(clu, spec, 64, 4096, max_tp=1, options=PlannerOptions(allow_mixed=False))
     assert all(len({s.device for s in p.stages}) == 2 for p in balanced.pipelines)
     assert all(len({s.device for s in p.stages}) == 1 for p in per_type.pipelines)
-    slow = Scenario(f"{V100} -30%", ((V100, 0.7),))
+    slow = Scenario(f"{V100} -50%", ((V100, 0.5),))
     cost = CostModel.for_plan(balanced)
     t_balanced, t_per_type = price_under(balanced, cost, slow), price_under(per_type, cost, slow)
     assert t_per_type < t_balanced

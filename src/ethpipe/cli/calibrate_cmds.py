@@ -12,9 +12,10 @@ from ethpipe.cli.app import app, console, user_errors
 from ethpipe.errors import UserError
 
 HEADER = """# Compute-model constants fitted by `ethpipe calibrate` (use with `ethpipe plan --catalog THIS_FILE`).
-# Per GPU architecture family: fractions of the datasheet peaks (tensor_eff, simd_eff, mem_eff), the least
-# time of a kernel (launch_s) and the per-layer overhead (layer_s), in seconds; `fitted` lists the
-# constants the profiles inform (the others sit at the fit's centre, near the shipped fallback).
+# Per GPU architecture family: fractions of the datasheet peaks (tensor_eff: bf16/fp16 tensor cores,
+# tf32_eff: TF32 tensor cores, simd_eff: fp32 CUDA cores, mem_eff: memory bandwidth), the least time of a
+# kernel (launch_s) and the per-layer overhead (layer_s), in seconds; `fitted` lists the constants the
+# profiles inform (the others sit at the fit's centre, near the shipped fallback).
 """
 
 
@@ -48,11 +49,11 @@ def calibrate(
     result = base.merged(fitted) if catalog else fitted
     write_text_atomic(out, HEADER + yaml.safe_dump(result.to_dict(), sort_keys=False))
     table = Table(title=f"fitted on {len(obs)} layer passes")
-    for col in ("architecture", "tensor eff", "simd eff", "mem eff", "launch us", "layer us", "fitted", "median err"):
+    for col in ("architecture", "16-bit eff", "tf32 eff", "simd eff", "mem eff", "launch us", "layer us", "fitted", "median err"):
         table.add_column(col, justify="left" if col in ("architecture", "fitted") else "right")
     for arch, c in fitted.architectures.items():
         errs = sorted(abs(e) for e in relative_errors([o for o in obs if o.arch == arch], fitted))
-        table.add_row(arch, f"{c.tensor_eff:.3f}", f"{c.simd_eff:.3f}", f"{c.mem_eff:.3f}", f"{c.launch_s * 1e6:.1f}",
+        table.add_row(arch, *(f"{e:.3f}" for e in c.unit_effs()), f"{c.mem_eff:.3f}", f"{c.launch_s * 1e6:.1f}",
                       f"{c.layer_s * 1e6:.0f}", ",".join(c.fitted), f"{100 * errs[len(errs) // 2]:.1f}%")
     console.print(table)
     console.print(f"constants written to {out}")

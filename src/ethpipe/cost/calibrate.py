@@ -27,18 +27,28 @@ import numpy as np
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cost import comm, links, ops
-from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, ArchConstants, Calibration, DeviceCompute, pass_s
+from ethpipe.cost.hardware import (
+    CONSTANT_NAMES,
+    DEFAULT_CONSTANTS,
+    UNITS,
+    ArchConstants,
+    Calibration,
+    DeviceCompute,
+    pass_s,
+)
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import spec_from_dict
 
 INTRA_NODE_LATENCY_S = 5e-6
 OBS_SD = 0.10  # relative scatter of one measured layer pass
-FAMILY_SD = (0.3, 0.3, 0.3, 1.0, 1.0)  # log-space spread of families around the centre (effs; launch, layer)
-CENTRE_SD = (1.0, 1.0, 1.0, 2.0, 2.0)  # log-space spread of the centre around the prior
-# Physical ranges of x = (1/tensor_eff, 1/simd_eff, 1/mem_eff, launch_s, layer_s).
-_LOWER = np.array([1.0, 1.0, 1.0, 1e-7, 1e-7])
-_UPPER = np.array([20.0, 20.0, 20.0, 1e-3, 5e-3])
+FAMILY_SD = (0.3, 0.3, 0.3, 0.3, 1.0, 1.0)  # log-space spread of families around the centre (effs; launch, layer)
+CENTRE_SD = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0)  # log-space spread of the centre around the prior
+# Physical ranges of x = (1/tensor_eff, 1/tf32_eff, 1/simd_eff, 1/mem_eff, launch_s, layer_s).
+_LOWER = np.array([1.0, 1.0, 1.0, 1.0, 1e-7, 1e-7])
+_UPPER = np.array([20.0, 20.0, 20.0, 20.0, 1e-3, 5e-3])
+_NUM = len(CONSTANT_NAMES)
+_MEM, _LAUNCH, _LAYER = 3, 4, 5  # columns of x after the math units' (indexed as hardware.UNITS)
 
 # Link bandwidth (GB/s per direction) for a TP all-reduce of ``num_bytes`` over ``tp`` GPUs of a type.
 LinkFn = Callable[[GpuSpec, int, float], float]
@@ -76,12 +86,13 @@ class Observation:
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:
-    return np.array([1.0 / c.tensor_eff, 1.0 / c.simd_eff, 1.0 / c.mem_eff, c.launch_s, c.layer_s])
+    return np.array([*(1.0 / e for e in c.unit_effs()), 1.0 / c.mem_eff, c.launch_s, c.layer_s])
 
 
 def _constants_of(x: np.ndarray, source: str, fitted: tuple[str, ...]) -> ArchConstants:
-    return ArchConstants(tensor_eff=float(1.0 / x[0]), simd_eff=float(1.0 / x[1]), mem_eff=float(1.0 / x[2]),
-                         launch_s=float(x[3]), layer_s=float(x[4]), source=source, fitted=fitted)
+    return ArchConstants(tensor_eff=float(1.0 / x[0]), tf32_eff=float(1.0 / x[1]), simd_eff=float(1.0 / x[2]),
+                         mem_eff=float(1.0 / x[_MEM]), launch_s=float(x[_LAUNCH]), layer_s=float(x[_LAYER]),
+                         source=source, fitted=fitted)
 
 
 def profile_dtype_tf32(profile: MeasuredProfile) -> tuple[str, bool]:
@@ -138,27 +149,26 @@ class _Problem:
     def _terms_s(self, x: np.ndarray) -> np.ndarray:
         """(kernels x 3) compute, memory and launch seconds of every kernel for per-family constants ``x``."""
         fam = self.obs_family[self.kernel_obs]
-        return np.stack([self.kernel_compute_s * x[fam, self.kernel_unit], self.kernel_memory_s * x[fam, 2],
-                         x[fam, 3]], axis=1)
+        return np.stack([self.kernel_compute_s * x[fam, self.kernel_unit], self.kernel_memory_s * x[fam, _MEM],
+                         x[fam, _LAUNCH]], axis=1)
 
     def predict_s(self, x: np.ndarray) -> np.ndarray:
-        """Predicted seconds of every observation for per-family constants ``x`` (families x 5)."""
+        """Predicted seconds of every observation for per-family constants ``x`` (families x constants)."""
         kernel_s = self._terms_s(x).max(axis=1)
         per_obs = np.bincount(self.kernel_obs, weights=kernel_s, minlength=len(self.measured_s))
-        return per_obs + x[self.obs_family, 4] + self.comm_s
+        return per_obs + x[self.obs_family, _LAYER] + self.comm_s
 
     def informed(self, x: np.ndarray) -> np.ndarray:
-        """(families x 5) which constants each family's data inform at ``x``: a unit's efficiency where one of
-        its kernels is compute-bound, mem_eff where one is memory-bound, launch_s where one sits on the floor;
-        layer_s always (every pass pays it)."""
+        """(families x constants) which constants each family's data inform at ``x``: a unit's efficiency where
+        one of its kernels is compute-bound, mem_eff where one is memory-bound, launch_s where one sits on the
+        floor; layer_s always (every pass pays it)."""
         fam = self.obs_family[self.kernel_obs]
         binding = self._terms_s(x).argmax(axis=1)
-        out = np.zeros((len(self.families), 5), dtype=bool)
+        out = np.zeros((len(self.families), _NUM), dtype=bool)
         for f in range(len(self.families)):
             mine = fam == f
-            out[f] = [bool(np.any(mine & (binding == 0) & (self.kernel_unit == 0))),
-                      bool(np.any(mine & (binding == 0) & (self.kernel_unit == 1))),
-                      bool(np.any(mine & (binding == 1))), bool(np.any(mine & (binding == 2))), True]
+            units = [bool(np.any(mine & (binding == 0) & (self.kernel_unit == u))) for u in range(len(UNITS))]
+            out[f] = [*units, bool(np.any(mine & (binding == 1))), bool(np.any(mine & (binding == 2))), True]
         return out
 
 
@@ -175,14 +185,14 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     log_prior = np.log(np.clip(_x_of(prior), _LOWER, _UPPER))
 
     def residuals(v: np.ndarray) -> np.ndarray:
-        centre, fams = v[:5], v[5:].reshape(num_families, 5)
+        centre, fams = v[:_NUM], v[_NUM:].reshape(num_families, _NUM)
         rel = (problem.predict_s(np.exp(fams)) - problem.measured_s) / problem.measured_s / OBS_SD
         return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd])
 
     lo, hi = np.tile(np.log(_LOWER), num_families + 1), np.tile(np.log(_UPPER), num_families + 1)
     start = np.clip(np.tile(log_prior, num_families + 1), lo + 1e-9, hi - 1e-9)
-    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0)
-    centre, fams = np.exp(solution.x[:5]), np.exp(solution.x[5:].reshape(num_families, 5))
+    solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    centre, fams = np.exp(solution.x[:_NUM]), np.exp(solution.x[_NUM:].reshape(num_families, _NUM))
     informed = problem.informed(fams)
     note = f"{source}; " if source else ""
     archs = {}
@@ -192,8 +202,9 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
         models = ", ".join(sorted({o.model for o in group}))
         fitted = tuple(name for name, ok in zip(CONSTANT_NAMES, informed[i]) if ok)
         archs[family] = _constants_of(fams[i], f"{note}fitted to {len(group)} layer passes ({gpus}; {models})", fitted)
+    anywhere = tuple(name for name, ok in zip(CONSTANT_NAMES, informed.any(axis=0)) if ok)
     fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
-                                     f"({', '.join(problem.families)}): for families nobody measured", CONSTANT_NAMES)
+                                     f"({', '.join(problem.families)}): for families nobody measured", anywhere)
     return Calibration(archs, source, fallback)
 
 

@@ -6,7 +6,9 @@ beats its launch), and a layer pass adds ``layer_s`` (host-side work per module:
 hooks, synchronisation). ``peak`` is the datasheet peak of the math mode actually used
 (``math_mode``): 16-bit tensor cores for bf16/fp16, TF32 tensor cores for fp32 on GPUs that
 have them when TF32 is allowed, CUDA-core fp32 otherwise; the memory-efficient attention
-kernel has its own (``ops.KernelUnit``). A GEMM's efficiency thus grows with its arithmetic
+kernel has its own (``ops.KernelUnit``). Each of the three units has its own efficiency: what a
+GPU reaches of its TF32 peak says little about its 16-bit peak (other tile shapes, other power
+draw), so fp32 measurements never set the efficiency bf16 plans are priced with. A GEMM's efficiency thus grows with its arithmetic
 intensity up to the ridge point (``bandwidth x mem_eff / (peak x eff)`` FLOP per byte), so
 skinny GEMMs and the ``s x s`` score GEMMs run far from peak and wide ones reach ``eff``.
 
@@ -31,8 +33,11 @@ from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
 from ethpipe.errors import UserError
 
-CALIBRATION_VERSION = 2  # 2: roofline kernels (max of compute, memory, launch) and a fallback family
-CONSTANT_NAMES = ("tensor_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
+CALIBRATION_VERSION = 3  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores
+CONSTANT_NAMES = ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
+UNITS = ("tensor", "tf32", "simd")  # math units, in the order of their efficiencies in CONSTANT_NAMES
+UNIT_LABELS = {"tensor": "16-bit tensor-core", "tf32": "TF32 tensor-core", "simd": "fp32 CUDA-core"}
+assert CONSTANT_NAMES[:len(UNITS)] == tuple(f"{u}_eff" for u in UNITS), "unit efficiencies lead, in UNITS order"
 TENSOR_ARCHS = ("volta", "turing", "ampere", "ada", "hopper", "cdna")
 
 
@@ -40,13 +45,27 @@ TENSOR_ARCHS = ("volta", "turing", "ampere", "ada", "hopper", "cdna")
 class ArchConstants:
     """What one GPU architecture family reaches of its datasheet numbers."""
 
-    tensor_eff: float  # fraction of the tensor-core peak (TF32 / bf16 / fp16) that large GEMMs reach
+    tensor_eff: float  # fraction of the 16-bit (bf16 / fp16) tensor-core peak that large GEMMs reach
+    tf32_eff: float  # fraction of the TF32 tensor-core peak that large fp32 GEMMs reach
     simd_eff: float  # fraction of the CUDA-core fp32 peak that large GEMMs reach
     mem_eff: float  # fraction of the datasheet memory bandwidth that streaming kernels reach
     launch_s: float  # per kernel (launch + tail)
     layer_s: float  # per layer pass (framework overhead)
     source: str = ""
     fitted: tuple[str, ...] = ()  # which constants came from measurements (the rest are defaults)
+
+    def over(self, base: ArchConstants) -> ArchConstants:
+        """These constants where ``fitted`` (measured), ``base``'s elsewhere."""
+        if set(CONSTANT_NAMES) <= set(self.fitted):
+            return self
+        values = {n: getattr(self if n in self.fitted else base, n) for n in CONSTANT_NAMES}
+        fitted = tuple(n for n in CONSTANT_NAMES if n in self.fitted or n in base.fitted)
+        source = self.source if base.source in self.source else f"{self.source}; the other constants: {base.source}"
+        return ArchConstants(**values, source=source, fitted=fitted)
+
+    def unit_effs(self) -> tuple[float, float, float]:
+        """The math units' efficiencies, indexed as ``UNITS``."""
+        return self.tensor_eff, self.tf32_eff, self.simd_eff
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -55,9 +74,10 @@ class ArchConstants:
 
 
 # Physical defaults (the fit's prior, and what a calibration without a fallback uses): cuBLAS-class
-# GEMMs reach ~70% of tensor peak and ~90% of CUDA-core fp32 peak; streaming kernels ~85% of the
-# datasheet bandwidth (STREAM-like); ~5 us per launch; ~50 us of host work per module.
-DEFAULT_CONSTANTS = ArchConstants(0.7, 0.9, 0.85, 5e-6, 50e-6, "defaults (no measurement)")
+# GEMMs reach ~70% of tensor peak (16-bit or TF32) and ~90% of CUDA-core fp32 peak; streaming kernels
+# ~85% of the datasheet bandwidth (STREAM-like); ~5 us per launch; ~50 us of host work per module.
+DEFAULT_CONSTANTS = ArchConstants(tensor_eff=0.7, tf32_eff=0.7, simd_eff=0.9, mem_eff=0.85, launch_s=5e-6,
+                                  layer_s=50e-6, source="defaults (no measurement)")
 
 
 @dataclass(frozen=True)
@@ -79,10 +99,15 @@ class Calibration:
         return self.fallback or DEFAULT_CONSTANTS, False
 
     def merged(self, other: Calibration) -> Calibration:
-        """``other``'s families win (a user's calibration over the shipped one); the base's fallback stays,
-        being fitted on more families than one user's GPUs."""
-        return Calibration({**self.architectures, **other.architectures}, other.source or self.source,
-                           self.fallback or other.fallback)
+        """``other``'s families win (a user's calibration over the shipped one), constant by constant: what
+        ``other``'s profiles inform replaces the base's, the rest stays the base's (bf16 profiles say nothing of
+        TF32, so they keep the family's fitted TF32 efficiency). The base's fallback stays, being fitted on more
+        families than one user's GPUs."""
+        archs = dict(self.architectures)
+        for name, theirs in other.architectures.items():
+            ours = archs.get(name)
+            archs[name] = theirs.over(ours) if ours is not None and ours.fitted else theirs
+        return Calibration(archs, other.source or self.source, self.fallback or other.fallback)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": CALIBRATION_VERSION, "source": self.source,
@@ -98,7 +123,7 @@ def _constants_from_dict(raw: Any, where: str, name: str) -> ArchConstants:
         fitted = tuple(str(x) for x in raw.get("fitted", CONSTANT_NAMES))
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{where} field '{name}' is missing or has a malformed {err}") from None
-    if min(values["tensor_eff"], values["simd_eff"], values["mem_eff"]) <= 0:
+    if min(values[k] for k in CONSTANT_NAMES if k.endswith("_eff")) <= 0:
         raise UserError(f"{where} field '{name}': efficiencies must be positive")
     return ArchConstants(**values, source=str(raw.get("source", "")), fitted=fitted)
 
@@ -144,11 +169,11 @@ def load_calibration(path: str | Path | None) -> Calibration:
 
 
 def math_mode(gpu: GpuSpec, dtype: str, tf32: bool) -> tuple[str, float]:
-    """(unit, peak TFLOP/s) GEMMs run at: 'tensor' or 'simd' (CUDA cores)."""
+    """(unit, peak TFLOP/s) GEMMs run at: one of ``UNITS`` ('tensor' 16-bit, 'tf32', 'simd' CUDA cores)."""
     if dtype in ("bf16", "fp16"):
         return ("tensor" if gpu.arch in TENSOR_ARCHS else "simd"), gpu.peak_tflops
     if tf32 and gpu.tf32_tflops > 0:
-        return "tensor", gpu.tf32_tflops
+        return "tf32", gpu.tf32_tflops
     return "simd", gpu.peak_fp32_tflops or gpu.peak_tflops
 
 
@@ -163,7 +188,7 @@ KernelLines = tuple[tuple[int, float, float, float, float], ...]  # DeviceComput
 def pass_s(constants: ArchConstants, terms: Iterable[tuple[int, float, float]]) -> float:
     """One layer pass: each kernel's ``max(compute_s / eff[unit], memory_s / mem_eff, launch_s)`` over its
     (unit, compute_s at 100% of peak, memory_s at 100% of bandwidth) terms, plus ``layer_s``."""
-    effs = (constants.tensor_eff, constants.simd_eff)
+    effs = constants.unit_effs()
     return sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, constants.launch_s)
                for unit, compute_s, memory_s in terms) + constants.layer_s
 
@@ -189,14 +214,14 @@ class DeviceCompute:
         return cls(gpu, constants, calibrated, unit, peak, dtype)
 
     def _unit_of(self, kernel: Kernel) -> tuple[int, float, float]:
-        """(unit index: 0 tensor / 1 CUDA cores, peak TFLOP/s, FLOPs executed) of a kernel's matrix work."""
+        """(index in ``UNITS``, peak TFLOP/s, FLOPs executed) of a kernel's matrix work."""
         unit, peak, flops = self.unit, self.peak_tflops, kernel.flops
         if kernel.unit == "fmha" and self.dtype == "fp32":
             if self.gpu.tf32_tflops > 0:
-                unit, peak, flops = "tensor", self.gpu.tf32_tflops, TF32X3_PASSES * kernel.flops
+                unit, peak, flops = "tf32", self.gpu.tf32_tflops, TF32X3_PASSES * kernel.flops
             else:
                 unit, peak = "simd", self.gpu.peak_fp32_tflops or self.gpu.peak_tflops
-        return (0 if unit == "tensor" else 1), peak, flops
+        return UNITS.index(unit), peak, flops
 
     def kernel_terms(self, kernels: Iterable[Kernel]) -> list[tuple[int, float, float]]:
         """Per kernel: (unit index, compute seconds at 100% of peak, memory seconds at 100% of bandwidth).
@@ -231,7 +256,7 @@ class DeviceCompute:
         binds. Pass times are convex in the micro-batch (rooflines over a floor), so no micro-batch runs a
         sample faster: ``lines_s(b) / b >= per_sample_s`` for every b."""
         c = self.constants
-        effs = (c.tensor_eff, c.simd_eff)
+        effs = c.unit_effs()
         return sum(max(dc / effs[u], dm / c.mem_eff) for u, _, dc, _, dm in lines)
 
     def describe(self) -> str:
@@ -241,4 +266,9 @@ class DeviceCompute:
             state = "uncalibrated family (datasheet peaks x the efficiencies fitted across measured GPUs)"
         else:
             state = "uncalibrated (datasheet, default efficiencies)"
-        return f"{self.gpu.id} {state}: {self.unit} {self.peak_tflops:g} TFLOP/s, {self.gpu.memory_bandwidth_gbps:g} GB/s"
+        out = f"{self.gpu.id} {state}: {self.unit} {self.peak_tflops:g} TFLOP/s, {self.gpu.memory_bandwidth_gbps:g} GB/s"
+        unit_index = UNITS.index(self.unit)
+        if self.constants.fitted and CONSTANT_NAMES[unit_index] not in self.constants.fitted:
+            out += (f" (no {UNIT_LABELS[self.unit]} GEMM measured: {self.constants.unit_effs()[unit_index]:.0%} of "
+                    "that peak assumed)")
+        return out
