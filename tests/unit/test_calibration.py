@@ -350,6 +350,7 @@ def test_calibrate_cli_end_to_end_on_sailor_profiles(tmp_path: Path) -> None:
     out = tmp_path / "my_gpus.yaml"
     res = CliRunner().invoke(app, ["calibrate", *paths, *gpus, "--out", str(out)])
     assert res.exit_code == 0, res.output
+    assert "not informed by these profiles" in res.output  # fp32 profiles: the 16-bit efficiency is the centre's
     cluster = tmp_path / "c.yaml"
     cluster.write_text("nodes:\n  - {gpu: gh200_96gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n"
                        "  - {gpu: v100_16gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n")

@@ -32,7 +32,7 @@ def calibrate(
 
     from ethpipe.catalog import get_gpu
     from ethpipe.cost.calibrate import fit, observations, relative_errors
-    from ethpipe.cost.hardware import DEFAULT_CONSTANTS, load_calibration
+    from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, load_calibration
     from ethpipe.cost.profile import load_profile
     from ethpipe.plan import write_text_atomic
 
@@ -53,7 +53,12 @@ def calibrate(
         table.add_column(col, justify="left" if col in ("architecture", "fitted") else "right")
     for arch, c in fitted.architectures.items():
         errs = sorted(abs(e) for e in relative_errors([o for o in obs if o.arch == arch], fitted))
-        table.add_row(arch, *(f"{e:.3f}" for e in c.unit_effs()), f"{c.mem_eff:.3f}", f"{c.launch_s * 1e6:.1f}",
-                      f"{c.layer_s * 1e6:.0f}", ",".join(c.fitted), f"{100 * errs[len(errs) // 2]:.1f}%")
+        values = [*(f"{e:.3f}" for e in c.unit_effs()), f"{c.mem_eff:.3f}", f"{c.launch_s * 1e6:.1f}",
+                  f"{c.layer_s * 1e6:.0f}"]
+        # A constant these profiles do not inform is the centre's: shown dim, and the shipped family's wins.
+        values = [v if name in c.fitted else f"[dim]{v}[/dim]" for name, v in zip(CONSTANT_NAMES, values)]
+        table.add_row(arch, *values, ",".join(c.fitted), f"{100 * errs[len(errs) // 2]:.1f}%")
     console.print(table)
+    console.print("dim: not informed by these profiles (the fit's centre; over the shipped constants, the shipped "
+                  "family's value is used)")
     console.print(f"constants written to {out}")

@@ -130,8 +130,11 @@ def _constants_from_dict(raw: Any, where: str, name: str) -> ArchConstants:
 
 def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
     if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
+        found = data.get("version") if isinstance(data, dict) else None
+        fix = ("re-make the plan with this ethpipe" if where.startswith("plan") else
+               "re-run `ethpipe calibrate` on the profiles it was fitted to")
         raise UserError(f"{where} field 'version' must be {CALIBRATION_VERSION} (the current compute model's "
-                        "constants): re-run `ethpipe calibrate`, or re-make the plan")
+                        f"constants), not {found}: {fix}")
     archs = {str(name): _constants_from_dict(raw, where, f"architectures.{name}")
              for name, raw in (data.get("architectures") or {}).items()}
     fallback = _constants_from_dict(data["fallback"], where, "fallback") if data.get("fallback") else None
