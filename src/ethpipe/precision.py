@@ -3,7 +3,8 @@
 V100, T4 and P100 have no bf16, so a plan or a run in bf16 on them is refused with one line naming
 the fix: fp16 (autocast with dynamic loss scaling) or fp32. The planner's ``auto`` picks bf16
 where every device has it, else fp16: the 16-bit precision those devices have (their catalog peak),
-with the same 2-byte elements as bf16. Inline (pseudo-)devices have bf16 unless their spec says
+with the same 2-byte elements as bf16 (``make_plan`` keeps bf16 when the plan leaves every device
+without it idle). Inline (pseudo-)devices have bf16 unless their spec says
 ``bf16_supported: false``: the CPU runtime autocasts to bf16.
 """
 

@@ -49,6 +49,31 @@ def test_auto_dtype_is_bf16_where_every_device_has_it_else_fp16(tmp_path: Path) 
         make_plan(t4, tiny, 16, 64, max_tp=1, dtype="bf16")
 
 
+def test_auto_dtype_is_bf16_when_the_plan_idles_every_device_without_it() -> None:
+    """auto is judged on the devices the plan runs on: a plan that leaves the T4s idle trains in bf16, priced
+    exactly as the fp16 plan of the same layout (same 16-bit peak, same 2-byte elements)."""
+    import dataclasses
+
+    from ethpipe.cost.model import CostModel
+    from ethpipe.planner import estimate_iteration_s
+
+    cluster = cluster_from_dict({"nodes": [{"gpu": "a100_40gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400},
+                                           {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400}]})
+    spec = load_model_spec("gpt3-1.3b")
+    plan = make_plan(cluster, spec, 8, 2048)
+    assert {s.device for p in plan.pipelines for s in p.stages} == {"a100_40gb_sxm"} and plan.idle_devices
+    assert plan.extra["dtype"] == "bf16"
+    check_train_dtype(plan, "bf16")
+    as_fp16 = dataclasses.replace(plan, extra={**plan.extra, "dtype": "fp16"})
+    assert estimate_iteration_s(plan, CostModel.for_plan(plan)) == pytest.approx(
+        estimate_iteration_s(as_fp16, CostModel.for_plan(as_fp16)), rel=1e-12) == pytest.approx(
+        plan.predicted["iteration_time_s"], rel=1e-9)
+    # Explicit choices stand, and a plan that runs on a T4 stays fp16.
+    assert make_plan(cluster, spec, 8, 2048, dtype="fp16").extra["dtype"] == "fp16"
+    every = make_plan(cluster, spec, 8, 2048, options=PlannerOptions(allow_idle=False))
+    assert "t4" in {s.device for p in every.pipelines for s in p.stages} and every.extra["dtype"] == "fp16"
+
+
 def test_inline_devices_have_bf16_unless_their_spec_says_not() -> None:
     tiny = load_model_spec("tiny")
     demo = make_plan(load_cluster(DEMO), tiny, 24, 64, max_tp=1, dtype="bf16")  # the CPU runtime autocasts to bf16

@@ -20,7 +20,7 @@ SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
 TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree (1 = what the runtime runs).")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: auto (bf16 where "
-                                                   "every device has it, else fp16) | bf16 | fp16 | fp32 "
+                                                   "every device the plan runs on has it, else fp16) | bf16 | fp16 | fp32 "
                                                    "(match `ethpipe train --dtype`).")]
 ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Measured profile (repeatable).")]
 ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]

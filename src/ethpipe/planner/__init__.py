@@ -7,6 +7,7 @@ import math
 
 from collections.abc import Mapping
 
+from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.cost.hardware import Calibration, shipped_calibration
@@ -16,7 +17,7 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.precision import plan_dtype
+from ethpipe.precision import AUTO, plan_dtype, without_bf16
 
 METHODS = ("eth", "uniform", "layer-balanced")
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -33,7 +34,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     returned, and the plan's ``search`` record says it timed out). ``options`` are ETH's
     ablation knobs (``PlannerOptions``); the baselines ignore them. ``dtype`` is the training
     precision the runtime will use (activation and gradient bytes); ``auto`` is bf16 where every
-    device has it, else fp16, and bf16 on a device without it is refused (``ethpipe.precision``).
+    device the plan runs on has it (devices it leaves idle do not count), else fp16, and bf16 on a device
+    without it is refused (``ethpipe.precision``).
     It is recorded in the plan (``extra["dtype"]``) so the simulator prices the plan the same way.
     ``attention`` (recorded as ``extra["attention"]``): ``auto`` prices the fused kernels PyTorch SDPA
     runs (ethpipe's runtime), ``materialised`` the unfused s x s path of a Megatron-style runtime
@@ -54,7 +56,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"--max-tp must be >= 1, got {max_tp}")
     if robust and method != "eth":
         raise UserError(f"--robust applies to --method eth only, not '{method}': drop --robust or use eth")
-    dtype = plan_dtype(dtype, cluster)
+    requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration, attention_mode=attention)
     if method == "eth":
@@ -83,8 +85,17 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
+    if requested_dtype == AUTO and dtype == "fp16" and without_bf16(plan_device_gpus(plan, cost)) is None:
+        # Every device without bf16 is idle: the plan trains in bf16 (no loss scaling), priced exactly as fp16
+        # (same 16-bit peak, same 2-byte elements).
+        dtype = "bf16"
     return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "tf32": tf32, "attention": attention,
                                             "compute_model": compute_model_record(cost)})
+
+
+def plan_device_gpus(plan: Plan, cost: CostModel) -> list[GpuSpec]:
+    """The GPU specs of the device types the plan's stages run on (idle types left out)."""
+    return [cost.gpu(t) for t in dict.fromkeys(s.device for p in plan.pipelines for s in p.stages)]
 
 
 def compute_model_record(cost: CostModel) -> dict:
