@@ -72,6 +72,16 @@ def test_auto_dtype_is_bf16_when_the_plan_idles_every_device_without_it() -> Non
     assert make_plan(cluster, spec, 8, 2048, dtype="fp16").extra["dtype"] == "fp16"
     every = make_plan(cluster, spec, 8, 2048, options=PlannerOptions(allow_idle=False))
     assert "t4" in {s.device for p in every.pipelines for s in p.stages} and every.extra["dtype"] == "fp16"
+    # A re-plan judges auto again on its own devices: bf16 while the T4s stay idle, fp16 (said) once one runs.
+    from ethpipe.cli.replan_cmds import describe_changes
+
+    assert replan(plan, cluster).extra["dtype"] == "bf16"
+    forced = replan(plan, cluster, allow_idle=False)
+    assert forced.extra["dtype"] == "fp16"
+    assert any(line.startswith("dtype bf16 -> fp16") for line in describe_changes(plan, forced))
+    explicit = make_plan(A100, spec, 8, 2048, dtype="bf16")  # asked for: kept, and refused where it cannot run
+    with pytest.raises(UserError, match="the plan's dtype bf16 on the new cluster: device type 't4'"):
+        replan(explicit, cluster)
 
 
 def test_inline_devices_have_bf16_unless_their_spec_says_not() -> None:

@@ -219,8 +219,12 @@ def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: P
     for family in two["architectures"].values():
         del family["tf32_eff"]
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
-    with pytest.raises(UserError, match="field 'version' must be 3 .*re-run `ethpipe calibrate`"):
+    with pytest.raises(UserError, match="field 'version' must be 3 .*not 2: re-run `ethpipe calibrate`"):
         load_calibration(tmp_path / "two.yaml")
+    del two["version"]
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump(two))
+    with pytest.raises(UserError, match="field 'version' must be 3 .*and is missing: re-run"):
+        load_calibration(tmp_path / "none.yaml")
 
 
 def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
@@ -350,7 +354,7 @@ def test_calibrate_cli_end_to_end_on_sailor_profiles(tmp_path: Path) -> None:
     out = tmp_path / "my_gpus.yaml"
     res = CliRunner().invoke(app, ["calibrate", *paths, *gpus, "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert "not informed by these profiles" in res.output  # fp32 profiles: the 16-bit efficiency is the centre's
+    assert "are not informed by these profiles" in res.output  # fp32 profiles say nothing of 16-bit GEMMs
     cluster = tmp_path / "c.yaml"
     cluster.write_text("nodes:\n  - {gpu: gh200_96gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n"
                        "  - {gpu: v100_16gb, num_nodes: 1, gpus_per_node: 4, nic_gbit_s: 100}\n")

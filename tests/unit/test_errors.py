@@ -79,6 +79,16 @@ def test_train_crash_and_train_bug_exit_1_naming_the_kept_file(tmp_path: Path,
     assert "KeyError: 'lost'" in report.read_text()
 
 
+@pytest.mark.parametrize("message", ["pip install 'ethpipe[hf]'", "emulation[0][key] must be [fwd_s, bwd_s]",
+                                     "cluster file 'a[/b].yaml' not found"])
+def test_error_lines_print_brackets_as_text(message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rich would read `[hf]` as markup and drop it (the hint then names the wrong package) or, for `[/b]`, crash."""
+    monkeypatch.setattr(planner, "make_plan", _raiser(UserError(message)))
+    res = CliRunner().invoke(app, PLAN_ARGS, env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    assert _lines(res.output) == [f"error: {message}"]
+
+
 def test_user_errors_lets_typer_control_flow_through() -> None:
     @user_errors
     def stop() -> None:

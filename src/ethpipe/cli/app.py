@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ethpipe.errors import UserError, write_crash_report
 
@@ -27,8 +28,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def print_error(message: str) -> None:
-    """The one error line every command prints on stderr."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """The one error line every command prints on stderr (the message verbatim: `ethpipe[hf]` or `[fwd_s, bwd_s]`
+    in it are text, not markup)."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def report_crash(err: BaseException) -> str:

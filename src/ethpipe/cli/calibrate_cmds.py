@@ -51,14 +51,16 @@ def calibrate(
     table = Table(title=f"fitted on {len(obs)} layer passes")
     for col in ("architecture", "16-bit eff", "tf32 eff", "simd eff", "mem eff", "launch us", "layer us", "fitted", "median err"):
         table.add_column(col, justify="left" if col in ("architecture", "fitted") else "right")
+    any_dim = False
     for arch, c in fitted.architectures.items():
         errs = sorted(abs(e) for e in relative_errors([o for o in obs if o.arch == arch], fitted))
         values = [*(f"{e:.3f}" for e in c.unit_effs()), f"{c.mem_eff:.3f}", f"{c.launch_s * 1e6:.1f}",
                   f"{c.layer_s * 1e6:.0f}"]
-        # A constant these profiles do not inform is the centre's: shown dim, and the shipped family's wins.
         values = [v if name in c.fitted else f"[dim]{v}[/dim]" for name, v in zip(CONSTANT_NAMES, values)]
+        any_dim |= len(c.fitted) < len(CONSTANT_NAMES)
         table.add_row(arch, *values, ",".join(c.fitted), f"{100 * errs[len(errs) // 2]:.1f}%")
     console.print(table)
-    console.print("dim: not informed by these profiles (the fit's centre; over the shipped constants, the shipped "
-                  "family's value is used)")
+    if any_dim:
+        console.print("constants not under 'fitted' (dim) are not informed by these profiles: plans use the shipped "
+                      "(or --catalog) family's value where it has one, else the fit's centre shown")
     console.print(f"constants written to {out}")

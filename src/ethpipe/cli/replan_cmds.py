@@ -21,7 +21,7 @@ from ethpipe.cost import hardware
 from ethpipe.cost.hardware import Calibration, shipped_calibration
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
-from ethpipe.precision import AUTO, plan_dtype
+from ethpipe.precision import AUTO, plan_dtype, without_bf16
 
 
 def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
@@ -33,8 +33,13 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
     from ethpipe.planner import METHODS, PlannerOptions, make_plan
 
     method = old.method if old.method in METHODS else "eth"
-    dtype = plan_dtype(str(old.extra.get("dtype", AUTO)), cluster, source="the plan's dtype bf16 on the new cluster",
-                       fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
+    dtype = str(old.extra.get("dtype", AUTO))
+    if dtype == "bf16" and old.extra.get("dtype_requested") == AUTO and old.cluster is not None and without_bf16(
+            d.gpu for d in cluster_from_dict(old.cluster).devices) is not None:
+        dtype = AUTO  # bf16 because its devices without bf16 were idle: judged again on the new plan's devices
+    else:
+        dtype = plan_dtype(dtype, cluster, source="the plan's dtype bf16 on the new cluster",
+                           fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
     new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
                     options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
                     calibration=recorded_calibration(old), attention=str(old.extra.get("attention", "auto")))
@@ -102,6 +107,9 @@ def describe_changes(old: Plan, new: Plan) -> list[str]:
     if new.idle_devices:
         lines.append(f"new plan leaves {len(new.idle_devices)} devices idle (no rank, start no process there): "
                      f"{new.idle_devices[0].reason}")
+    if old.extra.get("dtype") != new.extra.get("dtype"):
+        lines.append(f"dtype {old.extra.get('dtype')} -> {new.extra.get('dtype')} (auto: bf16 only where every device "
+                     f"with a rank has it): resume with `ethpipe train --dtype {new.extra.get('dtype')}`")
     old_t = (old.predicted or {}).get("iteration_time_s")
     new_t = (new.predicted or {}).get("iteration_time_s")
     if new_t is not None:

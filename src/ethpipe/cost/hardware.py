@@ -128,13 +128,16 @@ def _constants_from_dict(raw: Any, where: str, name: str) -> ArchConstants:
     return ArchConstants(**values, source=str(raw.get("source", "")), fitted=fitted)
 
 
-def calibration_from_dict(data: Any, where: str = "calibration") -> Calibration:
-    if not isinstance(data, dict) or data.get("version") != CALIBRATION_VERSION:
-        found = data.get("version") if isinstance(data, dict) else None
-        fix = ("re-make the plan with this ethpipe" if where.startswith("plan") else
-               "re-run `ethpipe calibrate` on the profiles it was fitted to")
+CALIBRATE_FIX = "re-run `ethpipe calibrate` on the profiles it was fitted to"
+
+
+def calibration_from_dict(data: Any, where: str = "calibration", fix: str = CALIBRATE_FIX) -> Calibration:
+    if not isinstance(data, dict):
+        raise UserError(f"{where} is not a mapping of calibration fields: {fix}")
+    if data.get("version") != CALIBRATION_VERSION:
+        found = f"not {data['version']!r}" if "version" in data else "and is missing"
         raise UserError(f"{where} field 'version' must be {CALIBRATION_VERSION} (the current compute model's "
-                        f"constants), not {found}: {fix}")
+                        f"constants), {found}: {fix}")
     archs = {str(name): _constants_from_dict(raw, where, f"architectures.{name}")
              for name, raw in (data.get("architectures") or {}).items()}
     fallback = _constants_from_dict(data["fallback"], where, "fallback") if data.get("fallback") else None
@@ -148,7 +151,7 @@ def recorded_calibration(data: Any, where: str) -> Calibration | None:
         return None
     if isinstance(data, dict) and isinstance(data.get("version"), int) and data["version"] < CALIBRATION_VERSION:
         return None
-    return calibration_from_dict(data, where)
+    return calibration_from_dict(data, where, fix="re-make the plan with this ethpipe")
 
 
 @lru_cache(maxsize=1)

@@ -7,7 +7,6 @@ import math
 
 from collections.abc import Mapping
 
-from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.cost.hardware import Calibration, shipped_calibration
@@ -85,17 +84,14 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
-    if requested_dtype == AUTO and dtype == "fp16" and without_bf16(plan_device_gpus(plan, cost)) is None:
+    used_gpus = [cost.gpu(t) for t in dict.fromkeys(s.device for p in plan.pipelines for s in p.stages)]
+    if requested_dtype == AUTO and dtype == "fp16" and without_bf16(used_gpus) is None:
         # Every device without bf16 is idle: the plan trains in bf16 (no loss scaling), priced exactly as fp16
         # (same 16-bit peak, same 2-byte elements).
         dtype = "bf16"
-    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "tf32": tf32, "attention": attention,
+    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "dtype_requested": requested_dtype,
+                                            "tf32": tf32, "attention": attention,
                                             "compute_model": compute_model_record(cost)})
-
-
-def plan_device_gpus(plan: Plan, cost: CostModel) -> list[GpuSpec]:
-    """The GPU specs of the device types the plan's stages run on (idle types left out)."""
-    return [cost.gpu(t) for t in dict.fromkeys(s.device for p in plan.pipelines for s in p.stages)]
 
 
 def compute_model_record(cost: CostModel) -> dict:
