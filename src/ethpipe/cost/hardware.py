@@ -8,9 +8,10 @@ hooks, synchronisation). ``peak`` is the datasheet peak of the math mode actuall
 have them when TF32 is allowed, CUDA-core fp32 otherwise; the memory-efficient attention
 kernel has its own (``ops.KernelUnit``). Each of the three units has its own efficiency: what a
 GPU reaches of its TF32 peak says little about its 16-bit peak (other tile shapes, other power
-draw), so fp32 measurements never set the efficiency bf16 plans are priced with. A GEMM's efficiency thus grows with its arithmetic
-intensity up to the ridge point (``bandwidth x mem_eff / (peak x eff)`` FLOP per byte), so
-skinny GEMMs and the ``s x s`` score GEMMs run far from peak and wide ones reach ``eff``.
+draw), so fp32 measurements never set the efficiency bf16 plans are priced with. A GEMM's
+efficiency grows with its arithmetic intensity up to the ridge point (``bandwidth x mem_eff /
+(peak x eff)`` FLOP per byte), so skinny GEMMs and the ``s x s`` score GEMMs run far from peak
+and wide ones reach ``eff``.
 
 The constants (``ArchConstants``) are per architecture family, fitted to measured profiles
 (``cost/calibrate.py``) and shipped in ``data/calibration.yaml`` with their sources; a family

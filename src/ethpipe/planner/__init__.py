@@ -16,7 +16,7 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
 from ethpipe.planner.options import PlannerOptions
-from ethpipe.precision import AUTO, plan_dtype, without_bf16
+from ethpipe.precision import AUTO, plan_dtype, plan_gpus, without_bf16
 
 METHODS = ("eth", "uniform", "layer-balanced")
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -84,8 +84,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
-    used_gpus = [cost.gpu(t) for t in dict.fromkeys(s.device for p in plan.pipelines for s in p.stages)]
-    if requested_dtype == AUTO and dtype == "fp16" and without_bf16(used_gpus) is None:
+    if requested_dtype == AUTO and dtype == "fp16" and without_bf16(plan_gpus(plan)) is None:
         # Every device without bf16 is idle: the plan trains in bf16 (no loss scaling), priced exactly as fp16
         # (same 16-bit peak, same 2-byte elements).
         dtype = "bf16"
