@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -58,31 +57,11 @@ class Row:
 
 
 def match_gpu(device_name: str) -> str | None:
-    """The catalog id of a CUDA device name ("NVIDIA H200" -> "h200_sxm"), None if nothing matches.
+    """The catalog id of a CUDA device name ("NVIDIA H200" -> "h200_sxm"), None if nothing matches
+    (``ethpipe.runtime.placement.identify_gpu``, the runtime's placement check's matching)."""
+    from ethpipe.runtime.placement import identify_gpu
 
-    Matches the model token (H200, A100, L4, ...) and, where the catalog has several, the memory
-    size and the form factor in the name (an id with ``sxm`` / ``pcie`` when the name says SXM / PCIe);
-    the SXM part wins over PCIe when the name does not say.
-    """
-    from ethpipe.catalog import gpu_catalog
-
-    name = device_name.upper()
-    token = next((t for t in re.findall(r"[A-Z]+\d+[A-Z]*", name) if t not in ("NVIDIA", "TESLA", "GEFORCE")), None)
-    if token is None:
-        return None
-    memory = re.search(r"(\d+)\s*GB", name)
-    candidates = [g for g in gpu_catalog().values() if re.search(rf"\b{token}\b", g.name.upper())]
-    if memory is not None:
-        sized = [g for g in candidates if f"{memory.group(1)}GB" in g.name.upper().replace(" ", "")]
-        candidates = sized or candidates
-    if not candidates:
-        return None
-    form = next((f for f in ("PCIE", "SXM") if f in name), None)  # "Tesla V100-SXM2-16GB": the SXM2 variant
-
-    def rank(g):  # type: ignore[no-untyped-def]
-        named_form = form is not None and form.lower() in g.id
-        return (not named_form, "PCIE" in g.name.upper() and form != "PCIE", len(g.id))
-    return sorted(candidates, key=rank)[0].id
+    return identify_gpu(device_name)
 
 
 def _spec(width: int, seq_len: int):  # type: ignore[no-untyped-def]

@@ -37,7 +37,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from ethpipe import demo
 from ethpipe.cli.demo_cmd import GLOBAL_BATCH, MODEL, PROFILE_SIZES, SEQ_LEN
+from ethpipe.comm.program import Peers
 from ethpipe.cost.model import CostModel
+from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
@@ -46,7 +48,7 @@ from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.launch import die_with_parent, run_local
 from ethpipe.runtime.model import build_stage
 from ethpipe.runtime.train import TrainConfig
-from ethpipe.schedule import max_in_flight, one_f_one_b
+from ethpipe.schedule import one_f_one_b
 from ethpipe.sim import simulate
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
@@ -101,14 +103,8 @@ class Setup:
 def memory_use(plan: Plan, cost: CostModel) -> float:
     """Worst stage's peak memory (1F1B in-flight activations) over its device's usable memory, as the
     planner checks it: the runtime on CPU does not enforce the emulated devices' memory."""
-    worst = 0.0
-    for pipe in plan.pipelines:
-        for s, stage in enumerate(pipe.stages):
-            in_flight = max_in_flight(one_f_one_b(pipe.depth, s, pipe.num_microbatches))
-            peak = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=s == 0,
-                                           last=s == pipe.depth - 1)
-            worst = max(worst, peak / cost.usable_memory_bytes(stage.device))
-    return worst
+    return max(stage_peak_bytes(plan, cost, p, s) / cost.usable_memory_bytes(stage.device)
+               for p, pipe in enumerate(plan.pipelines) for s, stage in enumerate(pipe.stages))
 
 
 def build(paced: bool) -> Setup:
@@ -174,7 +170,9 @@ def _pipeline_worker(rank: int, world: int, store: str, num_mb: int, iters: int,
     mb = 2
     tokens = torch.randint(0, spec.vocab_size, (num_mb * mb, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    io = StageIO(group, rank - 1 if not first else None, rank + 1 if not last else None, spec.hidden_size, SEQ_LEN)
+    io = StageIO(group, Peers(rank - 1 if not first else None, () if last else (rank + 1,),
+                              rank + 1 if not last else None, () if first else (rank - 1,)),
+                 first, last, spec.hidden_size, SEQ_LEN)
     actions = one_f_one_b(world, rank, num_mb)
 
     def ours() -> None:

@@ -7,6 +7,7 @@ are a property of the GPU generation, not of a cluster; a cluster spec may overr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -49,6 +50,7 @@ class GpuSpec:
     architecture: str = ""  # the catalog's architecture text, e.g. "Ampere (GA100)"; "" for inline GPUs
     peak_fp32_tflops: float = 0.0  # CUDA-core fp32 peak (0 = unknown)
     tf32_tflops: float = 0.0  # dense TF32 tensor-core peak (0 = the chip has none)
+    vendor: str = ""  # the catalog's vendor ("NVIDIA", "AMD", ...); "" for inline GPUs
 
     @property
     def arch(self) -> str:
@@ -126,6 +128,7 @@ def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuS
         architecture=str(entry.get("architecture", "")),
         peak_fp32_tflops=float(_scalar(entry.get("peak_fp32_tflops"), variant) or 0.0),
         tf32_tflops=float(_scalar(entry.get("tf32_dense_tflops"), variant) or 0.0),
+        vendor=str(entry.get("vendor", "")),
     )
 
 
@@ -136,6 +139,35 @@ def gpu_catalog() -> dict[str, GpuSpec]:
     entries = yaml.safe_load(text)["gpus"]
     specs = (_from_entry(e, gid, var) for e in entries for gid, var in _expand_variants(e))
     return {s.id: s for s in specs if s is not None}
+
+
+# The collective library each vendor's devices train with under torch.distributed. One training world needs
+# one: NCCL and RCCL do not talk to each other, and TPUs / Ascend NPUs have no NCCL backend at all.
+_COLLECTIVES_BY_VENDOR = {"nvidia": "NCCL", "amd": "RCCL", "google": "XLA", "huawei": "HCCL"}
+_RUNTIME_COLLECTIVES = ("NCCL", "RCCL")  # what ethpipe's runtime trains with (torch's "nccl" backend)
+
+
+def collective_library(gpu: GpuSpec) -> str | None:
+    """'NCCL' for an NVIDIA GPU, 'RCCL' for AMD, ...; None for an inline GPU (any: the CPU demo's devices)."""
+    return _COLLECTIVES_BY_VENDOR.get(gpu.vendor.lower()) if gpu.vendor else None
+
+
+def check_one_world(gpus: Iterable[GpuSpec], source: str = "the cluster") -> None:
+    """Refuse devices that cannot train in one torch.distributed world: two collective libraries, or one
+    ethpipe's runtime does not run on (TPU, Ascend)."""
+    by_library: dict[str, GpuSpec] = {}
+    for gpu in gpus:
+        library = collective_library(gpu)
+        if library is None:
+            continue
+        if library not in _RUNTIME_COLLECTIVES:
+            raise UserError(f"{source} has device type '{gpu.id}' ({gpu.vendor}), which trains with {library}, not "
+                            "NCCL: ethpipe trains on NVIDIA (NCCL) or AMD (RCCL) GPUs; leave those nodes out")
+        by_library.setdefault(library, gpu)
+    if len(by_library) > 1:
+        (lib_a, a), (lib_b, b) = list(by_library.items())[:2]
+        raise UserError(f"{source} mixes {a.vendor} '{a.id}' ({lib_a}) and {b.vendor} '{b.id}' ({lib_b}): one "
+                        "training world needs one collective library; plan each vendor's nodes as their own cluster")
 
 
 def get_gpu(gpu_id: str) -> GpuSpec:

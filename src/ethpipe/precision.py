@@ -11,12 +11,15 @@ without it idle). Inline (pseudo-)devices have bf16 unless their spec says
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 from ethpipe.catalog import GpuSpec, gpu_catalog
 from ethpipe.cluster import Cluster, cluster_from_dict
-from ethpipe.cost.model import dtype_bytes
+from ethpipe.cost.model import DTYPE_BYTES, CostModel, dtype_bytes
+from ethpipe.cost.plan_memory import memory_shortfalls
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
+from ethpipe.units import format_bytes
 
 AUTO = "auto"
 
@@ -66,3 +69,30 @@ def check_train_dtype(plan: Plan, dtype: str) -> None:
     if plan.extra.get("dtype") == "bf16":
         raise UserError(f"plan field 'dtype' is bf16 but {_named(lacking)} has no bf16: re-make the plan with "
                         "`ethpipe plan --dtype fp16` (or fp32)")
+
+
+def train_dtype(plan: Plan, requested: str | None) -> str:
+    """The precision a run trains in: ``--dtype`` if given, else the plan's (what its memory was checked
+    for), else fp32 (a hand-written plan that records none)."""
+    return requested or str(plan.extra.get("dtype") or "fp32")
+
+
+def check_dtype_fits(plan: Plan, dtype: str) -> None:
+    """A run in another precision than the plan's: re-check every stage's memory at that precision.
+
+    Only plans that record their precision and cluster can be checked; fp64 (the exactness mode on CPU)
+    has no catalog pricing and is not checked.
+    """
+    planned = plan.extra.get("dtype")
+    if planned is None or dtype == planned or dtype not in DTYPE_BYTES or plan.cluster is None:
+        return
+    cost = CostModel.for_plan(replace(plan, extra={**plan.extra, "dtype": dtype}))
+    short = memory_shortfalls(plan, cost)
+    if short:
+        s = short[0]
+        over = s.need_bytes - s.usable_bytes
+        raise UserError(
+            f"--dtype {dtype}: stage {s.stage} of pipeline {s.pipeline} on {s.device} would need "
+            f"{format_bytes(s.need_bytes)}, {format_bytes(over)} ({over} bytes) more than its "
+            f"{format_bytes(s.usable_bytes)} usable (the plan was made for {planned}): re-plan with "
+            f"`ethpipe plan --dtype {dtype}`, or train in {planned} (drop --dtype)")

@@ -48,6 +48,7 @@ def test_cli_train_spawns_locally_and_writes_outputs(files: dict[str, Path]) -> 
            "--steps", "2", "--metrics", str(d / "m.jsonl"), "--save-final", str(d / "w.safetensors"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
+    assert "ethpipe train: 2 ranks on cpu, 1 pipelines, fp32 (the plan records none), 2 steps" in proc.stdout
     lines = [json.loads(x) for x in (d / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1]
     assert {"loss", "tokens_per_s", "iteration_time_s", "pipeline_compute_s", "pipeline_idle_s",
@@ -119,12 +120,15 @@ def test_crash_on_one_rank_ends_every_rank_and_keeps_its_traceback(files: dict[s
     assert "Traceback" in kept and "in failing_build" in kept and "RuntimeError: injected failure" in kept
 
 
-def test_torchrun_launch_bf16(files: dict[str, Path]) -> None:
+def test_torchrun_launch_trains_in_the_plans_bf16(files: dict[str, Path]) -> None:
+    """A plan made for bf16 trains in bf16 without --dtype (and says so once, from rank 0)."""
     d = files["dir"]
+    make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1))], extra={"dtype": "bf16"}).save(d / "bf16.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "ethpipe", "train",
-           "--plan", str(files["plan"]), "--data", str(files["data"]), "--steps", "2", "--dtype", "bf16",
+           "--plan", str(d / "bf16.json"), "--data", str(files["data"]), "--steps", "2",
            "--recompute", "--metrics", str(d / "m.jsonl"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ethpipe train: 2 ranks on cpu, 1 pipelines, bf16 (the plan's), 2 steps") == 1, proc.stdout
     losses = [json.loads(x)["loss"] for x in (d / "m.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 0.5

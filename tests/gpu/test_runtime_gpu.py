@@ -115,3 +115,60 @@ def test_gpu_attention_backend_keeps_what_the_plan_budgeted(attention: str) -> N
         out.sum().backward()
     finally:
         set_sdpa_backends(True)
+
+
+def test_gpu_default_launch_spawns_and_checks_the_real_device(tmp_path: Path) -> None:
+    """run_local without a start method spawns (CUDA cannot be forked); the placement check reads this GPU's
+    name and memory: a plan made for its catalog type runs, one made for another type is refused in one line."""
+    from ethpipe.errors import UserError
+    from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+    from ethpipe.runtime.launch import default_start_method, run_local, uses_accelerator
+    from ethpipe.runtime.placement import DeviceInfo, check_placement, identify_gpu, local_device_info
+    from ethpipe.runtime.train import TrainConfig
+
+    info = local_device_info(torch.device("cuda", 0))
+    gpu_id = identify_gpu(info.name, info.total_memory_bytes)
+    assert gpu_id is not None, f"this GPU ({info.name}) has no catalog id"
+    config = TrainConfig(data=_tokens(tmp_path / "t.bin"), steps=1, progress=False, timeout_s=120)
+    assert uses_accelerator(config) and default_start_method(True) == "spawn"
+
+    def plan_for(device: str) -> Plan:
+        pipes = (Pipeline((Stage((0,), device, (0, 4)),), (2, 2)),)
+        return Plan("custom", "g", 4, 32, pipes, compute_blocks(pipes), model_spec=_spec())
+
+    records = run_local(plan_for(gpu_id), config)
+    assert len(records) == 1 and np.isfinite(records[0]["loss"])
+    other = "l4" if gpu_id != "l4" else "h100_sxm"
+    with pytest.raises(UserError, match=f"rank 0 on host .* runs on {info.name}.*{other}"):
+        check_placement(plan_for(other), [info])
+    check_placement(plan_for(gpu_id), [DeviceInfo(info.host, "cuda", info.name, info.total_memory_bytes)])
+
+
+def test_gpu_two_stage_pipeline_with_32_mib_messages_and_a_several_gb_final_save(tmp_path: Path) -> None:
+    """Two GPUs: a 1.5B-parameter model in two stages, 32 MiB activations (fp32, 2048 x 4096) and 4
+    micro-batches: NCCL's unbuffered sends would hang the old executor order here. The final save (5.9 GB)
+    moves one tensor at a time over the host."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from safetensors import safe_open
+
+    from ethpipe.model_spec import ModelSpec
+    from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+    from ethpipe.runtime.launch import run_local
+    from ethpipe.runtime.train import TrainConfig
+
+    spec = ModelSpec(name="big", num_layers=6, hidden_size=4096, num_heads=32, num_kv_heads=32,
+                     ffn_hidden_size=11008, vocab_size=32000, max_seq_len=2048)
+    pipes = (Pipeline((Stage((0,), "gpu", (0, 3)), Stage((1,), "gpu", (3, 6))), (1, 1, 1, 1)),)
+    plan = Plan("custom", "big", 4, 2048, pipes, compute_blocks(pipes), model_spec=spec)
+    data = tmp_path / "t.bin"
+    from ethpipe.runtime.data import prepare_tokens
+
+    prepare_tokens(["pipeline " * 20000], data)
+    out = tmp_path / "w.safetensors"
+    config = TrainConfig(data=str(data), steps=2, lr=1e-4, progress=False, timeout_s=300, save_final=str(out))
+    records = run_local(plan, config)
+    assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+    assert out.stat().st_size > 5e9
+    with safe_open(str(out), framework="pt") as f:
+        assert "layers.5.mlp.w2.weight" in f.keys() and "tok_emb.weight" in f.keys()

@@ -27,9 +27,12 @@ def train(
     clip_grad: float = typer.Option(0.0, "--clip-grad", help="Max global gradient norm; 0 disables clipping."),
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of --shuffle."),
     shuffle: bool = typer.Option(False, "--shuffle", help="Visit samples in a seeded random permutation."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32; bf16 or fp16 (autocast over fp32 weights and "
-                              "optimizer; fp16 with dynamic loss scaling); or fp64 (weights, activations and "
-                              "optimizer in float64: verifies exactness, ~2x slower)."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="Default: the plan's precision (what its memory was checked for; fp32 if it records "
+                              "none). fp32; bf16 or fp16 (autocast over fp32 weights and optimizer; fp16 with "
+                              "dynamic loss scaling); or fp64 (weights, activations and optimizer in float64: "
+                              "verifies exactness, ~2x slower). Another precision than the plan's is re-checked "
+                              "for memory."),
     recompute: bool = typer.Option(False, "--recompute", help="Recompute activations in backward (all stages)."),
     metrics: Optional[Path] = typer.Option(None, "--metrics", help="Write one JSON line per step here."),
     init_from: Optional[Path] = typer.Option(

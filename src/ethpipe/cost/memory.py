@@ -19,6 +19,11 @@ USABLE_MEMORY_FRACTION = 0.9
 ADAM_STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v (mixed precision)
 FP32_ADAM_STATE_BYTES_PER_PARAM = 8  # m + v (fp32 training: the weights are the master copy)
 LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
+# Boundary tensors a stage with a neighbour holds besides its stashed inputs (runtime/executor.py): while
+# one p2p batch is in flight, the payload it sends and the buffer it receives into (during a backward:
+# the output gradient received and the input gradient it produces). Every send is waited before the
+# next action and then dropped, and no forward output is kept for the backward.
+P2P_BUFFERS = 2
 
 
 def state_bytes_per_param(dtype_bytes: int) -> int:
@@ -32,6 +37,11 @@ def block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp:
     replicated = 4 * model.hidden_size
     split = 2 * model.q_dim + 2 * model.kv_dim + f_mult * model.ffn_hidden_size
     return seq_len * dtype_bytes * (replicated + split / tp)
+
+
+def boundary_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
+    """One sample's activation (or its gradient) crossing a stage boundary: s x h elements."""
+    return seq_len * dtype_bytes * model.hidden_size
 
 
 def block_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:

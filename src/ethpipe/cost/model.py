@@ -25,7 +25,7 @@ from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
-from ethpipe.plan import Block, Plan, Stage
+from ethpipe.plan import Plan, Stage
 
 # Launch/synchronisation overhead of one layer's kernels per pass: keeps tiny micro-batches
 # from looking free. Negligible for real model sizes (a 7B block at b=1, s=4096 takes ~10 ms).

@@ -75,6 +75,8 @@ class MemoryPricing:
         fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
         fixed += full if recompute else 0.0
         fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
+        if not (first and last):  # the payload in flight and the receive buffer (memory.P2P_BUFFERS)
+            fixed += memory.P2P_BUFFERS * memory.boundary_bytes(m, s, d) * micro_batch
         return fixed, per_layer
 
     def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:

@@ -7,6 +7,7 @@ import math
 
 from collections.abc import Mapping
 
+from ethpipe.catalog import check_one_world
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.cost.hardware import Calibration, shipped_calibration
@@ -55,6 +56,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"--max-tp must be >= 1, got {max_tp}")
     if robust and method != "eth":
         raise UserError(f"--robust applies to --method eth only, not '{method}': drop --robust or use eth")
+    check_one_world((d.gpu for d in cluster.devices))
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration, attention_mode=attention)

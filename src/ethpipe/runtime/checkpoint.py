@@ -19,6 +19,7 @@ from torch import nn
 from ethpipe.atomic import atomic_path
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
+from ethpipe.plan import Plan
 from ethpipe.runtime.model import state_dict_shapes
 from ethpipe.runtime.tensor_parallel import gather_full, local_slice
 
@@ -97,22 +98,39 @@ def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
             torch.save(tensors, tmp)
 
 
-def gather_consolidated(module: nn.Module, in_pipeline_zero: bool, dst: int = 0,
-                        skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor] | None:
-    """Collect every parameter once (from pipeline 0's stages) on rank ``dst``; None elsewhere.
-    ``skip``: names this stage leaves to another (a tied last stage's copy of ``tok_emb.weight``).
-    A tensor-parallel stage gathers its slices into global tensors; its first TP rank sends them."""
+def owner_stage(plan: Plan, name: str) -> int:
+    """The stage of pipeline 0 that holds global parameter ``name`` (a tied matrix: the first stage's copy)."""
+    stages = plan.pipelines[0].stages
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return next(i for i, s in enumerate(stages) if s.layers[0] <= layer < s.layers[1])
+    return 0 if name.startswith(("tok_emb.", "pos_emb.")) else len(stages) - 1
+
+
+def gather_consolidated(module: nn.Module, plan: Plan, rank: int, spec: ModelSpec,
+                        group: dist.ProcessGroup | None) -> dict[str, torch.Tensor] | None:
+    """Every tensor of the consolidated state dict on rank 0's host (None elsewhere), one tensor at a time.
+
+    Each comes from the pipeline-0 stage holding it (a tensor-parallel stage gathers its slices over its
+    TP group first, and its first TP rank sends) as a CPU tensor over ``group`` (gloo): no object
+    collective, no pickled state in GPU memory, and no rank holds more than one tensor in flight. Every
+    rank walks the names in the same order, so the sends pair with rank 0's receives one by one.
+    """
     tp = getattr(module, "tp", None)
-    local = ({k: gather_full(v.detach(), k, tp).to("cpu") for k, v in module.state_dict().items() if k not in skip}
-             if in_pipeline_zero else {})
-    if tp is not None and tp.rank != 0:
-        local = {}
-    rank = dist.get_rank()
-    gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if rank == dst else None
-    dist.gather_object(local, gathered, dst=dst)
-    if gathered is None:
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    local = module.state_dict()
+    dtype = next(module.parameters()).dtype
+    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
+    for name, shape in state_dict_shapes(spec).items():
+        stage = plan.pipelines[0].stages[owner_stage(plan, name)]
+        owner = stage.ranks[0]
+        if rank in stage.ranks:
+            full = gather_full(local[name].detach(), name, tp).to("cpu").contiguous()
+            if rank == owner and out is not None:
+                out[name] = full.clone()
+            elif rank == owner:
+                dist.send(full, dst=0, group=group)
+        elif out is not None:
+            buf = torch.empty(shape, dtype=dtype)
+            dist.recv(buf, src=owner, group=group)
+            out[name] = buf
+    return out

@@ -67,17 +67,18 @@ def _visible(directory: Path, names: Collection[str], wait_s: float) -> list[str
         time.sleep(0.1)
 
 
-def check_shared(root: Path, directory: Path, names: Collection[str] | None = None) -> list[str]:
+def check_shared(root: Path, directory: Path, names: Collection[str] | None = None,
+                 group: dist.ProcessGroup | None = None) -> list[str]:
     """Collective over the world: every rank sees ``names`` in ``directory`` (default: every file any
     rank lists there). Returns the names, sorted and the same on every rank; raises the same
     ``SharedFilesystemError`` on every rank otherwise (``root`` as rank 0 names it)."""
     world = dist.get_world_size()
     if names is None:
         listings: list[Any] = [None] * world
-        dist.all_gather_object(listings, _listing(directory))
+        dist.all_gather_object(listings, _listing(directory), group=group)
         names = set().union(*listings)
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, (str(root), _visible(directory, names, VISIBILITY_WAIT_S)))
+    dist.all_gather_object(parts, (str(root), _visible(directory, names, VISIBILITY_WAIT_S)), group=group)
     error = visibility_error(parts[0][0], [set(seen) for _, seen in parts])
     if error is not None:
         raise error

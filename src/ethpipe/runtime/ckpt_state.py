@@ -160,36 +160,39 @@ def _root_cause(err: BaseException, directory: Path) -> str:
 
 def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
                     spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device,
-                    extra: dict[str, Any] | None = None) -> Path:
-    """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint."""
+                    extra: dict[str, Any] | None = None, group: dist.ProcessGroup | None = None) -> Path:
+    """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint.
+    ``group``: a gloo group over the world for DCP's and this function's object collectives (None: the
+    default group), so on NCCL no pickle is staged in GPU memory."""
     root = Path(root)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial(root)  # leftovers of a killed save; nobody writes into them until the barrier
-    dist.barrier()
+    dist.barrier(group=group)
     tmp = root / tmp_dir_name(step)
     flat, _ = rank_state(module, optimizer)
     flat = _global_tensors(flat, getattr(module, "tp", None))
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
     try:  # DCP gathers every rank's write outcome, so all ranks fail together
-        dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()))  # after .metadata is written
+        dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()),  # after .metadata is written
+                 process_group=group)
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - (DCP's is a BaseException)
         cause = _root_cause(err, root)  # before freeing the partial save's space: it tells a full disk
-        dist.barrier()  # every rank has looked at the disk before rank 0 frees it
+        dist.barrier(group=group)  # every rank has looked at the disk before rank 0 frees it
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial save took
         raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({cause}); "
                                    "the previous checkpoint is intact: free space or fix the disk, then resume"
                                    ) from None
     try:  # node-local disks: every node holds a different part of the save
-        names = check_shared(root, tmp)
+        names = check_shared(root, tmp, group=group)
     except SharedFilesystemError:
         shutil.rmtree(tmp, ignore_errors=True)  # each rank's own view of the partial save
         raise
     mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in names[rank::world]}
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine)  # also the barrier: every rank's shards are on disk
+    dist.all_gather_object(parts, mine, group=group)  # also the barrier: every rank's shards are on disk
     if os.environ.get(FAIL_SAVE_ENV) == str(step):
         raise InjectedSaveFailure(f"{FAIL_SAVE_ENV}={step}: simulated crash after the shards, before the commit")
     outcome: list[Any] = [None]
@@ -200,21 +203,22 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
         except OSError as err:
             outcome[0] = CheckpointWriteError(f"could not commit checkpoint step {step} in '{root}' ({err}); the "
                                               "previous checkpoint is intact: free space or fix the disk, then resume")
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     if isinstance(outcome[0], CheckpointWriteError):
         raise outcome[0]
     return Path(outcome[0])
 
 
 def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> None:
-    """Collective over the world: verify the files (split over ranks), then load this stage's keys."""
+                    device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over the world: verify the files (split over ranks), then load this stage's keys
+    (``group`` as in ``save_checkpoint``)."""
     assert point.step_dir is not None and point.manifest is not None
     step_dir, manifest = point.step_dir, point.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_shared(step_dir.parent, step_dir, [*manifest.files, MANIFEST])
+    check_shared(step_dir.parent, step_dir, [*manifest.files, MANIFEST], group=group)
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, corrupt_files(step_dir, manifest, sorted(manifest.files)[rank::world]))
+    dist.all_gather_object(parts, corrupt_files(step_dir, manifest, sorted(manifest.files)[rank::world]), group=group)
     bad = sorted(name for part in parts for name in part)
     if bad:
         raise corrupt_error(step_dir, bad[0])  # every rank raises the same error
@@ -226,7 +230,7 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
             for k, v in local.items()}  # a TP rank reads the global tensor and keeps its slice
     rng = {kind: s.clone() for kind, s in _rng_states(device).items() if _rng_key(kind, rank) in saved}
     flat.update({_rng_key(kind, rank): s for kind, s in rng.items()})
-    dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)))
+    dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)), process_group=group)
     for key, value in local.items():
         if _sharded(key, tp):
             value.copy_(local_slice(flat[key], param_of_key(key), tp))

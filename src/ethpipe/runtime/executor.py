@@ -1,10 +1,13 @@
-"""Executes one stage's 1F1B action list (``ethpipe.schedule``) for one training step.
+"""Executes one stage's action list (``ethpipe.schedule``) for one training step.
 
-Communication is implied by the actions: ``F`` on a non-first stage receives its input
-(blocking recv), a non-last stage sends its output on (isend, waited at the end of the step);
-``B`` mirrors that with gradients. Micro-batches may have different sizes, so every buffer is
-shaped from the plan's micro-batch size, and any count (also fewer than stages) works.
-The last stage's loss is the SUM of token losses times ``loss_scale`` (1 / global batch tokens).
+Communication is ``ethpipe.comm.program.p2p_batches`` of the actions, posted by ``runtime.p2p``:
+before each action, one ``batch_isend_irecv`` carries the previous action's sends and this action's
+receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"). Liveness is bounded: a sent payload
+is dropped as soon as its batch is waited, and a forward's output is not kept for the backward (its
+autograd edge is: ``torch.autograd.graph.get_gradient_edge``), so besides the stashed stage inputs a
+stage holds at most one outgoing and one incoming boundary tensor. Micro-batches may have different
+sizes, so every buffer is shaped from the plan's micro-batch size, and any count (also fewer than
+stages) works. The last stage's loss is the SUM of token losses times ``loss_scale``.
 """
 
 from __future__ import annotations
@@ -17,35 +20,30 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from ethpipe.comm.program import P2pOp, Peers, p2p_batches
 from ethpipe.runtime.emulate import Emulator
+from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch
 from ethpipe.schedule import Action
+
 
 @dataclass(frozen=True)
 class StageIO:
-    """Where this stage's inputs come from and outputs go (global ranks in its pipeline group).
+    """This stage's place in its pipeline and where its boundary tensors go (``comm.program.plan_peers``).
 
     Activations cross stage boundaries in ``act_dtype``: the parameters' dtype (fp32 also under
     bf16 autocast, fp64 in the exactness mode), and the loss is summed in it too.
     """
 
     group: dist.ProcessGroup
-    prev_rank: int | None
-    next_rank: int | None
+    peers: Peers
+    first: bool
+    last: bool
     hidden_size: int
     seq_len: int
     act_dtype: torch.dtype = torch.float32
-    next_ranks: tuple[int, ...] | None = None  # where outputs go (None: (next_rank,)); under tp, several or none
-    prev_ranks: tuple[int, ...] | None = None  # where input gradients go (None: (prev_rank,))
     count_loss: bool = True  # False on all but the first rank of a TP group: the loss is replicated there
-
-    @property
-    def output_ranks(self) -> tuple[int, ...]:
-        return self.next_ranks if self.next_ranks is not None else tuple(r for r in (self.next_rank,) if r is not None)
-
-    @property
-    def input_grad_ranks(self) -> tuple[int, ...]:
-        return self.prev_ranks if self.prev_ranks is not None else tuple(r for r in (self.prev_rank,) if r is not None)
 
 
 @dataclass
@@ -68,6 +66,70 @@ def _sync_device(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+@dataclass
+class _Step:
+    """One step's state on one stage; each action runs in a method, so no local outlives it."""
+
+    module: nn.Module
+    io: StageIO
+    sizes: tuple[int, ...]
+    inputs: list[torch.Tensor] | None
+    targets: list[torch.Tensor] | None
+    loss_scale: float
+    timed: Callable[[Action, Callable[[], torch.Tensor | None]], torch.Tensor | None]
+    device: torch.device
+    probe: LivenessProbe | None
+    # micro-batch -> (stage input that needs a gradient, or None on the first stage; what backward starts from)
+    stash: dict[int, tuple[torch.Tensor | None, torch.Tensor | GradientEdge]] = field(default_factory=dict)
+    loss_total: torch.Tensor | None = None
+
+    def new_buffer(self, op: P2pOp) -> torch.Tensor:
+        return torch.empty(self.sizes[op.microbatch], self.io.seq_len, self.io.hidden_size,
+                           dtype=self.io.act_dtype, device=self.device)
+
+    def forward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+        mb, io = action.microbatch, self.io
+        x = None if io.first else received.pop(("act", mb)).requires_grad_()
+        inp = self.inputs[mb] if self.inputs is not None else x
+
+        def run() -> torch.Tensor:
+            out = self.module(inp)
+            if io.last:
+                logits, labels = out.to(io.act_dtype), self.targets[mb]  # type: ignore[index]
+                with torch.autocast(device_type=self.device.type, enabled=False):  # the loss in act_dtype
+                    return self.module.loss_sum(logits, labels) * self.loss_scale  # type: ignore[operator]
+            return out.to(io.act_dtype)
+
+        out = self.timed(action, run)
+        assert out is not None
+        if io.last:
+            if io.count_loss:
+                self.loss_total = out.detach() if self.loss_total is None else self.loss_total + out.detach()
+            self.stash[mb] = (x, out)
+            return {}
+        self.stash[mb] = (x, get_gradient_edge(out))  # the output's memory goes once it is sent
+        payload = out.detach()
+        if self.probe is not None:
+            self.probe.track(payload, "send")
+        return {("act", mb): payload}
+
+    def backward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+        mb, io = action.microbatch, self.io
+        x, start = self.stash.pop(mb)
+        if io.last:
+            self.timed(action, lambda: torch.autograd.backward(start))  # type: ignore[arg-type,func-returns-value]
+        else:
+            grad = received.pop(("grad", mb))
+            self.timed(action, lambda: torch.autograd.backward(start, grad))  # type: ignore[arg-type,func-returns-value]
+        if io.first:
+            return {}
+        assert x is not None and x.grad is not None
+        payload = x.grad
+        if self.probe is not None:
+            self.probe.track(payload, "send")
+        return {("grad", mb): payload}
+
+
 def run_stage_step(
     module: nn.Module,
     actions: tuple[Action, ...],
@@ -81,24 +143,15 @@ def run_stage_step(
     timeline: Timeline,
     autocast_dtype: torch.dtype | None = None,
     on_last_backward: Callable[[], None] | None = None,
+    probe: LivenessProbe | None = None,
 ) -> torch.Tensor:
     """Run all actions; returns this stage's (scaled) loss sum as a 0-d tensor (0 off the last stage)."""
     device = next(module.parameters()).device
-    first, last = io.prev_rank is None, io.next_rank is None
-    assert (inputs is not None) == first and (targets is not None) == last
-    stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
-    loss_total = torch.zeros((), dtype=io.act_dtype, device=device)
+    assert (inputs is not None) == io.first and (targets is not None) == io.last
     step_start = time.time()
-    num_backward = sum(1 for a in actions if a.kind == "B")
-    done_backward = 0
+    last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
 
-    def autocast() -> contextlib.AbstractContextManager[None]:
-        if autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=autocast_dtype)
-
-    def timed(action: Action, size: int, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    def timed(action: Action, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         _sync_device(device)
         start, start_cpu = time.time(), time.thread_time()
         out = fn()
@@ -108,62 +161,34 @@ def run_stage_step(
             # ranks share the core is not work, and pacing on the wall clock absorbs it.
             elapsed = time.time() - start
             compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
-            emulator.pace(action.kind, size, compute, elapsed, step)
+            emulator.pace(action.kind, micro_batch_sizes[action.microbatch], compute, elapsed, step)
         end = time.time()
         timeline.busy_s += end - start
         timeline.add(str(action), start, end)
         return out
 
+    state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe)
+    batches = p2p_batches(actions, io.peers)
+    outgoing: dict[Key, torch.Tensor] = {}
+    autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
     # One autocast region for the whole step: its cache keeps ONE 16-bit copy of each weight for all
     # micro-batches in flight (a region per forward would keep one copy per in-flight micro-batch).
-    with autocast():
-        for action in actions:
-            mb = action.microbatch
-            size = micro_batch_sizes[mb]
-            if action.kind == "F":
-                if first:
-                    x: torch.Tensor | None = None
-                    inp = inputs[mb]  # type: ignore[index]
-                else:
-                    buf = torch.empty(size, io.seq_len, io.hidden_size, dtype=io.act_dtype, device=device)
-                    dist.recv(buf, src=io.prev_rank, group=io.group)
-                    x = inp = buf.requires_grad_()
-
-                def forward() -> torch.Tensor:
-                    out = module(inp)
-                    if last:
-                        logits, labels = out.to(io.act_dtype), targets[mb]  # type: ignore[index]
-                        with torch.autocast(device_type=device.type, enabled=False):  # the loss in act_dtype
-                            return module.loss_sum(logits, labels) * loss_scale  # type: ignore[operator]
-                    return out.to(io.act_dtype)
-
-                out = timed(action, size, forward)
-                assert out is not None
-                if last:
-                    if io.count_loss:
-                        loss_total += out.detach()
-                else:
-                    payload = out.detach()
-                    sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.output_ranks)
-                stash[mb] = (x, out)
-            else:
-                x, out = stash.pop(mb)
-                if last:
-                    timed(action, size, lambda: out.backward())  # type: ignore[func-returns-value]
-                else:
-                    grad = torch.empty_like(out)
-                    dist.recv(grad, src=io.next_rank, group=io.group)
-                    timed(action, size, lambda: torch.autograd.backward(out, grad))  # type: ignore[func-returns-value]
-                if not first:
-                    assert x is not None and x.grad is not None
-                    payload = x.grad
-                    sends.extend((dist.isend(payload, dst=dst, group=io.group), payload) for dst in io.input_grad_ranks)
-                done_backward += 1
-                if done_backward == num_backward:
-                    timeline.phase_s = time.time() - step_start
-                    if on_last_backward is not None:
-                        on_last_backward()
-    for work, _payload in sends:
-        work.wait()
-    assert not stash, "every forwarded micro-batch must be backwarded"
-    return loss_total
+    with autocast:
+        for k, action in enumerate(actions):
+            received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
+            outgoing = {}  # waited: the sent payloads are no longer referenced
+            if probe is not None:
+                probe.sample(str(action), len(state.stash))
+            outgoing = (state.forward if action.kind == "F" else state.backward)(action, received)
+            assert not received, f"unused receives {sorted(received)}"
+            if k == last_backward:
+                timeline.phase_s = time.time() - step_start
+        post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
+    del outgoing
+    if on_last_backward is not None:  # after every p2p of the step: the sync's collectives queue behind none
+        on_last_backward()
+    assert not state.stash, "every forwarded micro-batch must be backwarded"
+    if state.loss_total is None:
+        return torch.zeros((), dtype=io.act_dtype, device=device)
+    return state.loss_total

@@ -24,7 +24,7 @@ from torch import nn
 
 from ethpipe.plan import Plan
 from ethpipe.runtime.model import TIED_WEIGHT
-from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit, tied_stages
+from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit, sync_units, tied_stages, tied_units
 from ethpipe.runtime.tensor_parallel import shard_dim
 from ethpipe.units import runs_of_bytes
 
@@ -51,6 +51,17 @@ def params_by_block(plan: Plan, module: nn.Module, tied: bool = False) -> dict[i
         if not (tied and name == TIED_WEIGHT):
             out.setdefault(block_of_parameter(plan, name), []).append(name)
     return dict(sorted(out.items()))
+
+
+def stage_sync_units(plan: Plan, rank: int, module: nn.Module, full_shapes: Mapping[str, tuple[int, ...]],
+                     tied: bool) -> tuple[dict[int, list[str]], list[SyncUnit]]:
+    """This stage's parameters by block and its all-reduces in the one global order: every block's
+    (``sync_layout.sync_units``), then the tied matrix's (``tied_units``) if this stage holds a copy."""
+    blocks = params_by_block(plan, module, tied)
+    units = sync_units(plan, rank, blocks, full_shapes)
+    if tied_parameters(module, tied):
+        units += tied_units(plan, rank, TIED_WEIGHT, full_shapes[TIED_WEIGHT])
+    return blocks, units
 
 
 def tied_parameters(module: nn.Module, tied: bool) -> list[nn.Parameter]:

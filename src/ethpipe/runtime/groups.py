@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from ethpipe.comm.program import Peers, plan_peers
 from ethpipe.plan import Plan, RankPosition
 from ethpipe.runtime.sync_layout import holder_sets, tied_stages
 
@@ -29,11 +31,8 @@ class RankGroups:
     pipeline_group: dist.ProcessGroup  # this rank's pipeline
     block_groups: dict[tuple[int, ...], dist.ProcessGroup]  # holder ranks -> group, for this rank's sync units
     all_groups: tuple[dist.ProcessGroup, ...]  # every group this rank is in (to destroy afterwards)
-    prev_rank: int | None  # where this stage's input comes from (global rank; None: first stage)
-    next_rank: int | None  # where the gradient of its output comes from (None: last stage)
+    peers: Peers  # where its boundary tensors come from and go to (``comm.program.plan_peers``)
     tp_group: dist.ProcessGroup | None = None  # this stage's TP group (None at tp 1)
-    next_ranks: tuple[int, ...] = ()  # where its output goes (every next-stage rank k with k % tp == mine)
-    prev_ranks: tuple[int, ...] = ()  # where its input gradient goes (every previous-stage rank j with j % tp == mine)
 
 
 def tied_ranks(plan: Plan) -> tuple[int, ...]:
@@ -42,8 +41,11 @@ def tied_ranks(plan: Plan) -> tuple[int, ...]:
     return tuple(r for ranks in tied_stages(plan) for r in ranks)
 
 
-def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False) -> RankGroups:
-    """This rank's groups; ``tied`` (the model ties its embeddings) adds the tied matrix's groups."""
+def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False,
+                 device: torch.device | None = None) -> RankGroups:
+    """This rank's groups; ``tied`` (the model ties its embeddings) adds the tied matrix's groups. With
+    ``device``, one collective on the pipeline group warms it up (``comm.program``: a lazily created NCCL
+    communicator's first batched p2p would need the whole group at once)."""
     position = plan.position_of(rank)
     created: list[dist.ProcessGroup] = []
     mine_pipe: dist.ProcessGroup | None = None
@@ -67,18 +69,21 @@ def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False) 
             blocks[holders] = group
             created.append(group)
     assert mine_pipe is not None
-    stages = plan.pipelines[position.pipeline].stages
-    i, tp = position.tp_rank, len(stages[position.stage].ranks)
-    prev = stages[position.stage - 1].ranks if position.stage > 0 else ()
-    nxt = stages[position.stage + 1].ranks if position.stage + 1 < len(stages) else ()
-    # Activations and their gradients are replicated over a TP group: each receiving rank k takes
-    # them from the sending stage's rank k % (its degree), so every rank gets them exactly once.
-    return RankGroups(rank, position, mine_pipe, blocks, tuple(created),
-                      prev[i % len(prev)] if prev else None, nxt[i % len(nxt)] if nxt else None, tp_group, tuple(r for k, r in enumerate(nxt) if k % tp == i),
-                      tuple(r for j, r in enumerate(prev) if j % tp == i))
+    if device is not None:
+        dist.all_reduce(torch.zeros(1, device=device), group=mine_pipe)
+    return RankGroups(rank, position, mine_pipe, blocks, tuple(created), plan_peers(plan, rank), tp_group)
 
 
 def destroy_groups(groups: RankGroups) -> None:
     """Free a plan's groups so the same processes can run another plan (tests do)."""
     for group in groups.all_groups:
         dist.destroy_process_group(group)
+
+
+def control_group(timeout: timedelta) -> dist.ProcessGroup | None:
+    """A gloo group over the world for objects and CPU tensors: the placement check, traces, the final
+    save and checkpoint bookkeeping. On NCCL, object collectives stage their pickles in GPU memory on
+    every rank; gloo keeps them on the host. None when the world is gloo already (use the default group)."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=timeout)

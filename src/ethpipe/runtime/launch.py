@@ -73,9 +73,32 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def default_start_method() -> str:
-    """fork on Linux (sub-second start, modules already imported), spawn elsewhere."""
-    return "fork" if sys.platform.startswith("linux") else "spawn"
+def uses_accelerator(config: TrainConfig) -> bool:
+    return config.device != "cpu" and torch.accelerator.is_available()
+
+
+def default_start_method(accelerator: bool = False) -> str:
+    """fork on Linux for CPU ranks (sub-second start, modules already imported); spawn for accelerators
+    (a process forked after CUDA is initialised cannot use it) and on other systems."""
+    return "fork" if sys.platform.startswith("linux") and not accelerator else "spawn"
+
+
+# Set for GPU runs unless the user set them (docs/runtime.md, "On GPUs"): read when the first process
+# group and the allocator are created, so before any of them.
+GPU_ENVIRONMENT = {
+    "PYTORCH_ALLOC_CONF": "expandable_segments:True",  # micro-batch sizes differ per pipeline and change
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the process
+    "TORCH_FR_BUFFER_SIZE": "20000",  # the NCCL flight recorder: the last 20000 collectives per rank
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... written out when a collective times out
+}
+
+
+def set_gpu_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Apply ``GPU_ENVIRONMENT`` where ``environ`` (default ``os.environ``) lacks a key; returns what was set."""
+    env = os.environ if environ is None else environ
+    applied = {k: v for k, v in GPU_ENVIRONMENT.items() if k not in env}
+    env.update(applied)
+    return applied
 
 
 def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, run_dir: str,
@@ -108,10 +131,13 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
     check_inputs(plan, config, plan.world_size)
     import torch.optim  # noqa: F401  (imported before fork so children do not each pay for it)
 
+    accelerator = uses_accelerator(config)
+    if accelerator:
+        set_gpu_environment()  # inherited by the workers
     with tempfile.TemporaryDirectory(prefix="ethpipe-run-") as run_dir:
         context = mp.start_processes(
             _local_worker, args=(plan, config, plan.world_size, run_dir, num_threads),
-            nprocs=plan.world_size, join=False, start_method=start_method or default_start_method(),
+            nprocs=plan.world_size, join=False, start_method=start_method or default_start_method(accelerator),
         )
         try:
             while not context.join():
@@ -162,6 +188,8 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     check_plan_runnable(plan, world_size)
+    if uses_accelerator(config):
+        set_gpu_environment()
     device = pick_device(config, local_rank, local_world)
     apply_kernel_modes(plan, device)
     return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config))

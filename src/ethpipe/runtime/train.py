@@ -24,7 +24,8 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
-from ethpipe.precision import check_train_dtype
+from ethpipe.catalog import check_one_world
+from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus, train_dtype
 from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
 from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
@@ -35,14 +36,14 @@ from ethpipe.runtime.emulate import (
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
 from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.grad_sync import (
-    BlockGradSync, clip_coefficient, owned_square_norm, params_by_block, scale_gradients, tied_parameters,
+    BlockGradSync, clip_coefficient, owned_square_norm, scale_gradients, stage_sync_units, tied_parameters,
 )
-from ethpipe.runtime.groups import build_groups, destroy_groups
+from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
 from ethpipe.runtime.loss_scale import LossScaler, count_nonfinite, unscale_gradients
-from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, state_dict_shapes
+from ethpipe.runtime.model import PARAM_DTYPES, build_stage, state_dict_shapes
+from ethpipe.runtime.placement import gather_and_check
 from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
-from ethpipe.runtime.sync_layout import sync_units, tied_units
 from ethpipe.runtime.tensor_parallel import TPGroup
 from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
@@ -65,9 +66,10 @@ class TrainConfig:
     clip_grad: float = 0.0  # max global grad norm; 0 = no clipping
     seed: int = 0  # model init and shuffle order
     shuffle: bool = False
-    # bf16/fp16: autocast over fp32 weights and optimizer (fp16 with dynamic loss scaling);
-    # fp64: parameters, activations and optimizer in float64 (exactness checks)
-    dtype: Literal["fp32", "bf16", "fp16", "fp64"] = "fp32"
+    # None: the plan's precision (``precision.train_dtype``); bf16/fp16: autocast over fp32 weights and
+    # optimizer (fp16 with dynamic loss scaling); fp64: parameters, activations and optimizer in float64
+    # (exactness checks)
+    dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = None
     recompute: bool = False  # activation recomputation on every stage (plans may also set it per stage)
     metrics: str | None = None
     init_from: str | None = None
@@ -99,7 +101,7 @@ class TrainConfig:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:
             raise UserError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
-        if self.dtype not in ("fp32", "bf16", "fp16", "fp64"):
+        if self.dtype not in (None, "fp32", "bf16", "fp16", "fp64"):
             raise UserError(f"--dtype must be fp32, bf16, fp16 or fp64, got {self.dtype!r}")
         check_emulate_mode(self.emulate_mode)
         if self.lr_schedule not in ("constant", "cosine"):
@@ -154,6 +156,7 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
             f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
         )
     spec = plan.resolve_model()
+    check_one_world(plan_gpus(plan), "the plan")
     check_tp(plan.pipelines, spec)
     if plan.seq_len > spec.max_seq_len:
         raise UserError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
@@ -163,7 +166,9 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
 def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
     """Every user-input check, before any process group exists; also where training starts."""
     spec = check_plan_runnable(plan, world_size)
-    check_train_dtype(plan, config.dtype)
+    check_train_dtype(plan, train_dtype(plan, config.dtype))
+    if config.dtype is not None:
+        check_dtype_fits(plan, config.dtype)
     data = open_tokens(config.data, spec.vocab_size)
     start = ResumePoint()
     resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
@@ -223,15 +228,38 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     owns_world = not dist.is_initialized()
     if owns_world:
         backend = dist.get_default_backend_for_device(device)
+        # device_id binds the world to this rank's GPU: NCCL communicators are then created eagerly (new_group
+        # splits them at creation) instead of at their first use, which for batched p2p involves the whole group.
         dist.init_process_group(backend, init_method=None if store is not None else init_method, store=store,
-                                rank=rank, world_size=world_size, timeout=config.timeout)
+                                rank=rank, world_size=world_size, timeout=config.timeout,
+                                device_id=device if device.type != "cpu" else None)
+    control: dist.ProcessGroup | None = None
     try:
         _check_same_plan(plan, device)
+        control = control_group(config.timeout)
+        if not config.emulate:  # emulated device types run on CPUs
+            gather_and_check(plan, device, control)
+        if rank == 0:
+            print(start_banner(plan, config, start, device), flush=True)
         with Watchdog(rank, config.watchdog_limit_s) as watchdog:
-            return _train_on_world(plan, config, spec, data, start, rank, device, watchdog)
+            return _train_on_world(plan, config, spec, data, start, rank, device, watchdog, control)
     finally:
+        if control is not None:
+            dist.destroy_process_group(control)
         if owns_world:
             dist.destroy_process_group()
+
+
+def start_banner(plan: Plan, config: TrainConfig, start: ResumePoint, device: torch.device) -> str:
+    """One line saying what runs: the world, the precision and why, the steps."""
+    dtype, planned = train_dtype(plan, config.dtype), plan.extra.get("dtype")
+    if config.dtype is None:
+        why = "the plan's" if planned else "the plan records none"
+    else:
+        why = f"--dtype; the plan was made for {planned}" if planned and planned != config.dtype else "--dtype"
+    steps = f"steps {start.step}..{config.steps}" if start.step else f"{config.steps} steps"
+    return (f"ethpipe train: {plan.world_size} ranks on {device.type}, {len(plan.pipelines)} pipelines, "
+            f"{dtype} ({why}), {steps}")
 
 
 def _check_same_plan(plan: Plan, device: torch.device) -> None:
@@ -248,14 +276,16 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
 
 
 def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
-                    rank: int, device: torch.device, watchdog: Watchdog) -> list[dict[str, Any]]:
+                    rank: int, device: torch.device, watchdog: Watchdog,
+                    control: dist.ProcessGroup | None) -> list[dict[str, Any]]:
     tied = spec.tie_embeddings
-    groups = build_groups(plan, rank, config.timeout, tied)
+    groups = build_groups(plan, rank, config.timeout, tied, device)
     pos = groups.position
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
     first, last = pos.stage == 0, pos.stage == pipe.depth - 1
-    param_dtype = PARAM_DTYPES[config.dtype]
+    dtype = train_dtype(plan, config.dtype)
+    param_dtype = PARAM_DTYPES[dtype]
     tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp)
@@ -264,22 +294,18 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     optimizer = make_optimizer(module, config)
     if start.step_dir is not None:
         watchdog.beat(f"loading checkpoint {start.step_dir}")
-        load_checkpoint(start, module, optimizer, device)
-    blocks = params_by_block(plan, module, tied)
+        load_checkpoint(start, module, optimizer, device, group=control)
+    blocks, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), tied)
     params = dict(module.named_parameters())
     tied_copy = tied_parameters(module, tied)
-    shapes = state_dict_shapes(spec)
-    units = sync_units(plan, rank, blocks, shapes) + (tied_units(plan, rank, TIED_WEIGHT, shapes[TIED_WEIGHT])
-                                                      if tied_copy else [])
     sync = BlockGradSync(params, units, groups.block_groups, config.bucket_bytes)
     emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
                                  if config.emulate else None)
-    io = StageIO(groups.pipeline_group, groups.prev_rank, groups.next_rank, spec.hidden_size, plan.seq_len,
-                 act_dtype=param_dtype, next_ranks=groups.next_ranks, prev_ranks=groups.prev_ranks,
-                 count_loss=pos.tp_rank == 0)
+    io = StageIO(groups.pipeline_group, groups.peers, first, last, spec.hidden_size, plan.seq_len,
+                 act_dtype=param_dtype, count_loss=pos.tp_rank == 0)
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
-    autocast_dtype = AUTOCAST_DTYPES.get(config.dtype)
-    scaler = _initial_scaler(start) if config.dtype == "fp16" else None
+    autocast_dtype = AUTOCAST_DTYPES.get(dtype)
+    scaler = _initial_scaler(start) if dtype == "fp16" else None
     timeline = Timeline(record=config.trace is not None)
     writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
               if rank == 0 else None)
@@ -358,16 +384,16 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
                 save_checkpoint(config.checkpoint_dir, done, module, optimizer, current, spec, cursor, config.keep,
-                                device, extra={"loss_scaler": scaler.to_dict()} if scaler is not None else None)
+                                device, extra={"loss_scaler": scaler.to_dict()} if scaler is not None else None,
+                                group=control)
                 timeline.add("checkpoint", save_start, time.time())
         watchdog.beat("final save")
         if config.save_final is not None:
-            skip = {TIED_WEIGHT} if tied and not first else set()  # the first stage sends the tied matrix
-            state = gather_consolidated(module, pos.pipeline == 0, skip=frozenset(skip))
+            state = gather_consolidated(module, plan, rank, spec, control)
             if state is not None:
                 save_atomic(state, config.save_final)
         if config.trace is not None:
-            _write_trace(plan, config.trace, timeline, rank)
+            _write_trace(plan, config.trace, timeline, rank, control)
         return writer.records if writer is not None else []
     finally:
         if writer is not None:
@@ -381,9 +407,9 @@ def _initial_scaler(start: ResumePoint) -> LossScaler:
     return LossScaler.from_dict(saved) if saved else LossScaler()
 
 
-def _write_trace(plan: Plan, path: str, timeline: Timeline, rank: int) -> None:
+def _write_trace(plan: Plan, path: str, timeline: Timeline, rank: int, group: dist.ProcessGroup | None) -> None:
     gathered: list[Any] | None = [None] * plan.world_size if rank == 0 else None
-    dist.gather_object(timeline.events, gathered, dst=0)
+    dist.gather_object(timeline.events, gathered, dst=0, group=group)
     if gathered is not None:
         labels = []
         for r in range(plan.world_size):

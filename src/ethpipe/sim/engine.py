@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from ethpipe.cost.sync import holder_stages
 from ethpipe.plan import Plan
-from ethpipe.schedule import max_in_flight, pipeline_schedule
+from ethpipe.cost.plan_memory import stage_peak_bytes
+from ethpipe.schedule import pipeline_schedule
 from ethpipe.sim.report import RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
 
@@ -163,12 +164,9 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
     iteration_s = opt_end[last_key]
     stats = []
     for p, pipe in enumerate(plan.pipelines):
-        schedules = pipeline_schedule(pipe.depth, pipe.num_microbatches)
         for s, stage in enumerate(pipe.stages):
             key = (p, s)
-            first, last = s == 0, s == pipe.depth - 1
-            memory = cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), max_in_flight(schedules[s]),
-                                             first=first, last=last)
+            memory = stage_peak_bytes(plan, cost, p, s)
             busy_s = busy[key] + opt_end[key] - opt_start[key]
             for r in stage.ranks:
                 stats.append(RankStats(

@@ -1,0 +1,161 @@
+"""Start-up placement check: every rank runs on the GPU type its stage was planned for.
+
+torchrun's dynamic rendezvous numbers nodes in arrival order, so without a check a stage sized for an
+80 GB H100 can land on a 24 GB L4 (an out-of-memory error hours in, or a silent speed error the
+rebalancer then fights). Every rank reports its device (host, name, memory, compute capability); each
+rank checks all of them against the plan, so every rank raises the same one-line error naming the
+first misplaced rank, what it found, what the plan expected, and the fix. CPU runs (and ``--emulate``,
+which runs emulated device types on CPUs) skip it.
+
+A catalog GPU matches by its model in the device name (``h100`` in "NVIDIA H100 80GB HBM3", as a
+word: ``l4`` is not ``l40``), its form factor where both say one (PCIe vs SXM), and its memory within
+``MEMORY_TOLERANCE`` (CUDA reports a little less than the nominal size: an L4 shows 22.5 of its 24
+GiB). A GPU the cluster file describes inline matches by memory alone.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ethpipe.catalog import GpuSpec, gpu_catalog
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+from ethpipe.units import format_bytes
+
+MEMORY_TOLERANCE = 0.10
+_FORM_FACTOR_WORDS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
+# Catalog ids whose model words are not the id's first part.
+_MODEL_WORDS = {"rtx_a6000": "a6000", "rtx_4090": "4090", "rtx_3090": "3090", "titan_rtx": "titan rtx",
+                "rtx_2080_ti": "2080 ti"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What one rank runs on, as its process sees it."""
+
+    host: str
+    kind: str  # "cuda", "cpu", ...
+    name: str
+    total_memory_bytes: int = 0
+    capability: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "cpu":
+            return "a CPU"
+        cap = f", compute capability {self.capability}" if self.capability else ""
+        return f"{self.name} ({format_bytes(self.total_memory_bytes)}{cap})"
+
+
+def local_device_info(device: torch.device) -> DeviceInfo:
+    host = socket.gethostname()
+    if device.type != "cuda":
+        return DeviceInfo(host, device.type, device.type)
+    props = torch.cuda.get_device_properties(device)
+    return DeviceInfo(host, "cuda", props.name, int(props.total_memory), f"{props.major}.{props.minor}")
+
+
+def _words(text: str) -> str:
+    return " " + re.sub(r"[^a-z0-9]+", " ", text.lower()).strip() + " "
+
+
+def model_words(gpu_id: str) -> str:
+    """The words a device name must contain for catalog id ``gpu_id``: 'a100_80gb_sxm' -> 'a100'."""
+    if gpu_id in _MODEL_WORDS:
+        return _MODEL_WORDS[gpu_id]
+    parts = [p for p in gpu_id.split("_") if p not in _FORM_FACTOR_WORDS and not re.fullmatch(r"\d+gb", p)]
+    return " ".join(parts)
+
+
+def memory_matches(gpu: GpuSpec, found_bytes: int) -> bool:
+    return abs(found_bytes - gpu.memory_bytes) <= MEMORY_TOLERANCE * gpu.memory_bytes
+
+
+def device_matches(gpu: GpuSpec, info: DeviceInfo, inline: bool) -> bool:
+    """Whether a rank's device is the planned GPU type (module docstring)."""
+    if not memory_matches(gpu, info.total_memory_bytes):
+        return False
+    if inline:
+        return True
+    name = _words(info.name)
+    if f" {model_words(gpu.id)} " not in name:
+        return False
+    planned_pcie = "pcie" in gpu.id.split("_")
+    named_pcie, named_sxm = " pcie " in name, re.search(r" sxm\d? ", name) is not None
+    return not ((planned_pcie and named_sxm) or (not planned_pcie and "sxm" in gpu.id and named_pcie))
+
+
+def identify_gpu(name: str, memory_bytes: int = 0) -> str | None:
+    """The catalog id of a device a process reports ("NVIDIA H200" -> "h200_sxm"), None if none matches.
+
+    The model words must appear in the name; where the catalog has several sizes, the reported memory
+    (else a size in the name) picks one; where it has several form factors, the name's (SXM or PCIe),
+    and the SXM part when the name says neither (as CUDA names H100 SXM: "NVIDIA H100 80GB HBM3").
+    """
+    words = _words(name)
+    found = [g for g in gpu_catalog().values() if g.vendor and f" {model_words(g.id)} " in words]
+    sized = re.search(r" (\d+) ?gb ", words)
+    if memory_bytes:
+        found = [g for g in found if memory_matches(g, memory_bytes)] or found
+    elif sized is not None:
+        found = [g for g in found if round(g.memory_gib) == int(sized.group(1))] or found
+    if not found:
+        return None
+    form = "pcie" if " pcie " in words else "sxm" if re.search(r" sxm\d? ", words) else None
+
+    def rank(g: GpuSpec) -> tuple[bool, bool, int]:
+        named = form is not None and form in g.id
+        return (not named, "pcie" in g.id and form != "pcie", len(g.id))
+    return min(found, key=rank).id
+
+
+def _planned_gpus(plan: Plan) -> dict[str, tuple[GpuSpec, bool]]:
+    """Device type -> (its spec, whether the cluster file describes it inline)."""
+    catalog = gpu_catalog()
+    if plan.cluster is None:
+        return {gid: (spec, False) for gid, spec in catalog.items()}
+    inline = {g["gpu"]["id"] for g in plan.cluster.get("nodes", []) if isinstance(g.get("gpu"), dict)}
+    return {d.gpu.id: (d.gpu, d.gpu.id in inline) for d in cluster_from_dict(plan.cluster).devices}
+
+
+def check_placement(plan: Plan, infos: list[DeviceInfo]) -> None:
+    """Raise one line for the first rank whose device is not its stage's planned type (``infos`` by rank)."""
+    if all(info.kind == "cpu" for info in infos):
+        return
+    gpus = _planned_gpus(plan)
+    nodes = _node_order(plan)
+    for rank, info in enumerate(infos):
+        pos = plan.position_of(rank)
+        planned = plan.pipelines[pos.pipeline].stages[pos.stage].device
+        if planned not in gpus:
+            continue  # a pseudo-device of a hand-written plan without a cluster: nothing to compare with
+        gpu, inline = gpus[planned]
+        if device_matches(gpu, info, inline):
+            continue
+        where = f" (node {nodes[rank]} of the plan's cluster)" if nodes else ""
+        raise UserError(
+            f"rank {rank} on host {info.host} runs on {info.describe()}, but the plan puts stage {pos.stage} of "
+            f"pipeline {pos.pipeline} ({planned}, {format_bytes(gpu.memory_bytes)}) there{where}: start each node "
+            "with --node-rank in the cluster file's node order (static rendezvous; `ethpipe launch` prints the "
+            "commands), or describe the real nodes in a cluster file and re-plan")
+
+
+def _node_order(plan: Plan) -> dict[int, int]:
+    """Rank -> the node of the plan's cluster its device is on (empty without a cluster)."""
+    if plan.cluster is None:
+        return {}
+    return {d.rank: d.node for d in plan.active_cluster().devices}
+
+
+def gather_and_check(plan: Plan, device: torch.device, group: dist.ProcessGroup | None) -> list[DeviceInfo]:
+    """All-gather every rank's device over ``group`` (gloo) and check the placement on every rank."""
+    infos: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, local_device_info(device), group=group)
+    check_placement(plan, infos)
+    return infos

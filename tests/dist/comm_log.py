@@ -1,0 +1,79 @@
+"""Record every torch.distributed call a rank makes (a test double around the real functions).
+
+The runtime calls ``dist.<fn>`` through the module, so replacing the module's attributes inside a rank
+records exactly what it issues: batched p2p (kind, peer, elements, dtype), all-reduces and all-gathers
+(group, elements, dtype). ``isend``/``irecv`` are left alone: ``P2POp`` checks its op against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: str  # "batch", "all_reduce", "all_gather", "send", "recv", ...
+    group: tuple[int, ...]
+    ops: tuple[tuple[str, int, int, str], ...] = ()  # batch: (kind, peer, elements, dtype) per op
+    numel: int = 0
+    dtype: str = ""
+
+    @property
+    def num_bytes(self) -> int:
+        size = torch.empty((), dtype=getattr(torch, self.dtype.removeprefix("torch."))).element_size() if self.dtype else 0
+        return self.numel * size
+
+
+@dataclass
+class CommLog:
+    calls: list[Call] = field(default_factory=list)
+
+    def steps(self) -> list[list[Call]]:
+        """The calls split after each step's stats all-gather over the world (one per step)."""
+        world = tuple(range(dist.get_world_size()))
+        out: list[list[Call]] = [[]]
+        for call in self.calls:
+            out[-1].append(call)
+            if call.fn == "all_gather" and call.group == world:
+                out.append([])
+        return out[:-1] if not out[-1] else out
+
+
+def _ranks(group: Any) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+@contextmanager
+def recording(log: CommLog) -> Iterator[CommLog]:
+    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "all_gather", "send", "recv")}
+
+    def batch(ops: list[dist.P2POp]) -> Any:
+        kinds = tuple(("send" if op.op.__name__ == "isend" else "recv", op.peer, op.tensor.numel(),
+                       str(op.tensor.dtype)) for op in ops)
+        log.calls.append(Call("batch", _ranks(ops[0].group), kinds))
+        return originals["batch_isend_irecv"](ops)
+
+    def collective(name: str):  # type: ignore[no-untyped-def]
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            first = tensor[0] if isinstance(tensor, list) else tensor
+            if name == "all_gather":
+                first = args[0]
+            log.calls.append(Call(name, _ranks(group), numel=first.numel(), dtype=str(first.dtype)))
+            return originals[name](tensor, *args, **kwargs)
+        return call
+
+    try:
+        dist.batch_isend_irecv = batch  # type: ignore[assignment]
+        for name in ("all_reduce", "all_gather", "send", "recv"):
+            setattr(dist, name, collective(name))
+        yield log
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

@@ -1,0 +1,162 @@
+"""The executor's p2p on real ranks: what it keeps alive, and that it posts exactly the replayed order.
+
+One spawn of six gloo ranks does three things:
+
+1. **Liveness** (ranks 0-3, one pipeline of 4 stages x 8 micro-batches): every boundary tensor the
+   executor sends or receives is tracked by a weak reference to its storage. At every action, no sent
+   payload is alive (each send was waited before the action and dropped), at most one received
+   gradient is (the one the backward about to run needs), the stashed inputs stay within 1F1B's
+   ``depth - stage``, and the largest batch holds exactly the memory model's ``P2P_BUFFERS`` boundary
+   tensors. The same run with the sent payloads kept until the step ends (the old executor's ``sends``
+   list) breaks the bound: the check can fail.
+2. **Order** (all ranks): ``ethpipe train`` on a plan with TP fan-out and fan-in, two pipelines of
+   different cuts, ragged micro-batches and tied embeddings records every torch.distributed call; each
+   rank's batched p2p and block all-reduces equal, step by step, the program that
+   ``tests/unit/test_comm_replay.py`` proves deadlock-free under NCCL's semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ethpipe.comm.program import pipeline_group, plan_peers, step_program, sync_group
+from ethpipe.comm.replay import Post
+from ethpipe.cost import memory
+from ethpipe.runtime import executor as executor_module
+from ethpipe.runtime.data import prepare_tokens
+from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
+from ethpipe.runtime.model import build_stage
+from ethpipe.runtime.p2p import LivenessProbe
+from ethpipe.runtime.train import TrainConfig, train
+from ethpipe.schedule import one_f_one_b
+
+from .comm_log import CommLog, recording
+from .harness import run_ranks
+from .plans import LLAMA_LIKE
+
+pytestmark = pytest.mark.dist
+
+SPEC = dataclasses.replace(LLAMA_LIKE, name="p2p-llama", num_layers=8, num_kv_heads=4, tie_embeddings=True)
+DEPTH, NUM_MB, MB, SEQ = 4, 8, 2, 16
+STEPS = 2
+
+
+def _order_plan():  # type: ignore[no-untyped-def]
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+    from _comm_plans import make_plan
+
+    return make_plan([([((0, 3), 1), ((3, 5), 2), ((5, 8), 1)], [2, 1, 2, 1]),  # tp 1 -> 2 -> 1
+                      ([((0, 5), 1), ((5, 8), 1)], [3, 1, 2])], spec=SPEC)
+
+
+def _liveness(rank: int, group: dist.ProcessGroup, leaky: bool) -> dict:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+    from _comm_plans import even_pipeline, make_plan
+
+    plan = make_plan([even_pipeline(DEPTH, [MB] * NUM_MB, num_layers=SPEC.num_layers)], spec=SPEC)
+    stage = plan.pipelines[0].stages[rank]
+    first, last = rank == 0, rank == DEPTH - 1
+    module = build_stage(SPEC, stage.layers, first, last, seed=0)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = [torch.randint(0, SPEC.vocab_size, (MB, SEQ), generator=gen) for _ in range(NUM_MB)]
+    io = StageIO(group, plan_peers(plan, rank), first, last, SPEC.hidden_size, SEQ)
+    probe = LivenessProbe()
+    kept: list[torch.Tensor] = []
+    original = executor_module.post_batch
+
+    def keep_payloads(batch, outgoing, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kept.extend(outgoing.values())  # the old executor's `sends` list: every payload until the step ends
+        return original(batch, outgoing, *args, **kwargs)
+
+    if leaky:
+        executor_module.post_batch = keep_payloads  # type: ignore[assignment]
+    try:
+        run_stage_step(module, one_f_one_b(DEPTH, rank, NUM_MB), (MB,) * NUM_MB, tokens if first else None,
+                       tokens if last else None, io, 1.0 / (MB * NUM_MB * SEQ), None, 0, Timeline(), probe=probe)
+    finally:
+        executor_module.post_batch = original  # type: ignore[assignment]
+    return {"samples": probe.samples, "peak_batch_bytes": probe.peak_batch_bytes}
+
+
+def _ranks(rank: int, world_size: int, tmp: str, data: str) -> None:
+    tmp_path = Path(tmp)
+    group = dist.new_group(ranks=list(range(DEPTH)), timeout=timedelta(seconds=60))
+    if rank < DEPTH:
+        out = {"tight": _liveness(rank, group, leaky=False), "leaky": _liveness(rank, group, leaky=True)}
+        (tmp_path / f"live-{rank}.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group(group)
+    log = CommLog()
+    config = TrainConfig(data=data, steps=STEPS, lr=1e-3, progress=False, timeout_s=60.0)
+    with recording(log):
+        train(_order_plan(), config, rank, world_size)
+    steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
+    (tmp_path / f"calls-{rank}.json").write_text(json.dumps(steps))
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("p2p")
+    data = tmp / "tokens.bin"
+    prepare_tokens([" ".join(["pipeline", "stage", "gradient", "tensor"] * 500)], data)
+    run_ranks(6, _ranks, (str(tmp), str(data)), tmp)
+    return tmp
+
+
+def test_liveness_stays_within_the_1f1b_bound_and_the_memory_model(ran: Path) -> None:
+    boundary = memory.boundary_bytes(SPEC, SEQ, 4) * MB
+    for rank in range(DEPTH):
+        tight = json.loads((ran / f"live-{rank}.json").read_text())["tight"]
+        samples = tight["samples"]
+        assert len(samples) == 2 * NUM_MB
+        for action, sent, received, _num_bytes, stashed in samples:
+            assert sent == 0, (rank, action, "a sent payload outlived its batch")
+            assert received == (1 if action.startswith("B") and rank < DEPTH - 1 else 0), (rank, action)
+            assert stashed <= DEPTH - rank, (rank, action, stashed)
+        assert max(s[4] for s in samples) == DEPTH - rank  # 1F1B's in-flight count is reached
+        assert tight["peak_batch_bytes"] == memory.P2P_BUFFERS * boundary  # what the memory model counts
+
+
+def test_keeping_payloads_until_the_step_ends_breaks_the_bound(ran: Path) -> None:
+    for rank in range(DEPTH):
+        leaky = json.loads((ran / f"live-{rank}.json").read_text())["leaky"]["samples"]
+        assert max(s[1] for s in leaky) >= NUM_MB - 1, rank  # at its last action a stage has sent all but one
+
+
+def test_the_runtime_posts_exactly_the_replayed_program(ran: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+    from _comm_plans import sync_posts
+
+    plan = _order_plan()
+    for rank in range(plan.world_size):
+        steps = json.loads((ran / f"calls-{rank}.json").read_text())
+        assert len(steps) == STEPS + 1  # the set-up (the plan check's all-gather) + one list per step
+        pos = plan.position_of(rank)
+        program = step_program(plan, rank, sync_posts(plan, rank))
+        want_p2p = [[(op.kind, op.peer) for op in item.ops] for item in program
+                    if isinstance(item, Post) and item.group == pipeline_group(pos.pipeline)]
+        want_sync = [item.group for item in program if isinstance(item, Post) and item.group.startswith("sync ")]
+        stage_ranks = plan.pipelines[pos.pipeline].stages[pos.stage].ranks
+        for calls in steps[1:]:
+            got_p2p = [[(k, peer) for k, peer, _, _ in c["ops"]] for c in calls if c["fn"] == "batch"]
+            assert got_p2p == want_p2p, rank
+            for c in calls:
+                for _, _, numel, dtype in c["ops"] if c["fn"] == "batch" else []:
+                    assert numel % (SEQ * SPEC.hidden_size) == 0 and dtype == "torch.float32"
+            others = (stage_ranks, plan.pipelines[pos.pipeline].ranks)  # TP collectives; the pipeline's warm-up
+            got_sync = [sync_group(tuple(c["group"])) for c in calls if c["fn"] == "all_reduce"
+                        and tuple(c["group"]) not in others and len(c["group"]) > 1]
+            assert got_sync == want_sync, rank

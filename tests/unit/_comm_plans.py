@@ -1,0 +1,98 @@
+"""Plans and per-rank step programs for the NCCL-semantics replay tests (unit and multi-rank).
+
+The block sync's posts come from the runtime's own ``grad_sync.stage_sync_units`` on a stage built on
+the meta device, so the replay sees exactly the all-reduces ``ethpipe train`` issues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ethpipe.comm.program import communicators, step_program
+from ethpipe.comm.replay import Outcome, Post, Program, Wait, Op, replay
+from ethpipe.model_spec import ModelSpec
+from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+from ethpipe.runtime.grad_sync import stage_sync_units
+from ethpipe.runtime.model import Decoder, state_dict_shapes
+from ethpipe.runtime.tensor_parallel import TPGroup
+from ethpipe.schedule import one_f_one_b
+
+SPEC = ModelSpec(name="replay", num_layers=16, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
+                 vocab_size=256, max_seq_len=64)
+
+StageDef = tuple[tuple[int, int], int]  # (layers, tp)
+
+
+def make_plan(pipelines: Sequence[tuple[Sequence[StageDef], Sequence[int]]], spec: ModelSpec = SPEC) -> Plan:
+    """Ranks numbered stage by stage, pipeline by pipeline."""
+    pipes, rank = [], 0
+    for stages, sizes in pipelines:
+        built = []
+        for layers, tp in stages:
+            built.append(Stage(tuple(range(rank, rank + tp)), "cpu", layers, tp))
+            rank += tp
+        pipes.append(Pipeline(tuple(built), tuple(sizes)))
+    return Plan("custom", spec.name, sum(sum(s) for _, s in pipelines), 16, tuple(pipes), compute_blocks(pipes),
+                model_spec=spec)
+
+
+def even_pipeline(depth: int, sizes: Sequence[int], tps: Sequence[int] | None = None,
+                  num_layers: int = 16) -> tuple[list[StageDef], list[int]]:
+    tps = tps or [1] * depth
+    return [((s * num_layers // depth, (s + 1) * num_layers // depth), tps[s]) for s in range(depth)], list(sizes)
+
+
+def sync_posts(plan: Plan, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The block sync's all-reduces of ``rank`` (those with more than one holder: the runtime skips the rest)."""
+    spec = plan.resolve_model()
+    if len(plan.pipelines) == 1 and not spec.tie_embeddings:
+        return []  # one holder per block (building the meta stages is the slow part of these tests)
+    pos = plan.position_of(rank)
+    pipe = plan.pipelines[pos.pipeline]
+    stage = pipe.stages[pos.stage]
+    with torch.device("meta"):
+        module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
+                         tp=TPGroup(None, pos.tp_rank, stage.tp))
+    _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), spec.tie_embeddings)
+    return [(u.label, u.holders) for u in units if len(u.holders) > 1]
+
+
+def replay_plan(plan: Plan, *, streams: str = "group", lazy_init: bool = False, warmup: bool = False) -> Outcome:
+    posts = {r: sync_posts(plan, r) for r in range(plan.world_size)}
+    programs = {r: step_program(plan, r, posts[r], warmup=warmup) for r in range(plan.world_size)}
+    return replay(programs, communicators(plan, posts.__getitem__), streams=streams,  # type: ignore[arg-type]
+                  lazy_init=lazy_init)
+
+
+def old_executor_program(plan: Plan, rank: int) -> Program:
+    """The executor before the p2p rework, as NCCL ran it: a blocking ``recv`` before each action and an
+    ``isend`` after it, waited at the end of the step; single p2p ops run on the pair's communicator."""
+    from ethpipe.comm.program import plan_peers
+
+    pos = plan.position_of(rank)
+    pipe = plan.pipelines[pos.pipeline]
+    peers = plan_peers(plan, rank)
+    items: list[Post | Wait] = []
+    sends: list[int] = []
+
+    def post(kind: str, peer: int, tag: str, wait: bool) -> None:
+        handle = len(items)
+        items.append(Post(handle, f"pair {min(rank, peer)},{max(rank, peer)}", (Op(kind, peer, tag),)))  # type: ignore[arg-type]
+        items.append(Wait(handle)) if wait else sends.append(handle)
+
+    for action in one_f_one_b(pipe.depth, pos.stage, pipe.num_microbatches):
+        forward = action.kind == "F"
+        src, dsts = (peers.act_from, peers.act_to) if forward else (peers.grad_from, peers.grad_to)
+        tag = f"{'act' if forward else 'grad'} {action.microbatch}"
+        if src is not None:
+            post("recv", src, tag, wait=True)
+        for dst in dsts:
+            post("send", dst, tag, wait=False)
+    items.extend(Wait(h) for h in sends)
+    return items
+
+
+def pair_groups(world_size: int) -> dict[str, tuple[int, ...]]:
+    return {f"pair {a},{b}": (a, b) for a in range(world_size) for b in range(a + 1, world_size)}
