@@ -59,16 +59,16 @@ def plan_gpus(plan: Plan) -> list[GpuSpec]:
     return [by_id[t] for t in types if t in by_id]
 
 
-def check_train_dtype(plan: Plan, dtype: str) -> None:
-    """``ethpipe train``: refuse bf16 (the run's --dtype, or the plan's recorded dtype) on a device without it."""
+def check_train_dtype(plan: Plan, requested: str | None) -> None:
+    """``ethpipe train``: refuse bf16 (the run's --dtype, or the plan's recorded dtype it defaults to) on a
+    device without it."""
     lacking = without_bf16(plan_gpus(plan))
-    if lacking is None:
+    if lacking is None or train_dtype(plan, requested) != "bf16":
         return
-    if dtype == "bf16":
+    if requested == "bf16":
         raise UserError(f"--dtype bf16: {_named(lacking)} of the plan has no bf16: use --dtype fp16 or --dtype fp32")
-    if plan.extra.get("dtype") == "bf16":
-        raise UserError(f"plan field 'dtype' is bf16 but {_named(lacking)} has no bf16: re-make the plan with "
-                        "`ethpipe plan --dtype fp16` (or fp32)")
+    raise UserError(f"plan field 'dtype' is bf16 but {_named(lacking)} has no bf16: re-make the plan with "
+                    "`ethpipe plan --dtype fp16` (or fp32), or train with --dtype fp16")
 
 
 def train_dtype(plan: Plan, requested: str | None) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -41,6 +42,9 @@ from .comm_log import CommLog, recording
 from .harness import run_ranks
 from .plans import LLAMA_LIKE
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+from _comm_plans import even_pipeline, make_plan, sync_posts  # noqa: E402  (the replay tests' plans)
+
 pytestmark = pytest.mark.dist
 
 SPEC = dataclasses.replace(LLAMA_LIKE, name="p2p-llama", num_layers=8, num_kv_heads=4, tie_embeddings=True)
@@ -49,21 +53,11 @@ STEPS = 2
 
 
 def _order_plan():  # type: ignore[no-untyped-def]
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-    from _comm_plans import make_plan
-
     return make_plan([([((0, 3), 1), ((3, 5), 2), ((5, 8), 1)], [2, 1, 2, 1]),  # tp 1 -> 2 -> 1
                       ([((0, 5), 1), ((5, 8), 1)], [3, 1, 2])], spec=SPEC)
 
 
 def _liveness(rank: int, group: dist.ProcessGroup, leaky: bool) -> dict:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-    from _comm_plans import even_pipeline, make_plan
-
     plan = make_plan([even_pipeline(DEPTH, [MB] * NUM_MB, num_layers=SPEC.num_layers)], spec=SPEC)
     stage = plan.pipelines[0].stages[rank]
     first, last = rank == 0, rank == DEPTH - 1
@@ -135,11 +129,6 @@ def test_keeping_payloads_until_the_step_ends_breaks_the_bound(ran: Path) -> Non
 
 
 def test_the_runtime_posts_exactly_the_replayed_program(ran: Path) -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-    from _comm_plans import sync_posts
-
     plan = _order_plan()
     for rank in range(plan.world_size):
         steps = json.loads((ran / f"calls-{rank}.json").read_text())

@@ -128,8 +128,10 @@ def test_train_refuses_bf16_on_the_plans_v100_before_any_process(v100_plan: Path
     data = json.loads(v100_plan.read_text())
     data["dtype"] = "bf16"  # a hand-edited (or pre-check) plan priced for bf16
     v100_plan.write_text(json.dumps(data))
-    code, lines = _cli(*args, "--dtype", "fp32")
+    code, lines = _cli(*args)  # the run would default to the plan's bf16
     assert code == 2 and len(lines) == 1 and "plan field 'dtype' is bf16" in lines[0], lines
+    code, lines = _cli(*args, "--dtype", "fp32")  # a precision the V100 has overrides it: on to the next check
+    assert code == 2 and len(lines) == 1 and "data file" in lines[0], lines
 
 
 def test_train_without_the_plans_cluster_judges_catalog_ids(v100_plan: Path) -> None:

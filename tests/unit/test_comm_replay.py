@@ -115,12 +115,18 @@ def test_replay_reports_mismatched_tags_missing_receives_and_absent_members() ->
     swapped = {0: [Post(0, "g", (Op("send", 1, "act 0"),)), Wait(0), Post(1, "g", (Op("send", 1, "act 1"),)), Wait(1)],
                1: [Post(0, "g", (Op("recv", 0, "act 1"),)), Wait(0), Post(1, "g", (Op("recv", 0, "act 0"),)), Wait(1)]}
     outcome = replay(swapped, groups)
-    assert outcome.completed and len(outcome.errors) == 2 and "tags differ" in outcome.errors[0]
+    assert not outcome.completed and not outcome.blocked and len(outcome.errors) == 2
+    assert "tags differ" in outcome.errors[0]
     lonely = replay({0: [Post(0, "g", (Op("send", 1, "x"),)), Wait(0)], 1: []}, groups)
     assert lonely.blocked == {0: "waits on [send 1 x] on g"}
     absent = replay({0: [Post(0, "w", (Op("collective", tag="c"),)), Wait(0)],
                      1: [Post(0, "w", (Op("collective", tag="c"),)), Wait(0)], 2: []}, groups)
     assert set(absent.blocked) == {0, 1}
+    outsider = replay({0: [Post(0, "g", (Op("collective", tag="c"),)), Wait(0)],
+                       2: [Post(0, "g", (Op("collective", tag="c"),)), Wait(0)]}, groups)
+    assert not outsider.completed and "outside its members" in outsider.errors[0]
+    with pytest.raises(AssertionError, match="posts a handle twice"):
+        replay({0: [Post(0, "g", (Op("send", 1, "x"),)), Post(0, "g", (Op("send", 1, "y"),))], 1: []}, groups)
     # Two sends to each other in one batch each complete (a grouped launch), but not as separate posts.
     exchange = {r: [Post(0, "g", (Op("send", 1 - r, "t"), Op("recv", 1 - r, "t"))), Wait(0)] for r in (0, 1)}
     assert replay(exchange, groups).completed

@@ -28,6 +28,7 @@ REPORTED = [
     ("Tesla T4", 14.7, "t4"),
     ("NVIDIA GeForce RTX 4090", 23.6, "rtx_4090"),
     ("NVIDIA RTX A6000", 47.5, "rtx_a6000"),
+    ("NVIDIA A10G", 22.3, "a10"),
 ]
 
 
@@ -46,6 +47,17 @@ def test_reported_devices_identify_and_match_their_catalog_type(name: str, gib: 
 ])
 def test_other_devices_do_not_match(name: str, gib: float, planned: str) -> None:
     assert not device_matches(get_gpu(planned), DeviceInfo("h", "cuda", name, int(gib * GIB)), inline=False)
+
+
+def test_the_sm_count_tells_form_factors_apart_and_no_fit_is_none() -> None:
+    sxm_name = "NVIDIA H100 80GB HBM3"
+    assert identify_gpu(sxm_name, int(79.1 * GIB), multiprocessors=132) == "h100_sxm"
+    assert identify_gpu(sxm_name, int(79.1 * GIB), multiprocessors=114) == "h100_pcie"
+    assert not device_matches(get_gpu("h100_sxm"), DeviceInfo("h", "cuda", sxm_name, int(79.1 * GIB),
+                                                                multiprocessors=114), inline=False)
+    assert identify_gpu("NVIDIA H100 NVL", int(93.6 * GIB)) is None  # no 94 GB H100 in the catalog
+    assert identify_gpu("Tesla V100-PCIE-32GB", int(31.7 * GIB)) is None  # nor a 32 GB PCIe V100
+    assert identify_gpu("Some Unknown Accelerator", int(16 * GIB)) is None
 
 
 def _plan(nodes: list[dict]):  # type: ignore[no-untyped-def]

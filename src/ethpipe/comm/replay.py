@@ -53,6 +53,8 @@ class Post:
 
 @dataclass(frozen=True)
 class Wait:
+    """Block the rank's program until its post ``handle`` has completed."""
+
     handle: int
 
 
@@ -62,8 +64,9 @@ Program = Sequence[Item]
 
 @dataclass(frozen=True)
 class Outcome:
-    """``completed``: every program ran to its end with every post matched. Otherwise ``blocked`` says
-    where each unfinished rank is stuck; ``errors`` lists tag mismatches (the wrong tensor received)."""
+    """``completed``: every program ran to its end with every post matched and every tag agreeing.
+    Otherwise ``blocked`` says where each unfinished rank is stuck; ``errors`` lists tag mismatches
+    (the wrong tensor received) and ops outside their communicator."""
 
     completed: bool
     blocked: dict[int, str] = field(default_factory=dict)
@@ -88,6 +91,9 @@ def replay(programs: Mapping[int, Program], groups: Mapping[str, tuple[int, ...]
            streams: StreamMode = "group", lazy_init: bool = False) -> Outcome:
     """Run every rank's program under NCCL's semantics (module docstring); ``groups``: communicator
     name -> member ranks (a collective needs all of them)."""
+    for rank, program in programs.items():
+        handles = [item.handle for item in program if isinstance(item, Post)]
+        assert len(handles) == len(set(handles)), f"rank {rank} posts a handle twice"
     pc = {r: 0 for r in programs}
     queues: dict[tuple[int, ...] | tuple[int, str], deque[_Posted]] = defaultdict(deque)
     by_handle: dict[tuple[int, int], _Posted] = {}
@@ -95,18 +101,22 @@ def replay(programs: Mapping[int, Program], groups: Mapping[str, tuple[int, ...]
     initialised: set[tuple[int, str]] = set()
     errors: list[str] = []
     # FIFO matching: p2p by (group, src, dst) sequence number, collectives by (group) sequence number.
-    counters: dict[tuple, int] = defaultdict(int)
-    waiting: dict[tuple, list[tuple[_Posted, int]]] = defaultdict(list)
+    counters: dict[tuple[object, ...], int] = defaultdict(int)
+    waiting: dict[tuple[object, ...], list[tuple[_Posted, int]]] = defaultdict(list)
 
     def stream_of(rank: int, group: str) -> tuple[int, ...] | tuple[int, str]:
         return (rank,) if streams == "device" else (rank, group)
 
     def enqueue(rank: int, post: Post) -> None:
+        members = groups[post.group]
+        if rank not in members or any(op.peer is not None and op.peer not in members for op in post.ops):
+            errors.append(f"rank {rank} posts {_describe(_Posted(rank, post, set()))} outside its members {members}")
         item = _Posted(rank, post, set(range(len(post.ops))))
         queues[stream_of(rank, post.group)].append(item)
         by_handle[(rank, post.handle)] = item
 
-    def match_key(item: _Posted, i: int) -> tuple:
+    def next_match_key(item: _Posted, i: int) -> tuple[object, ...]:
+        """The identity of op ``i``'s match: its channel and its sequence number there (advances it)."""
         op, group, rank = item.post.ops[i], item.post.group, item.rank
         if op.kind == "collective":
             key = ("coll", group)
@@ -141,7 +151,7 @@ def replay(programs: Mapping[int, Program], groups: Mapping[str, tuple[int, ...]
                 head.active = True
                 progressed = True
                 for i in sorted(head.pending):
-                    key = match_key(head, i)
+                    key = next_match_key(head, i)
                     waiting[key].append((head, i))
                     op = head.post.ops[i]
                     members = groups[head.post.group]
@@ -167,7 +177,7 @@ def replay(programs: Mapping[int, Program], groups: Mapping[str, tuple[int, ...]
     for queue in queues.values():
         if queue and queue[0].rank not in blocked:
             blocked[queue[0].rank] = f"never completes {_describe(queue[0])}"
-    return Outcome(not blocked, blocked, tuple(errors))
+    return Outcome(not blocked and not errors, blocked, tuple(errors))
 
 
 def _describe(item: _Posted) -> str:

@@ -122,13 +122,15 @@ def gather_consolidated(module: nn.Module, plan: Plan, rank: int, spec: ModelSpe
     out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     for name, shape in state_dict_shapes(spec).items():
         stage = plan.pipelines[0].stages[owner_stage(plan, name)]
-        owner = stage.ranks[0]
-        if rank in stage.ranks:
-            full = gather_full(local[name].detach(), name, tp).to("cpu").contiguous()
-            if rank == owner and out is not None:
-                out[name] = full.clone()
-            elif rank == owner:
-                dist.send(full, dst=0, group=group)
+        owner = 0 if 0 in stage.ranks else stage.ranks[0]
+        full = gather_full(local[name].detach(), name, tp) if rank in stage.ranks else None  # TP: collective
+        if rank == owner:
+            assert full is not None
+            cpu = full.to("cpu").contiguous()
+            if out is not None:
+                out[name] = cpu
+            else:
+                dist.send(cpu, dst=0, group=group)
         elif out is not None:
             buf = torch.empty(shape, dtype=dtype)
             dist.recv(buf, src=owner, group=group)

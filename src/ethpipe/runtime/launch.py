@@ -93,10 +93,17 @@ GPU_ENVIRONMENT = {
 }
 
 
+# Older names of the same settings: where the user set one, theirs stands.
+_SAME_SETTING = {"PYTORCH_ALLOC_CONF": ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
+                 "TORCH_FR_BUFFER_SIZE": ("TORCH_NCCL_TRACE_BUFFER_SIZE",)}
+
+
 def set_gpu_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Apply ``GPU_ENVIRONMENT`` where ``environ`` (default ``os.environ``) lacks a key; returns what was set."""
+    """Apply ``GPU_ENVIRONMENT`` where ``environ`` (default ``os.environ``) sets neither the key nor an older
+    name of it; returns what was set."""
     env = os.environ if environ is None else environ
-    applied = {k: v for k, v in GPU_ENVIRONMENT.items() if k not in env}
+    applied = {k: v for k, v in GPU_ENVIRONMENT.items()
+               if k not in env and not any(old in env for old in _SAME_SETTING.get(k, ()))}
     env.update(applied)
     return applied
 

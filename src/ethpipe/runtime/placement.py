@@ -32,8 +32,8 @@ from ethpipe.units import format_bytes
 MEMORY_TOLERANCE = 0.10
 _FORM_FACTOR_WORDS = {"sxm", "sxm2", "sxm3", "sxm4", "sxm5", "pcie", "nvl"}
 # Catalog ids whose model words are not the id's first part.
-_MODEL_WORDS = {"rtx_a6000": "a6000", "rtx_4090": "4090", "rtx_3090": "3090", "titan_rtx": "titan rtx",
-                "rtx_2080_ti": "2080 ti"}
+_MODEL_WORDS = {"rtx_a6000": ("a6000",), "rtx_4090": ("4090",), "rtx_3090": ("3090",), "titan_rtx": ("titan rtx",),
+                "rtx_2080_ti": ("2080 ti",), "a10": ("a10", "a10g")}  # A10G: AWS's A10
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class DeviceInfo:
     name: str
     total_memory_bytes: int = 0
     capability: str = ""
+    multiprocessors: int = 0  # SMs (0: unknown): tells an H100 SXM (132) from a PCIe card (114)
 
     def describe(self) -> str:
         if self.kind == "cpu":
@@ -58,61 +59,71 @@ def local_device_info(device: torch.device) -> DeviceInfo:
     if device.type != "cuda":
         return DeviceInfo(host, device.type, device.type)
     props = torch.cuda.get_device_properties(device)
-    return DeviceInfo(host, "cuda", props.name, int(props.total_memory), f"{props.major}.{props.minor}")
+    return DeviceInfo(host, "cuda", props.name, int(props.total_memory), f"{props.major}.{props.minor}",
+                      int(props.multi_processor_count))
 
 
 def _words(text: str) -> str:
     return " " + re.sub(r"[^a-z0-9]+", " ", text.lower()).strip() + " "
 
 
-def model_words(gpu_id: str) -> str:
-    """The words a device name must contain for catalog id ``gpu_id``: 'a100_80gb_sxm' -> 'a100'."""
+def model_words(gpu_id: str) -> tuple[str, ...]:
+    """The words a device name must contain (one of) for catalog id ``gpu_id``: 'a100_80gb_sxm' -> ('a100',)."""
     if gpu_id in _MODEL_WORDS:
         return _MODEL_WORDS[gpu_id]
     parts = [p for p in gpu_id.split("_") if p not in _FORM_FACTOR_WORDS and not re.fullmatch(r"\d+gb", p)]
-    return " ".join(parts)
+    return (" ".join(parts),)
 
 
 def memory_matches(gpu: GpuSpec, found_bytes: int) -> bool:
     return abs(found_bytes - gpu.memory_bytes) <= MEMORY_TOLERANCE * gpu.memory_bytes
 
 
+def _named_form(words: str) -> str | None:
+    return "pcie" if " pcie " in words else "sxm" if re.search(r" sxm\d? ", words) else None
+
+
+def _catalog_sms(gpu: GpuSpec) -> int:
+    found = re.search(r"(\d+) SMs", gpu.architecture)
+    return int(found.group(1)) if found else 0
+
+
+def _same_model(gpu: GpuSpec, info: DeviceInfo, words: str) -> bool:
+    """The model words, the form factor where the name says one, the SM count where both know it."""
+    if not any(f" {w} " in words for w in model_words(gpu.id)):
+        return False
+    form = _named_form(words)
+    planned_pcie = "pcie" in gpu.id.split("_")
+    if (form == "sxm" and planned_pcie) or (form == "pcie" and "sxm" in gpu.id):
+        return False
+    sms = _catalog_sms(gpu)
+    return not (sms and info.multiprocessors and sms != info.multiprocessors)
+
+
 def device_matches(gpu: GpuSpec, info: DeviceInfo, inline: bool) -> bool:
     """Whether a rank's device is the planned GPU type (module docstring)."""
     if not memory_matches(gpu, info.total_memory_bytes):
         return False
-    if inline:
-        return True
-    name = _words(info.name)
-    if f" {model_words(gpu.id)} " not in name:
-        return False
-    planned_pcie = "pcie" in gpu.id.split("_")
-    named_pcie, named_sxm = " pcie " in name, re.search(r" sxm\d? ", name) is not None
-    return not ((planned_pcie and named_sxm) or (not planned_pcie and "sxm" in gpu.id and named_pcie))
+    return inline or _same_model(gpu, info, _words(info.name))
 
 
-def identify_gpu(name: str, memory_bytes: int = 0) -> str | None:
+def identify_gpu(name: str, memory_bytes: int = 0, multiprocessors: int = 0) -> str | None:
     """The catalog id of a device a process reports ("NVIDIA H200" -> "h200_sxm"), None if none matches.
 
-    The model words must appear in the name; where the catalog has several sizes, the reported memory
-    (else a size in the name) picks one; where it has several form factors, the name's (SXM or PCIe),
-    and the SXM part when the name says neither (as CUDA names H100 SXM: "NVIDIA H100 80GB HBM3").
+    A candidate must match as ``device_matches`` does: the model words, the form factor where the name
+    says one, the SM count where both know it, and the memory (reported, else a size in the name, else
+    any). Of several left, the SXM part when the name does not say (CUDA names an H100 SXM "NVIDIA H100
+    80GB HBM3"), then the shortest id.
     """
     words = _words(name)
-    found = [g for g in gpu_catalog().values() if g.vendor and f" {model_words(g.id)} " in words]
     sized = re.search(r" (\d+) ?gb ", words)
-    if memory_bytes:
-        found = [g for g in found if memory_matches(g, memory_bytes)] or found
-    elif sized is not None:
-        found = [g for g in found if round(g.memory_gib) == int(sized.group(1))] or found
-    if not found:
-        return None
-    form = "pcie" if " pcie " in words else "sxm" if re.search(r" sxm\d? ", words) else None
-
-    def rank(g: GpuSpec) -> tuple[bool, bool, int]:
-        named = form is not None and form in g.id
-        return (not named, "pcie" in g.id and form != "pcie", len(g.id))
-    return min(found, key=rank).id
+    info = DeviceInfo("", "cuda", name, memory_bytes, multiprocessors=multiprocessors)
+    found = [g for g in gpu_catalog().values() if g.vendor and _same_model(g, info, words)
+             and (memory_matches(g, memory_bytes) if memory_bytes else
+                  round(g.memory_gib) == int(sized.group(1)) if sized else True)]
+    form = _named_form(words)
+    return min(found, key=lambda g: (form is not None and form not in g.id, "pcie" in g.id, len(g.id))).id if found \
+        else None
 
 
 def _planned_gpus(plan: Plan) -> dict[str, tuple[GpuSpec, bool]]:

@@ -17,9 +17,9 @@ stage is one stream whose events carry all its ranks.
 
 from __future__ import annotations
 
+from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.cost.sync import holder_stages
 from ethpipe.plan import Plan
-from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.schedule import pipeline_schedule
 from ethpipe.sim.report import RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
