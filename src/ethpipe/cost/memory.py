@@ -82,24 +82,25 @@ def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: 
 
     Counted from autograd's saved tensors (tests/unit/test_activation_inventory.py fits nothing: it
     checks these exactly against ``saved_tensors_hooks`` over several widths). Attention through SDPA
-    without the s x s scores. Per token, in elements: RMSNorm + RoPE: the norms' inputs, normalised
-    values and outputs (6h), rotated Q, K and V as SDPA reads them (GQA repeats K and V to q width),
-    its output and the reshaped copy the output projection reads (5q), SDPA's log-sum-exp (heads)
-    and the norms' rsqrt (2); LayerNorm + learned positions: 4h + 4q + heads + 4. The MLP adds 4f
-    (SwiGLU: gate and up outputs, SiLU's output, their product) or 2f (GELU). Under 16-bit autocast
-    (``dtype_bytes`` 2) the matmul inputs are kept as 16-bit casts (RMSNorm: 5h + 5q + MLP; LayerNorm:
-    4h + 4q + MLP) and the norms' internals in fp32 (4h + 2 + heads; 2h + 4 + heads). Norm-side
+    without the s x s scores, grouped-query attention inside SDPA (K and V kept at kv width). Per token,
+    in elements: RMSNorm: each norm's input, normalised values and output (6h) and rsqrt (2); LayerNorm:
+    input and output (4h), mean and rstd (4). Attention: Q, K, V as SDPA reads them (q + 2 kv), its
+    output (q), the reshaped copy the output projection reads where RoPE left Q contiguous (q), and
+    SDPA's log-sum-exp (heads). The MLP: 4f (SwiGLU: gate and up outputs, SiLU's output, their
+    product) or 2f (GELU). Under 16-bit autocast (``dtype_bytes`` 2) each sub-block's input is cast
+    once for all its matmuls (2h in 16-bit), the matmul-side tensors are 16-bit, and the norms'
+    internals stay fp32 (RMSNorm: 4h + 2; LayerNorm: 2h + 4; plus the fp32 log-sum-exp). Norm-side
     tensors are replicated over TP, the rest split. RoPE's cos/sin tables (head_dim per token, once
     per stage) and the autocast weight copies (``autocast_weight_bytes``) are counted elsewhere.
     """
     h, rms = model.hidden_size, model.norm == "rmsnorm"
-    split = (5 if model.position == "rope" else 4) * model.q_dim
+    split = (3 if model.position == "rope" else 2) * model.q_dim + 2 * model.kv_dim
     split += (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
     small = 2 if rms else 4
     if dtype_bytes >= 4:
         return seq_len * dtype_bytes * ((6 if rms else 4) * h + small + (split + model.num_heads) / tp)
     wide = (4 if rms else 2) * h + small + model.num_heads / tp
-    return seq_len * (dtype_bytes * ((5 if rms else 4) * h + split / tp) + 4 * wide)
+    return seq_len * (dtype_bytes * (2 * h + split / tp) + 4 * wide)
 
 
 def runtime_head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:

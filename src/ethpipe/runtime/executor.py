@@ -5,7 +5,9 @@ before each action, one ``batch_isend_irecv`` carries the previous action's send
 receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"). Liveness is bounded: a sent payload
 is dropped as soon as its batch is waited, and a forward's output is not kept for the backward (its
 autograd edge is: ``torch.autograd.graph.get_gradient_edge``), so besides the stashed stage inputs a
-stage holds at most one outgoing and one incoming boundary tensor. Micro-batches may have different
+stage holds at most one outgoing and one incoming boundary tensor (the edge would keep the output
+alive only if the stage's last op saved its own result; a decoder stage ends in a residual add, or in
+the boundary cast). Micro-batches may have different
 sizes, so every buffer is shaped from the plan's micro-batch size, and any count (also fewer than
 stages) works. The last stage's loss is the SUM of token losses times ``loss_scale``.
 """
@@ -32,8 +34,10 @@ from ethpipe.schedule import Action
 class StageIO:
     """This stage's place in its pipeline and where its boundary tensors go (``comm.program.plan_peers``).
 
-    Activations cross stage boundaries in ``act_dtype``: the parameters' dtype (fp32 also under
-    bf16 autocast, fp64 in the exactness mode), and the loss is summed in it too.
+    Activations and their gradients cross stage boundaries in ``act_dtype``: the autocast dtype under
+    bf16/fp16 (half the bytes on the links between stages), else the parameters' dtype. Inside a stage
+    the residual stream and the loss stay in ``param_dtype`` (fp32, or fp64 in the exactness mode): a
+    received activation is widened back, so only the boundary rounds.
     """
 
     group: dist.ProcessGroup
@@ -43,6 +47,7 @@ class StageIO:
     hidden_size: int
     seq_len: int
     act_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
     count_loss: bool = True  # False on all but the first rank of a TP group: the loss is replicated there
 
 
@@ -90,13 +95,12 @@ class _Step:
     def forward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         mb, io = action.microbatch, self.io
         x = None if io.first else received.pop(("act", mb)).requires_grad_()
-        inp = self.inputs[mb] if self.inputs is not None else x
 
         def run() -> torch.Tensor:
-            out = self.module(inp)
+            out = self.module(self.inputs[mb] if self.inputs is not None else x.to(io.param_dtype))  # type: ignore[union-attr]
             if io.last:
-                logits, labels = out.to(io.act_dtype), self.targets[mb]  # type: ignore[index]
-                with torch.autocast(device_type=self.device.type, enabled=False):  # the loss in act_dtype
+                logits, labels = out.to(io.param_dtype), self.targets[mb]  # type: ignore[index]
+                with torch.autocast(device_type=self.device.type, enabled=False):  # the loss in param_dtype
                     return self.module.loss_sum(logits, labels) * self.loss_scale  # type: ignore[operator]
             return out.to(io.act_dtype)
 
@@ -190,5 +194,5 @@ def run_stage_step(
         on_last_backward()
     assert not state.stash, "every forwarded micro-batch must be backwarded"
     if state.loss_total is None:
-        return torch.zeros((), dtype=io.act_dtype, device=device)
+        return torch.zeros((), dtype=io.param_dtype, device=device)
     return state.loss_total

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.runtime.tensor_parallel import (
-    TPGroup, VocabParallelEmbedding, copy_to_tp, linear, local_slice, vocab_parallel_cross_entropy_sum,
+    TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
 )
 
 INIT_STD = 0.02
@@ -46,9 +46,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = compute_dtype(x.dtype)
-        x_wide = x.to(wide)
-        normed = x_wide * torch.rsqrt(x_wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.to(wide)).type_as(x)
+        return F.rms_norm(x.to(wide), (x.shape[-1],), self.weight.to(wide), self.eps).type_as(x)
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
@@ -59,7 +57,7 @@ def make_norm(spec: ModelSpec) -> nn.Module:
 
 def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device,
                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (seq_len, head_dim/2), in ``dtype`` (fp32, or fp64; cheap, recomputed per forward)."""
+    """cos/sin of shape (seq_len, head_dim/2), in ``dtype`` (fp32, or fp64); a stage caches them."""
     half = spec.head_dim_resolved // 2
     inv_freq = scale_rope_frequencies(
         spec, 1.0 / (spec.rope_theta ** (torch.arange(0, half, device=device, dtype=dtype) / half)))
@@ -97,6 +95,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.tp = tp if tp is not None and tp.size > 1 else None
         size = tp.size if tp is not None else 1
         self.num_heads, self.num_kv_heads = spec.num_heads // size, spec.num_kv_heads // size
         qkv_bias = spec.attention_bias or spec.qkv_bias
@@ -109,22 +108,21 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, t, _ = x.shape
         s = self.spec
+        x = tp_input(x, self.tp)
         q = self.wq(x).view(b, t, self.num_heads, s.head_dim_resolved).transpose(1, 2)
         k = self.wk(x).view(b, t, self.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
         v = self.wv(x).view(b, t, self.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        repeat = s.num_heads // s.num_kv_heads
-        if repeat > 1:  # grouped-query attention: each kv head serves `repeat` query heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: each kv head serves num_heads / num_kv_heads query heads, inside SDPA.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.num_heads != s.num_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.num_heads * s.head_dim_resolved))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.swiglu = spec.activation == "swiglu"
         self.gelu_approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -134,6 +132,7 @@ class MLP(nn.Module):
             self.w3 = linear(h, f, spec.mlp_bias, "column", tp)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_input(x, self.tp)
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate=self.gelu_approximate))
@@ -156,20 +155,20 @@ class TiedHead(nn.Module):
     """The output projection of a tied model: logits = x @ embedding.weight.T, with no parameter of its own.
 
     The embedding is kept in a tuple, which ``nn.Module`` does not register, so the matrix has
-    one name (``tok_emb.weight``) in ``named_parameters`` and ``state_dict``.
+    one name (``tok_emb.weight``) in ``named_parameters`` and ``state_dict``. Under tp the matrix is
+    vocab-sharded, so this rank's rows give its slice of the logits.
     """
 
-    def __init__(self, embedding: nn.Module, tp: TPGroup | None = None) -> None:
+    def __init__(self, embedding: nn.Module) -> None:
         super().__init__()
         self.embedding_ref = (embedding,)
-        self.tp = tp  # vocab-parallel: this rank's rows of the matrix give its slice of the logits
 
     @property
     def weight(self) -> nn.Parameter:
         return self.embedding_ref[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x if self.tp is None else copy_to_tp(x, self.tp), self.weight)
+        return F.linear(x, self.weight)
 
 
 class Decoder(nn.Module):
@@ -188,6 +187,7 @@ class Decoder(nn.Module):
         self.spec, self.layer_range, self.first, self.last = spec, layers, first, last
         self.recompute = recompute
         self.tp = tp if tp is not None and tp.size > 1 else None  # tensor parallelism (runtime/tensor_parallel.py)
+        self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         tied = spec.tie_embeddings
         if first or (last and tied):  # a tied last stage holds its copy of the embedding matrix
             self.tok_emb = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, self.tp) if self.tp else
@@ -197,7 +197,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for k in range(*layers)})
         if last:
             self.norm = make_norm(spec)
-            self.head: nn.Module = (TiedHead(self.tok_emb, self.tp) if tied else
+            self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
                                     linear(spec.hidden_size, spec.vocab_size, False, "column", self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,16 +209,23 @@ class Decoder(nn.Module):
             if self.spec.position == "learned":
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device))
             x = h
-        dtype = compute_dtype(next(self.parameters()).dtype)
-        rope = rope_tables(self.spec, seq_len, x.device, dtype) if self.spec.position == "rope" else None
+        rope = self._rope(seq_len, x.device) if self.spec.position == "rope" else None
         for layer in self.layers.values():
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
         if self.last:
-            x = self.head(self.norm(x))
+            x = self.head(tp_input(self.norm(x), self.tp))
         return x
+
+    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables, made once per sequence length and device (not state: not in the state dict)."""
+        dtype = compute_dtype(next(self.parameters()).dtype)
+        key = (seq_len, str(device), dtype)
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_tables(self.spec, seq_len, device, dtype)
+        return self._rope_cache[key]
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy of the last stage's logits (vocab-parallel under tp)."""

@@ -11,8 +11,11 @@ parameters stay plain tensors, so block-wise gradient aggregation across pipelin
 degrees (runtime/grad_sync.py) slices them by plain index arithmetic, and the model code is the
 same module tree at every degree (docs/runtime.md, "Tensor parallelism").
 
-``f`` (``copy_to_tp``): identity forward, all-reduce backward — before a column-parallel matmul.
-``g`` (``reduce_from_tp``): all-reduce forward, identity backward — after a row-parallel matmul.
+``f`` (``copy_to_tp``): identity forward, all-reduce backward — once at the input of each
+sub-block (attention, MLP, LM head), in the compute dtype (``tp_input``): the gradients of Q, K and V
+(gate and up) sum before the one all-reduce, so a layer all-reduces 2 x b*s*h elements forward (``g``
+after attention and after the MLP) and 2 x b*s*h backward, in bf16/fp16 under autocast: Megatron's 4.
+``g`` (``reduce_from_tp``): all-reduce forward, in place, identity backward — after a row-parallel matmul.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
+        grad = grad.contiguous()  # autograd's own (summed) gradient: reduced in place, as Megatron does
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -88,9 +91,12 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
+        if not x.is_contiguous():
+            x = x.contiguous()
+        else:
+            ctx.mark_dirty(x)  # the partial sums are not needed again: reduce them in place
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -105,8 +111,25 @@ def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp.group)
 
 
+def compute_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype its matmuls run in: the autocast dtype inside an autocast region (cast once
+    for all the sub-block's matmuls, which would otherwise each keep their own cast), else unchanged."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+def tp_input(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """A sub-block's input to its column-parallel matmuls: in the compute dtype, and under tp through
+    ``f`` once (one backward all-reduce of the summed gradients, in that dtype)."""
+    x = compute_input(x)
+    return copy_to_tp(x, tp) if tp is not None and tp.size > 1 else x
+
+
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local: this rank's share of the output features."""
+    """y_local = x W_local^T + b_local: this rank's share of the output features. Its input has been
+    through ``f`` already (``tp_input``, once for all the sub-block's column-parallel layers)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -115,7 +138,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -20,27 +20,70 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ethpipe.catalog import check_one_world
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
-from ethpipe.catalog import check_one_world
-from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus, train_dtype
-from ethpipe.runtime.checkpoint import check_checkpoint, gather_consolidated, load_into, save_atomic
-from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
+from ethpipe.precision import (
+    check_dtype_fits,
+    check_train_dtype,
+    plan_gpus,
+    train_dtype,
+)
+from ethpipe.runtime.checkpoint import (
+    check_checkpoint,
+    gather_consolidated,
+    load_into,
+    save_atomic,
+)
+from ethpipe.runtime.ckpt_layout import (
+    DataCursor,
+    ResumePoint,
+    check_fresh_dir,
+    complete_checkpoints,
+    find_resume,
+)
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
-from ethpipe.runtime.data import TokenFile, gather_samples, open_tokens, sample_ids, validate_data
+from ethpipe.runtime.data import (
+    TokenFile,
+    gather_samples,
+    open_tokens,
+    sample_ids,
+    validate_data,
+)
 from ethpipe.runtime.emulate import (
-    EmulateMode, Emulator, Slowdown, check_emulate_mode, check_emulation, make_emulator,
+    EmulateMode,
+    Emulator,
+    Slowdown,
+    check_emulate_mode,
+    check_emulation,
+    make_emulator,
 )
 from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
-from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
+from ethpipe.runtime.fault_hooks import (
+    ForwardKill,
+    kill_spec,
+    maybe_hang,
+    maybe_kill,
+    maybe_overflow,
+)
 from ethpipe.runtime.grad_sync import (
-    BlockGradSync, clip_coefficient, owned_square_norm, scale_gradients, stage_sync_units, tied_parameters,
+    BlockGradSync,
+    clip_coefficient,
+    owned_square_norm,
+    scale_gradients,
+    stage_sync_units,
+    tied_parameters,
 )
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
-from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
 from ethpipe.runtime.loss_scale import LossScaler, count_nonfinite, unscale_gradients
+from ethpipe.runtime.metrics import (
+    MetricsWriter,
+    gather_stats,
+    step_record,
+    write_chrome_trace,
+)
 from ethpipe.runtime.model import PARAM_DTYPES, build_stage, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
 from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
@@ -166,7 +209,7 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
 def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
     """Every user-input check, before any process group exists; also where training starts."""
     spec = check_plan_runnable(plan, world_size)
-    check_train_dtype(plan, train_dtype(plan, config.dtype))
+    check_train_dtype(plan, config.dtype)
     if config.dtype is not None:
         check_dtype_fits(plan, config.dtype)
     data = open_tokens(config.data, spec.vocab_size)
@@ -301,10 +344,10 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     sync = BlockGradSync(params, units, groups.block_groups, config.bucket_bytes)
     emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
                                  if config.emulate else None)
-    io = StageIO(groups.pipeline_group, groups.peers, first, last, spec.hidden_size, plan.seq_len,
-                 act_dtype=param_dtype, count_loss=pos.tp_rank == 0)
-    loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
     autocast_dtype = AUTOCAST_DTYPES.get(dtype)
+    io = StageIO(groups.pipeline_group, groups.peers, first, last, spec.hidden_size, plan.seq_len,
+                 act_dtype=autocast_dtype or param_dtype, param_dtype=param_dtype, count_loss=pos.tp_rank == 0)
+    loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
     scaler = _initial_scaler(start) if dtype == "fp16" else None
     timeline = Timeline(record=config.trace is not None)
     writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
