@@ -44,7 +44,8 @@ from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
 from ethpipe.runtime.emulate import local_cores, with_emulation
-from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
+from ethpipe.runtime.executor import StageIO, run_stage_step
+from ethpipe.runtime.timing import Timeline
 from ethpipe.runtime.launch import die_with_parent, run_local
 from ethpipe.runtime.model import build_stage
 from ethpipe.runtime.train import TrainConfig

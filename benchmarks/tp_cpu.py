@@ -43,7 +43,8 @@ from ethpipe.cost import memory
 from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.grad_sync import BlockGradSync, params_by_block
+from ethpipe.runtime.grad_buckets import GradBuckets
+from ethpipe.runtime.grad_sync import params_by_block
 from ethpipe.runtime.groups import build_groups, destroy_groups
 from ethpipe.runtime.launch import die_with_parent
 from ethpipe.runtime.model import MLP, build_stage, state_dict_shapes
@@ -119,15 +120,18 @@ def _sync_worker(rank: int, world: int, store: str, pipelines: list[tuple[int, .
     stage = plan.pipelines[groups.position.pipeline].stages[0]
     tp = TPGroup(groups.tp_group, groups.position.tp_rank, stage.tp) if stage.tp > 1 else None
     module = build_stage(SPEC, stage.layers, True, True, tp=tp)
-    for p in module.parameters():
-        p.grad = torch.randn_like(p)
     blocks = params_by_block(plan, module)
-    sync = BlockGradSync(dict(module.named_parameters()), sync_units(plan, rank, blocks, state_dict_shapes(SPEC)),
-                         groups.block_groups)
+    sync = GradBuckets(dict(module.named_parameters()), sync_units(plan, rank, blocks, state_dict_shapes(SPEC)),
+                       groups.block_groups, bucket_bytes=0)
+    for p in module.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(torch.randn_like(p))  # in place: the gradients are views of the sync's buffers
 
     def once() -> None:
-        sync.start()
-        sync.finish()
+        sync.arm()
+        sync.flush()
+        sync.wait()
 
     measured = _median_s(once, iters)
     saved_bytes = _saved_bytes(module)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import ethpipe.runtime.train as train_module
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.grad_sync import BlockGradSync
+from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_params_match, assert_stats_match
@@ -59,13 +59,14 @@ def _break(variant: str) -> None:
     elif variant == "loss-per-sample":
         train_module.run_stage_step = _per_sample_loss(train_module.run_stage_step)  # type: ignore[assignment]
     elif variant == "block-1-allreduce-skipped":
-        real_issue = BlockGradSync._issue
+        real_issue = GradBuckets._issue
 
-        def issue(self: BlockGradSync, label: str, views: list, group: Any, divide_by: int = 1) -> None:
-            if label != "block 1":  # block 1's gradients stay per pipeline: nothing is summed
-                real_issue(self, label, views, group, divide_by)
+        def issue(self: GradBuckets, bucket: Any) -> None:
+            if bucket.label == "block 1":  # block 1's gradients stay per pipeline: nothing is summed
+                bucket.holders = bucket.holders[:1]
+            real_issue(self, bucket)
 
-        BlockGradSync._issue = issue  # type: ignore[method-assign]
+        GradBuckets._issue = issue  # type: ignore[method-assign]
     else:
         assert variant == "correct", variant
 
@@ -74,9 +75,9 @@ VARIANTS = ("correct", "weight-decay-on-norms", "loss-per-sample", "block-1-allr
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    originals = (train_module.make_optimizer, train_module.run_stage_step, BlockGradSync._issue)
+    originals = (train_module.make_optimizer, train_module.run_stage_step, GradBuckets._issue)
     for variant in VARIANTS:
-        train_module.make_optimizer, train_module.run_stage_step, BlockGradSync._issue = originals  # type: ignore
+        train_module.make_optimizer, train_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
         _break(variant)
         config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
                              save_final=str(Path(out_dir, f"{variant}.safetensors")))

@@ -32,7 +32,8 @@ from ethpipe.comm.replay import Post
 from ethpipe.cost import memory
 from ethpipe.runtime import executor as executor_module
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
+from ethpipe.runtime.executor import StageIO, run_stage_step
+from ethpipe.runtime.timing import Timeline
 from ethpipe.runtime.model import build_stage
 from ethpipe.runtime.p2p import LivenessProbe
 from ethpipe.runtime.train import TrainConfig, train

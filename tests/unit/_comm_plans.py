@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import torch
 
 from ethpipe.comm.program import communicators, step_program
-from ethpipe.comm.replay import Outcome, Post, Program, Wait, Op, replay
+from ethpipe.comm.replay import Op, Outcome, Post, Program, Wait, replay
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+from ethpipe.runtime.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from ethpipe.runtime.grad_sync import stage_sync_units
 from ethpipe.runtime.model import Decoder, state_dict_shapes
 from ethpipe.runtime.tensor_parallel import TPGroup
@@ -44,8 +45,9 @@ def even_pipeline(depth: int, sizes: Sequence[int], tps: Sequence[int] | None = 
     return [((s * num_layers // depth, (s + 1) * num_layers // depth), tps[s]) for s in range(depth)], list(sizes)
 
 
-def sync_posts(plan: Plan, rank: int) -> list[tuple[str, tuple[int, ...]]]:
-    """The block sync's all-reduces of ``rank`` (those with more than one holder: the runtime skips the rest)."""
+def sync_posts(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[str, tuple[int, ...]]]:
+    """The block sync's all-reduces of ``rank`` in the runtime's issue order (``GradBuckets.posts``: those
+    with more than one holder; the runtime skips the rest)."""
     spec = plan.resolve_model()
     if len(plan.pipelines) == 1 and not spec.tie_embeddings:
         return []  # one holder per block (building the meta stages is the slow part of these tests)
@@ -56,12 +58,16 @@ def sync_posts(plan: Plan, rank: int) -> list[tuple[str, tuple[int, ...]]]:
         module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
                          tp=TPGroup(None, pos.tp_rank, stage.tp))
     _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), spec.tie_embeddings)
-    return [(u.label, u.holders) for u in units if len(u.holders) > 1]
+    buckets = GradBuckets(dict(module.named_parameters()), units, {}, bucket_bytes)
+    buckets.remove_hooks()
+    return buckets.posts()
 
 
-def replay_plan(plan: Plan, *, streams: str = "group", lazy_init: bool = False, warmup: bool = False) -> Outcome:
+def replay_plan(plan: Plan, *, streams: str = "group", lazy_init: bool = False, warmup: bool = False,
+                overlap_sync: bool = True) -> Outcome:
     posts = {r: sync_posts(plan, r) for r in range(plan.world_size)}
-    programs = {r: step_program(plan, r, posts[r], warmup=warmup) for r in range(plan.world_size)}
+    programs = {r: step_program(plan, r, posts[r], warmup=warmup, overlap_sync=overlap_sync)
+                for r in range(plan.world_size)}
     return replay(programs, communicators(plan, posts.__getitem__), streams=streams,  # type: ignore[arg-type]
                   lazy_init=lazy_init)
 

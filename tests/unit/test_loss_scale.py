@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ethpipe.runtime.loss_scale import INIT_SCALE, LossScaler, count_nonfinite, unscale_gradients
+from ethpipe.runtime.grad_sync import grad_stats, scale_grads
+from ethpipe.runtime.loss_scale import INIT_SCALE, LossScaler
 
 
 def test_scale_halves_on_overflow_and_doubles_after_the_growth_interval() -> None:
@@ -20,11 +22,17 @@ def test_scale_halves_on_overflow_and_doubles_after_the_growth_interval() -> Non
     assert LossScaler.from_dict(scaler.after_step(True).to_dict()) == LossScaler(INIT_SCALE, 1, 3)
 
 
-def test_nonfinite_count_and_unscale() -> None:
+def test_grad_stats_flag_nonfinite_and_count_owned_squares_and_unscale_in_one_launch() -> None:
     module = torch.nn.Linear(3, 2)
     module.weight.grad = torch.full((2, 3), 8.0)
-    module.bias.grad = torch.tensor([float("inf"), float("nan")])
-    assert count_nonfinite(module) == 2
-    unscale_gradients(module, 4.0)
-    assert torch.equal(module.weight.grad, torch.full((2, 3), 2.0))
-    assert torch.isinf(module.bias.grad[0]) and torch.isnan(module.bias.grad[1])
+    module.bias.grad = torch.tensor([3.0, 4.0])
+    params = dict(module.named_parameters())
+    stats = grad_stats(params, ["weight"], torch.device("cpu"))
+    u = 2.0**-24  # the norm is an fp32 reduction, squared in fp64
+    assert stats.dtype == torch.float64 and stats.tolist() == [pytest.approx(6 * 64.0, rel=4 * u), 0.0]  # owned only
+    module.bias.grad = torch.tensor([float("inf"), 1.0])
+    assert grad_stats(params, ["weight"], torch.device("cpu")).tolist() == [pytest.approx(384.0, rel=4 * u), 1.0]
+    module.bias.grad = torch.tensor([float("nan"), 1.0])
+    assert grad_stats(params, [], torch.device("cpu")).tolist() == [0.0, 1.0]
+    scale_grads(module, 0.25)
+    assert torch.equal(module.weight.grad, torch.full((2, 3), 2.0)) and torch.isnan(module.bias.grad[0])

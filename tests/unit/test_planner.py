@@ -73,9 +73,10 @@ def test_every_method_balance_efficiency_at_most_one() -> None:
 
 def test_cpu_demo_cluster_plans_tiny() -> None:
     cluster = load_cluster("examples/clusters/cpu_demo.yaml")
-    for batch, seq in ((24, 64), (48, 128)):
-        assert make_plan(cluster, load_model_spec("tiny"), batch, seq, max_tp=1).world_size == 6
-        plan = make_plan(cluster, load_model_spec("tiny"), batch, seq, max_tp=1, options=PlannerOptions(allow_mixed=False))
+    for batch, seq in ((24, 128), (48, 128)):  # the demo's batch and twice it, in fp32 as the demo plans it
+        assert make_plan(cluster, load_model_spec("tiny"), batch, seq, max_tp=1, dtype="fp32").world_size == 6
+        plan = make_plan(cluster, load_model_spec("tiny"), batch, seq, max_tp=1, dtype="fp32",
+                         options=PlannerOptions(allow_mixed=False))
         assert plan.world_size == 6 and plan.extra["device_speeds"]["slow"] == pytest.approx(1 / 4)
         fast = [p.num_samples for p in plan.pipelines if p.stages[0].device == "fast"]
         slow = [p.num_samples for p in plan.pipelines if p.stages[0].device == "slow"]

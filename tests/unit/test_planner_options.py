@@ -27,11 +27,12 @@ def test_defaults_recorded_and_group_score_equals_estimate() -> None:
     # pipeline crosses it, its stages on two nodes, so that each stage's gradient sync stays inside a node) ...
     estimated_s = plan.extra["search"]["estimated_iteration_s"]
     assert estimated_s < plan.predicted["iteration_time_s"] < 1.02 * estimated_s
-    # ... and is the estimate itself where no p2p crosses a node (8-GPU nodes: each pipeline inside one).
+    # ... and is the estimate itself where no p2p crosses a node (8-GPU nodes, per-type pipelines: each
+    # inside one node).
     wide = cluster_from_dict({"nodes": [
         {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 1600},
         {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800}]})
-    inside = make_plan(wide, GPT, 100, 2048)
+    inside = make_plan(wide, GPT, 100, 2048, options=PlannerOptions(allow_mixed=False))
     assert max(p.depth for p in inside.pipelines) > 1
     assert inside.extra["search"]["estimated_iteration_s"] == pytest.approx(inside.predicted["iteration_time_s"],
                                                                             rel=1e-9)

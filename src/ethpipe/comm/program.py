@@ -17,8 +17,9 @@ each tensor exactly once, and a rank sends to every rank that takes from it.
 **The whole step** (``step_program``) adds the collectives around the p2p batches, as the runtime
 issues them: one TP collective per action on a tp > 1 stage (all TP ranks run the same code, so its
 all-reduces keep the TP ranks in step), the block gradient sync's all-reduces (asynchronous, in the
-one global unit order) once the stage's last backward and its sends are posted, waited at the end,
-and the per-step stats all-gather over the world. ``ethpipe.comm.replay`` proves such programs
+one global bucket order of ``runtime.grad_buckets``), fired by backward hooks during the stage's last
+backward and so posted before that backward's sends, waited at the end, and the per-step stats
+all-gather over the world. ``ethpipe.comm.replay`` proves such programs
 deadlock-free. Before the first step every rank runs one collective on its pipeline group: where
 NCCL creates communicators lazily, the first batched p2p would otherwise need every rank of the
 group at once, and a TP rank without sends in its warm-up reaches it only after waiting on its peer.
@@ -131,10 +132,11 @@ def communicators(plan: Plan, sync_posts: Callable[[int], SyncPosts]) -> dict[st
     return groups
 
 
-def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool = False,
+def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool = False, overlap_sync: bool = True,
                  schedule: Callable[[int, int, int], tuple[Action, ...]] = one_f_one_b) -> list[Item]:
     """Rank ``rank``'s communication in one training step, in the order the runtime issues it;
-    ``warmup``: the first step, after the start-up collective on each pipeline group (``runtime.groups``)."""
+    ``warmup``: the first step, after the start-up collective on each pipeline group (``runtime.groups``);
+    ``overlap_sync`` False: the sync's all-reduces only after the step's last sends (``--no-overlap-grad-sync``)."""
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
@@ -155,15 +157,22 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
         if batch:
             post(pipeline_group(pos.pipeline), tuple(Op(o.kind, o.peer, o.tag) for o in batch))
 
+    def post_sync() -> None:
+        for label, holders in sync_posts:
+            post(sync_group(holders), (Op("collective", tag=label),), wait=False)
+
     if warmup:
         post(pipeline_group(pos.pipeline), (Op("collective", tag="warm-up"),))
+    last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
     for k, action in enumerate(actions):
         post_p2p(batches[k])
         if stage.tp > 1:
             post(tp_group(pos.pipeline, pos.stage), (Op("collective", tag=str(action)),))
+        if k == last_backward and overlap_sync:  # the backward hooks fire them during it, before its sends
+            post_sync()
     post_p2p(batches[-1])
-    for label, holders in sync_posts:
-        post(sync_group(holders), (Op("collective", tag=label),), wait=False)
+    if not overlap_sync:
+        post_sync()
     items.extend(Wait(h) for h in pending)
     post(WORLD, (Op("collective", tag="stats"),))
     return items

@@ -1,7 +1,9 @@
 """Memory per pipeline stage under 1F1B (reference/formulas.md sections 2 and 3).
 
-Model states: 16-bit weights + 16-bit gradients + fp32 Adam (master, m, v) = 16 bytes/param
-(ZeRO's K = 12); fp32 training keeps no master copy: 4 + 4 + 8 = 16 as well. Activations per
+Model states: ethpipe's runtime keeps fp32 weights, fp32 gradients (the sync's bucket buffers: the
+gradients are views of them) and fp32 AdamW moments, 4 + 4 + 8 = 16 bytes/param in every precision,
+plus under 16-bit autocast one 16-bit copy of the weights per step (``autocast_weight_bytes``). (The
+same 16 as Megatron's 16-bit weights + 16-bit gradients + fp32 master, m, v: ZeRO's K = 12.) Activations per
 decoder block and sample are counted tensor by tensor for a FlashAttention block without
 dropout (no s x s term): two norm inputs and outputs (4h), Q, K, V (q + 2kv) and the attention
 output (q), and the MLP intermediates (3f for SwiGLU, 2f for GeLU). With TP the norm-side
@@ -16,6 +18,7 @@ from ethpipe.model_spec import ModelSpec
 # Fraction of a device's memory the planner lets a stage use: CUDA context, allocator
 # fragmentation and communication buffers take the rest.
 USABLE_MEMORY_FRACTION = 0.9
+GRAD_BYTES_PER_PARAM = 4  # fp32 gradients: what the block sync all-reduces, also under 16-bit autocast
 ADAM_STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v (mixed precision)
 FP32_ADAM_STATE_BYTES_PER_PARAM = 8  # m + v (fp32 training: the weights are the master copy)
 LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
@@ -24,6 +27,10 @@ LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
 # the output gradient received and the input gradient it produces). Every send is waited before the
 # next action and then dropped, and no forward output is kept for the backward.
 P2P_BUFFERS = 2
+# Beyond the log-softmax output it keeps, the last stage's loss holds for one micro-batch at a time two more
+# fp32 logits-sized tensors at its peak: the fp32 logits beside that output in the forward, and the output
+# gradient and the input gradient beside it in the log-softmax backward.
+LOSS_TRANSIENT_LOGITS = 2
 
 
 def state_bytes_per_param(dtype_bytes: int) -> int:
@@ -42,6 +49,18 @@ def block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp:
 def boundary_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
     """One sample's activation (or its gradient) crossing a stage boundary: s x h elements."""
     return seq_len * dtype_bytes * model.hidden_size
+
+
+def stashed_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
+    """What a non-first stage keeps per in-flight sample besides its blocks' saved tensors: the received
+    16-bit boundary tensor (for its gradient), widened to the fp32 residual stream the first norm saves. In
+    fp32 (or fp64) the received tensor is that saved input itself, counted with the block."""
+    return boundary_bytes(model, seq_len, dtype_bytes) if dtype_bytes < 4 else 0.0
+
+
+def loss_transient_bytes(model: ModelSpec, seq_len: int, tp: int) -> float:
+    """The loss's transient fp32 logits-sized tensors of one sample (``LOSS_TRANSIENT_LOGITS``), vocab-parallel."""
+    return LOSS_TRANSIENT_LOGITS * seq_len * LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp
 
 
 def block_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:

@@ -30,7 +30,6 @@ from ethpipe.plan import Plan, Stage
 # Launch/synchronisation overhead of one layer's kernels per pass: keeps tiny micro-batches
 # from looking free. Negligible for real model sizes (a 7B block at b=1, s=4096 takes ~10 ms).
 LAYER_OVERHEAD_S = 10e-6
-TP_ALLREDUCES_PER_PASS = 2  # Megatron: one after attention, one after the MLP, in fwd and in bwd
 
 
 def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
@@ -253,31 +252,42 @@ class CostModel(MemoryPricing):
             return self._head_flops / compute.head_fwd_flops(other, prof.seq_len)  # type: ignore[attr-defined]
         return (self.seq_len * self.model.hidden_size) / (prof.seq_len * other.hidden_size)
 
-    def tp_allreduce_s(self, device_type: str, tp: int, micro_batch: int) -> float:
-        """One Megatron TP all-reduce of a micro-batch's activation on the intra-node link (measured curve if any)."""
+    def tp_message_bytes(self, kind: str, micro_batch: int, backward: bool) -> list[float]:
+        """The runtime's TP all-reduces of one layer pass (``ops.tp_allreduce_bytes``): blocks in the compute
+        dtype, the embedding and loss sums in the weights' dtype (fp32 under 16-bit autocast)."""
+        return ops.tp_allreduce_bytes(kind, self.model, self.seq_len, micro_batch, self.dtype_bytes, backward,
+                                      wide_bytes=memory.GRAD_BYTES_PER_PARAM)
+
+    def tp_allreduce_s(self, device_type: str, tp: int, micro_batch: int, num_bytes: float | None = None) -> float:
+        """One TP all-reduce (default: of a micro-batch's activation) on the intra-node link (measured curve if any)."""
         if tp <= 1:
             return 0.0
-        num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
-        return comm.ring_allreduce_s(tp, num_bytes, links.intra_gbps(self.gpu(device_type), tp, num_bytes),
+        n = micro_batch * self._act_bytes if num_bytes is None else num_bytes  # type: ignore[attr-defined]
+        return comm.ring_allreduce_s(tp, n, links.intra_gbps(self.gpu(device_type), tp, n),
                                      self.cluster.intra_node_latency_s)
+
+    def _tp_comm_s(self, device_type: str, tp: int, kind: str, micro_batch: int, backward: bool) -> float:
+        """A layer pass's TP all-reduces."""
+        if tp <= 1:
+            return 0.0
+        return sum(self.tp_allreduce_s(device_type, tp, micro_batch, n)
+                   for n in self.tp_message_bytes(kind, micro_batch, backward))
 
     def layer_times_s(self, device_type: str, micro_batch: int, tp: int = 1, recompute: bool = False) -> tuple[float, float]:
         """(fwd, bwd) seconds of ONE decoder block for one micro-batch (bwd includes recomputation)."""
         fwd, bwd = self._compute_s(device_type, "block", micro_batch, tp)
-        comm_s = TP_ALLREDUCES_PER_PASS * self.tp_allreduce_s(device_type, tp, micro_batch)
-        fwd_total = fwd + comm_s
-        bwd_total = bwd + comm_s + (fwd_total if recompute else 0.0)
+        fwd_total = fwd + self._tp_comm_s(device_type, tp, "block", micro_batch, False)
+        bwd_total = bwd + self._tp_comm_s(device_type, tp, "block", micro_batch, True) + (fwd_total if recompute else 0.0)
         return fwd_total, bwd_total
 
     def end_times_s(self, device_type: str, micro_batch: int, tp: int, *, first: bool, last: bool) -> tuple[float, float]:
-        """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage)."""
+        """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage), with their TP
+        all-reduces."""
         fwd = bwd = 0.0
-        if first:
-            f, b = self._compute_s(device_type, "embedding", micro_batch, tp)
-            fwd, bwd = fwd + f, bwd + b
-        if last:
-            f, b = self._compute_s(device_type, "head", micro_batch, tp)
-            fwd, bwd = fwd + f, bwd + b
+        for kind in ("embedding",) * first + ("head",) * last:
+            f, b = self._compute_s(device_type, kind, micro_batch, tp)
+            fwd += f + self._tp_comm_s(device_type, tp, kind, micro_batch, False)
+            bwd += b + self._tp_comm_s(device_type, tp, kind, micro_batch, True)
         return fwd, bwd
 
     def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
@@ -303,6 +313,10 @@ class CostModel(MemoryPricing):
             return min(links.intra_gbps(a.gpu, 2, num_bytes), links.intra_gbps(b.gpu, 2, num_bytes))
         fa, fb = (self.p2p_flows or {}).get((src_rank, dst_rank), (1, 1))
         return min(a.flow_gbps, a.nic_gbps / fa, b.flow_gbps, b.nic_gbps / fb)
+
+    def boundary_bytes(self, micro_batch: int) -> float:
+        """One micro-batch's activation (or its gradient) as it crosses a stage boundary: in the compute dtype."""
+        return micro_batch * self._act_bytes  # type: ignore[attr-defined, no-any-return]
 
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         """Send one micro-batch's activation (or its gradient) between two ranks (memoised: the planner asks

@@ -35,10 +35,15 @@ class MemoryPricing:
                 m.head_params() if last else 0)
         return memo[key]
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient element as the block sync all-reduces it (fp32 under every precision)."""
+        return memory.GRAD_BYTES_PER_PARAM
+
     def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
         """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
         num_layers = block.layers[1] - block.layers[0]
-        return self.stage_params(num_layers, first=first, last=last) * self.dtype_bytes
+        return self.stage_params(num_layers, first=first, last=last) * self.grad_bytes
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
@@ -74,9 +79,13 @@ class MemoryPricing:
         fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
         fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
         fixed += full if recompute else 0.0
-        fixed += self._activation_bytes(device, "head", micro_batch, tp) if last else 0.0
+        if last:
+            fixed += (self._activation_bytes(device, "head", micro_batch, tp)
+                      + memory.loss_transient_bytes(m, s, tp) * micro_batch)
         if not (first and last):  # the payload in flight and the receive buffer (memory.P2P_BUFFERS)
             fixed += memory.P2P_BUFFERS * memory.boundary_bytes(m, s, d) * micro_batch
+        if not first:
+            fixed += in_flight * memory.stashed_input_bytes(m, s, d) * micro_batch
         return fixed, per_layer
 
     def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:

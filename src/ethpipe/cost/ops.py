@@ -181,14 +181,18 @@ def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, t
 
 
 def tp_allreduce_bytes(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, elem_bytes: int,
-                       backward: bool) -> list[float]:
-    """Megatron's tensor-parallel all-reduces of one layer pass (sizes in bytes)."""
+                       backward: bool, wide_bytes: int | None = None) -> list[float]:
+    """The tensor-parallel all-reduces of one layer pass (sizes in bytes), Megatron's and ethpipe's runtime's:
+    a block's in the compute dtype (``elem_bytes``); the embedding's partial lookups and the loss's three
+    per-token sums in ``wide_bytes`` (ethpipe keeps its residual stream and loss in the weights' fp32 under
+    autocast; Megatron's 16-bit run: ``elem_bytes``, the default)."""
+    wide = elem_bytes if wide_bytes is None else wide_bytes
     act = float(micro_batch * seq_len * model.hidden_size * elem_bytes)
     if kind == "block":
         return [act, act]  # after attention and after the MLP (forward); at their inputs (backward)
-    if kind == "embedding":
-        return [] if backward else [act]  # vocab-parallel embedding sums its partial lookups
+    if kind == "embedding":  # vocab-parallel embedding sums its partial lookups
+        return [] if backward else [float(micro_batch * seq_len * model.hidden_size * wide)]
     if kind == "head":
-        tokens = float(micro_batch * seq_len * LOGITS_BYTES)
+        tokens = float(micro_batch * seq_len * max(LOGITS_BYTES, wide))
         return [act] if backward else [tokens, tokens, tokens]  # max, predicted logit, sum of exp
     raise ValueError(f"unknown layer kind '{kind}'")

@@ -27,6 +27,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from ethpipe.comm.program import P2pOp, Peers, p2p_batches
 from ethpipe.runtime.emulate import Emulator
 from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch
+from ethpipe.runtime.timing import Timeline
 from ethpipe.schedule import Action
 
 
@@ -49,26 +50,6 @@ class StageIO:
     act_dtype: torch.dtype = torch.float32
     param_dtype: torch.dtype = torch.float32
     count_loss: bool = True  # False on all but the first rank of a TP group: the loss is replicated there
-
-
-@dataclass
-class Timeline:
-    """Per-step timing of one rank and optional trace events (name, start_s, end_s)."""
-
-    busy_s: float = 0.0
-    phase_s: float = 0.0  # start of step to end of last backward
-    record: bool = False
-    events: list[tuple[str, float, float]] = field(default_factory=list)
-
-    def add(self, name: str, start_s: float, end_s: float) -> None:
-        if self.record:
-            self.events.append((name, start_s, end_s))
-
-
-def _sync_device(device: torch.device) -> None:
-    """Make timings honest on asynchronous accelerators (no-op on CPU)."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 @dataclass
@@ -148,27 +129,30 @@ def run_stage_step(
     autocast_dtype: torch.dtype | None = None,
     on_last_backward: Callable[[], None] | None = None,
     probe: LivenessProbe | None = None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """Run all actions; returns this stage's (scaled) loss sum as a 0-d tensor (0 off the last stage)."""
+    """Run all actions; returns this stage's (scaled) loss sum as a 0-d tensor (0 off the last stage).
+
+    ``before_last_backward`` runs just before the stage's last backward (the gradient sync arms its
+    hooks), ``on_last_backward`` once that backward's sends are posted (the sync fires what is left).
+    """
     device = next(module.parameters()).device
     assert (inputs is not None) == io.first and (targets is not None) == io.last
-    step_start = time.time()
+    assert emulator is None or timeline.synchronous, "pacing needs host-synchronous marks"
     last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
 
     def timed(action: Action, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
-        _sync_device(device)
-        start, start_cpu = time.time(), time.thread_time()
+        start, start_cpu = timeline.mark(), time.thread_time()
         out = fn()
-        _sync_device(device)
+        end = timeline.mark()
         if emulator is not None:
             # On CPU the real compute is this thread's CPU time: time spent descheduled while other
             # ranks share the core is not work, and pacing on the wall clock absorbs it.
-            elapsed = time.time() - start
+            elapsed = float(end) - float(start)  # type: ignore[arg-type]
             compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
             emulator.pace(action.kind, micro_batch_sizes[action.microbatch], compute, elapsed, step)
-        end = time.time()
-        timeline.busy_s += end - start
-        timeline.add(str(action), start, end)
+            end = timeline.mark()
+        timeline.span(str(action), start, end)
         return out
 
     state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe)
@@ -184,13 +168,15 @@ def run_stage_step(
             outgoing = {}  # waited: the sent payloads are no longer referenced
             if probe is not None:
                 probe.sample(str(action), len(state.stash))
+            if k == last_backward and before_last_backward is not None:
+                before_last_backward()
             outgoing = (state.forward if action.kind == "F" else state.backward)(action, received)
             assert not received, f"unused receives {sorted(received)}"
             if k == last_backward:
-                timeline.phase_s = time.time() - step_start
+                timeline.end_phase()
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
     del outgoing
-    if on_last_backward is not None:  # after every p2p of the step: the sync's collectives queue behind none
+    if on_last_backward is not None:
         on_last_backward()
     assert not state.stash, "every forwarded micro-batch must be backwarded"
     if state.loss_total is None:

@@ -8,7 +8,7 @@ defaults).
 
 Across a pipeline-parallel world every rank must take the same decision, or one rank steps
 while another skips and the replicas diverge. The decision is made from ONE number all ranks
-share: the count of non-finite gradient elements summed over the world, carried in the
+share: the count of ranks with a non-finite gradient (``grad_sync.grad_stats``), carried in the
 per-step stats all-gather (runtime/metrics.py) that already gives every rank the same loss
 and gradient norm. The scaler's state is saved in every checkpoint's manifest.
 """
@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-from torch import nn
 
 INIT_SCALE = 2.0**16
 GROWTH_FACTOR = 2.0
@@ -49,20 +46,3 @@ class LossScaler:
     @staticmethod
     def from_dict(data: dict[str, Any]) -> LossScaler:
         return LossScaler(float(data["scale"]), int(data["good_steps"]), int(data["growth_interval"]))
-
-
-def count_nonfinite(module: nn.Module) -> int:
-    """Non-finite gradient elements of this stage (inf or nan), all of its parameters."""
-    total = 0
-    for p in module.parameters():
-        if p.grad is not None:
-            total += int((~torch.isfinite(p.grad)).sum())
-    return total
-
-
-def unscale_gradients(module: nn.Module, scale: float) -> None:
-    """Divide every gradient by the loss scale (inf and nan stay what they are)."""
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(1.0 / scale)

@@ -1,14 +1,16 @@
 """Per-step metrics (one JSON line per step), the console progress bar, and Chrome traces.
 
-Every rank contributes one small vector per step (loss part, squared-norm part, timings);
-a single world all-gather gives every rank the global loss and gradient norm (all ranks need
-the norm to clip identically), and rank 0 the per-pipeline timing it reports.
+Every rank contributes one small vector per step (loss part, squared-norm part, non-finite flag,
+timings); a world all-gather gives every rank the global loss and gradient norm (all ranks need
+the norm to clip identically), and rank 0 the per-pipeline timing it reports. Reading it is the
+step's one device-to-host read (``gather_stats``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -18,41 +20,56 @@ import torch.distributed as dist
 
 from ethpipe.plan import Plan, write_text_atomic
 
-# Fields of the per-rank stats vector, in order.
-STAT_FIELDS = ("loss_part", "square_norm_part", "busy_s", "idle_s", "sync_exposed_s", "nonfinite_part")
+# Fields of the per-rank stats: computed on the device (read once per step), then timed on the host.
+DEVICE_FIELDS = ("loss_part", "square_norm_part", "nonfinite_part")
+HOST_FIELDS = ("busy_s", "idle_s", "sync_exposed_s")
 
 
 @dataclass(frozen=True)
 class StepStats:
     loss: float  # global mean token loss
-    grad_norm: float  # before clipping
+    grad_norm: float  # before clipping (of the gradients as they were gathered: scaled ones under fp16)
     pipeline_compute_s: tuple[float, ...]  # mean over a pipeline's stages of F/B busy time
     pipeline_idle_s: tuple[float, ...]  # mean over a pipeline's stages of waiting time in the 1F1B phase
     grad_sync_exposed_s: float  # max over ranks of time blocked on block all-reduces after the last backward
     rank_busy_s: tuple[float, ...] = ()  # F/B busy time of every rank (the same on every rank: rebalancing input)
-    num_nonfinite: int = 0  # inf/nan gradient elements over the world (fp16 loss scaling skips the step if > 0)
+    num_nonfinite: int = 0  # ranks with a non-finite gradient (fp16 loss scaling skips the step if > 0)
 
 
-def gather_stats(plan: Plan, values: dict[str, float], device: torch.device) -> StepStats:
-    """World all-gather of every rank's stats vector (the one metrics collective per step)."""
-    local = torch.tensor([values.get(f, 0.0) for f in STAT_FIELDS], dtype=torch.float64, device=device)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
-    table = torch.stack(parts).cpu()
-    col = {f: table[:, i] for i, f in enumerate(STAT_FIELDS)}
-    compute, idle = [], []
-    for pipe in plan.pipelines:
-        ranks = list(pipe.ranks)
-        compute.append(float(col["busy_s"][ranks].mean()))
-        idle.append(float(col["idle_s"][ranks].mean()))
+def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[[], Sequence[float]],
+                 device: torch.device, group: dist.ProcessGroup | None = None) -> StepStats:
+    """The step's stats on every rank, with ONE device-to-host read.
+
+    ``device_values`` (``DEVICE_FIELDS``, fp64 on the device) are all-gathered over the world and read
+    once; that read is the step's host synchronisation, after which ``host_values()`` (``HOST_FIELDS``:
+    timings from the step's events, complete by then) is called and all-gathered over the gloo
+    ``group``. On CPU both go in one all-gather.
+    """
+    world = dist.get_world_size()
+    if device.type == "cpu":
+        local = torch.cat([device_values, torch.tensor(list(host_values()), dtype=torch.float64)])
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        rows = torch.stack(parts).tolist()
+    else:
+        parts = [torch.empty_like(device_values) for _ in range(world)]
+        dist.all_gather(parts, device_values)
+        on_device = torch.stack(parts).tolist()
+        host = torch.tensor(list(host_values()), dtype=torch.float64)
+        host_parts = [torch.empty_like(host) for _ in range(world)]
+        dist.all_gather(host_parts, host, group=group)
+        rows = [d + h for d, h in zip(on_device, torch.stack(host_parts).tolist())]
+    col = {f: [row[i] for row in rows] for i, f in enumerate(DEVICE_FIELDS + HOST_FIELDS)}
+    compute = tuple(sum(col["busy_s"][r] for r in pipe.ranks) / len(pipe.ranks) for pipe in plan.pipelines)
+    idle = tuple(sum(col["idle_s"][r] for r in pipe.ranks) / len(pipe.ranks) for pipe in plan.pipelines)
     return StepStats(
-        loss=float(col["loss_part"].sum()),
-        grad_norm=math.sqrt(float(col["square_norm_part"].sum())),
-        pipeline_compute_s=tuple(compute),
-        pipeline_idle_s=tuple(idle),
-        grad_sync_exposed_s=float(col["sync_exposed_s"].max()),
-        rank_busy_s=tuple(float(x) for x in col["busy_s"]),
-        num_nonfinite=int(col["nonfinite_part"].sum()),
+        loss=sum(col["loss_part"]),
+        grad_norm=math.sqrt(sum(col["square_norm_part"])),
+        pipeline_compute_s=compute,
+        pipeline_idle_s=idle,
+        grad_sync_exposed_s=max(col["sync_exposed_s"]),
+        rank_busy_s=tuple(col["busy_s"]),
+        num_nonfinite=int(sum(col["nonfinite_part"])),
     )
 
 

@@ -1,253 +1,55 @@
-"""The training loop of one rank: build the stage, run 1F1B, sync blocks, clip, AdamW, report, checkpoint.
+"""The training loop of one rank: build the stage, run its schedule, sync blocks, clip, AdamW, report, checkpoint.
 
 ``train`` runs on every rank of an initialised (or to-be-initialised) process group. All
-checks that can fail on user input run before any collective, identically on every rank,
-so bad input makes every rank raise the same one-line UserError instead of hanging.
+checks that can fail on user input run before any collective (``runtime/checks.py``), identically
+on every rank, so bad input makes every rank raise the same one-line UserError instead of hanging.
+A step reads the device once (``metrics.gather_stats``): loss, gradient norm and the non-finite
+flag are computed on the device, clipping and fp16 unscaling are one foreach multiply.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import time
 import zlib
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ethpipe.catalog import check_one_world
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
-from ethpipe.plan_validate import check_tp
-from ethpipe.precision import (
-    check_dtype_fits,
-    check_train_dtype,
-    plan_gpus,
-    train_dtype,
-)
-from ethpipe.runtime.checkpoint import (
-    check_checkpoint,
-    gather_consolidated,
-    load_into,
-    save_atomic,
-)
-from ethpipe.runtime.ckpt_layout import (
-    DataCursor,
-    ResumePoint,
-    check_fresh_dir,
-    complete_checkpoints,
-    find_resume,
-)
+from ethpipe.precision import train_dtype
+from ethpipe.runtime.checkpoint import gather_consolidated, load_into, save_atomic
+from ethpipe.runtime.checks import check_inputs, check_plan_runnable
+from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
-from ethpipe.runtime.data import (
-    TokenFile,
-    gather_samples,
-    open_tokens,
-    sample_ids,
-    validate_data,
-)
-from ethpipe.runtime.emulate import (
-    EmulateMode,
-    Emulator,
-    Slowdown,
-    check_emulate_mode,
-    check_emulation,
-    make_emulator,
-)
-from ethpipe.runtime.executor import StageIO, Timeline, run_stage_step
-from ethpipe.runtime.fault_hooks import (
-    ForwardKill,
-    kill_spec,
-    maybe_hang,
-    maybe_kill,
-    maybe_overflow,
-)
+from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, AUTOCAST_DTYPES, TrainConfig, lr_at, make_optimizer
+from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
+from ethpipe.runtime.emulate import Emulator, make_emulator
+from ethpipe.runtime.executor import StageIO, run_stage_step
+from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
+from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import (
-    BlockGradSync,
-    clip_coefficient,
-    owned_square_norm,
-    scale_gradients,
-    stage_sync_units,
-    tied_parameters,
+    clip_coefficient, grad_stats, owned_names, scale_grads, stage_sync_units, tied_parameters,
 )
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
-from ethpipe.runtime.loss_scale import LossScaler, count_nonfinite, unscale_gradients
-from ethpipe.runtime.metrics import (
-    MetricsWriter,
-    gather_stats,
-    step_record,
-    write_chrome_trace,
-)
-from ethpipe.runtime.model import PARAM_DTYPES, build_stage, state_dict_shapes
+from ethpipe.runtime.loss_scale import LossScaler
+from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
+from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
-from ethpipe.runtime.rebalance import RebalanceConfig, Rebalancer, split_of
+from ethpipe.runtime.rebalance import Rebalancer, split_of
 from ethpipe.runtime.tensor_parallel import TPGroup
+from ethpipe.runtime.timing import Timeline
 from ethpipe.runtime.watchdog import Watchdog
 from ethpipe.schedule import one_f_one_b
 
-__all__ = ["TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_optimizer", "sample_ids", "train"]
-
-ADAM_BETAS = (0.9, 0.95)
-ADAM_EPS = 1e-8
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything ``ethpipe train`` takes besides the plan (defaults = the CLI's defaults)."""
-
-    data: str
-    steps: int
-    lr: float = 3e-4
-    weight_decay: float = 0.1  # decoupled, on parameters with >= 2 dims only
-    clip_grad: float = 0.0  # max global grad norm; 0 = no clipping
-    seed: int = 0  # model init and shuffle order
-    shuffle: bool = False
-    # None: the plan's precision (``precision.train_dtype``); bf16/fp16: autocast over fp32 weights and
-    # optimizer (fp16 with dynamic loss scaling); fp64: parameters, activations and optimizer in float64
-    # (exactness checks)
-    dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = None
-    recompute: bool = False  # activation recomputation on every stage (plans may also set it per stage)
-    metrics: str | None = None
-    init_from: str | None = None
-    save_final: str | None = None
-    emulate: bool = False
-    emulate_mode: EmulateMode = "paced"  # paced: the plan's targets; measured: real compute x scale / speed
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    trace: str | None = None
-    slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
-    bucket_bytes: int = 0  # 0: one all-reduce per block; else split blocks into buckets of this size
-    timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
-    progress: bool = True  # rich progress bar on rank 0
-    device: Literal["auto", "cpu"] = "auto"
-    checkpoint_dir: str | None = None  # training checkpoints (torch.distributed.checkpoint), see docs/checkpoints.md
-    save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
-    keep: int = 3  # newest checkpoints kept
-    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
-    auto_resume: bool = False  # resume if checkpoint_dir holds a complete checkpoint, else start fresh (restarts)
-    rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
-    watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off
-    log_sample_ids: bool = False  # metrics lines list the global sample ids of each step
-
-    def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise UserError(f"--steps must be at least 1, got {self.steps}")
-        if self.lr <= 0:
-            raise UserError(f"--lr must be positive, got {self.lr}")
-        if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:
-            raise UserError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
-        if self.dtype not in (None, "fp32", "bf16", "fp16", "fp64"):
-            raise UserError(f"--dtype must be fp32, bf16, fp16 or fp64, got {self.dtype!r}")
-        check_emulate_mode(self.emulate_mode)
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise UserError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
-        if self.save_every < 0 or self.keep < 1:
-            raise UserError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
-        if (self.save_every or self.resume or self.auto_resume) and self.checkpoint_dir is None:
-            raise UserError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
-        if self.resume and self.auto_resume:
-            raise UserError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
-        if self.watchdog_s is not None and self.watchdog_s < 0:
-            raise UserError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
-        if self.resume and self.init_from is not None:
-            raise UserError("give --init-from or --resume, not both: a resumed run takes its weights from the "
-                            "checkpoint")
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
-    @property
-    def watchdog_limit_s(self) -> float:
-        """Longer than any collective may wait, so a timeout reports first when it can."""
-        return 2 * self.timeout_s + 60 if self.watchdog_s is None else self.watchdog_s
-
-
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warm-up to ``lr``, then constant or cosine down to ``lr * min_lr_ratio``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    span = max(1, config.steps - 1 - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    low = config.lr * config.min_lr_ratio
-    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with nanoGPT's grouping: weight decay on matrices/embeddings, not on norms/biases."""
-    decay = [p for p in module.parameters() if p.dim() >= 2]
-    no_decay = [p for p in module.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
-
-
-def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
-    """Plan-level checks that need no processes (also run by the launcher before spawning)."""
-    if world_size != plan.world_size:
-        raise UserError(
-            f"the plan needs {plan.world_size} ranks but the world has {world_size}: "
-            f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
-        )
-    spec = plan.resolve_model()
-    check_one_world(plan_gpus(plan), "the plan")
-    check_tp(plan.pipelines, spec)
-    if plan.seq_len > spec.max_seq_len:
-        raise UserError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
-    return spec
-
-
-def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
-    """Every user-input check, before any process group exists; also where training starts."""
-    spec = check_plan_runnable(plan, world_size)
-    check_train_dtype(plan, config.dtype)
-    if config.dtype is not None:
-        check_dtype_fits(plan, config.dtype)
-    data = open_tokens(config.data, spec.vocab_size)
-    start = ResumePoint()
-    resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
-    if resume:
-        assert config.checkpoint_dir is not None
-        start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
-                            data.num_samples(plan.seq_len))
-        if start.step > config.steps or (start.step == config.steps and not config.auto_resume):
-            raise UserError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
-                            "train; raise --steps")
-    elif config.checkpoint_dir is not None:
-        check_fresh_dir(config.checkpoint_dir)
-    if start.step == 0:
-        validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
-    else:
-        _validate_resumed_data(data, plan, config, start)
-    if config.init_from is not None and start.step_dir is None:
-        check_checkpoint(config.init_from, spec)
-    if config.emulate:
-        check_emulation(plan)
-    for s in config.slowdowns:
-        if not 0 <= s.rank < plan.world_size:
-            raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
-    return spec, data, start
-
-
-def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, start: ResumePoint) -> None:
-    end_sample = start.next_sample + (config.steps - start.step) * plan.global_batch_size
-    available = data.num_samples(plan.seq_len)
-    if end_sample > available:
-        raise UserError(
-            f"data file '{data.path}' holds {available} samples but resuming at sample {start.next_sample} for "
-            f"{config.steps - start.step} more steps of {plan.global_batch_size} needs {end_sample}: use fewer "
-            "--steps or more data"
-        )
-    validate_data(data, plan.seq_len, 1, end_sample, config.shuffle, plan.resolve_model().vocab_size)
+__all__ = ["ADAM_BETAS", "ADAM_EPS", "TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_optimizer",
+           "sample_ids", "train"]
 
 
 def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
@@ -340,8 +142,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         load_checkpoint(start, module, optimizer, device, group=control)
     blocks, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), tied)
     params = dict(module.named_parameters())
-    tied_copy = tied_parameters(module, tied)
-    sync = BlockGradSync(params, units, groups.block_groups, config.bucket_bytes)
+    owned = owned_names(plan, rank, blocks, [TIED_WEIGHT] if tied_parameters(module, tied) else [])
+    buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes)
     emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
                                  if config.emulate else None)
     autocast_dtype = AUTOCAST_DTYPES.get(dtype)
@@ -349,7 +151,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                  act_dtype=autocast_dtype or param_dtype, param_dtype=param_dtype, count_loss=pos.tp_rank == 0)
     loss_scale = 1.0 / (plan.global_batch_size * plan.seq_len)
     scaler = _initial_scaler(start) if dtype == "fp16" else None
-    timeline = Timeline(record=config.trace is not None)
+    timeline = Timeline(device, synchronous=device.type == "cpu" or emulator is not None,
+                        record=config.trace is not None)
     writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
               if rank == 0 else None)
     num_samples = data.num_samples(plan.seq_len)
@@ -368,40 +171,45 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             lr = lr_at(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
+            buckets.zero_grads()
             ids = sample_ids(first_sample, plan.global_batch_size, num_samples, config.shuffle, config.seed)
             batch = _micro_batches(current, data, ids, pos.pipeline, device) if first or last else []
             inputs = [b[:, :-1].contiguous() for b in batch] if first else None
             targets = [b[:, 1:].contiguous() for b in batch] if last else None
-            timeline.busy_s = timeline.phase_s = 0.0
             actions = one_f_one_b(cur_pipe.depth, pos.stage, cur_pipe.num_microbatches)
             if forward_kill is not None:
                 forward_kill.begin_step(step, cur_pipe.num_microbatches)
+            timeline.start_step()
+            armed = timeline.mark() if timeline.record else None
 
-            def start_sync(step: int = step) -> None:
-                sync.start()
+            def arm() -> None:
+                nonlocal armed
+                armed = timeline.mark() if timeline.record else None
+                buckets.arm()
+
+            def fire_rest(step: int = step) -> None:
+                buckets.flush()
                 maybe_kill(kill, rank, "allreduce", step)  # test hook: peers are inside the all-reduces
+
+            def traced(label: str) -> None:
+                if armed is not None:
+                    timeline.span(f"allreduce {label}", armed, timeline.mark())
 
             scale = scaler.scale if scaler is not None else 1.0
             loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io,
                                   loss_scale * scale, emulator, step, timeline, autocast_dtype,
-                                  on_last_backward=start_sync)
-            sync_start = time.time()
-            sync.finish(lambda label: timeline.add(f"allreduce {label}", sync.started_s, time.time()))
-            sync_exposed_s = time.time() - sync_start
+                                  on_last_backward=fire_rest,
+                                  before_last_backward=arm if config.overlap_grad_sync else None)
+            buckets.wait(traced)
+            timeline.sync_done()
             maybe_overflow(module, rank, step)
-            nonfinite = count_nonfinite(module) if scaler is not None else 0
-            if scaler is not None:
-                unscale_gradients(module, scale)
-            stats = gather_stats(plan, {
-                "loss_part": float(loss) / scale, "square_norm_part": owned_square_norm(plan, rank, params, blocks, tied_copy),
-                "busy_s": timeline.busy_s, "idle_s": max(0.0, timeline.phase_s - timeline.busy_s),
-                "sync_exposed_s": sync_exposed_s, "nonfinite_part": nonfinite,
-            }, device)
+            on_device = torch.cat([(loss.double() / scale).reshape(1), grad_stats(params, owned, device)])
+            stats = gather_stats(plan, on_device, lambda: _timings(timeline), device, control)
+            stats = dataclasses.replace(stats, grad_norm=stats.grad_norm / scale)  # of the unscaled gradients
             skipped = scaler is not None and stats.num_nonfinite > 0  # the same world-wide count on every rank
             if not skipped:
-                if config.clip_grad > 0:
-                    scale_gradients(module, clip_coefficient(stats.grad_norm, config.clip_grad))
+                clip = clip_coefficient(stats.grad_norm, config.clip_grad) if config.clip_grad > 0 else 1.0
+                scale_grads(module, clip / scale)
                 opt_start = time.time()
                 optimizer.step()
                 timeline.add("optimizer", opt_start, time.time())
@@ -427,7 +235,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
                 save_checkpoint(config.checkpoint_dir, done, module, optimizer, current, spec, cursor, config.keep,
-                                device, extra={"loss_scaler": scaler.to_dict()} if scaler is not None else None,
+                                device, extra={"dtype": dtype, **({"loss_scaler": scaler.to_dict()} if scaler else {})},
                                 group=control)
                 timeline.add("checkpoint", save_start, time.time())
         watchdog.beat("final save")
@@ -439,9 +247,16 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             _write_trace(plan, config.trace, timeline, rank, control)
         return writer.records if writer is not None else []
     finally:
+        buckets.remove_hooks()
         if writer is not None:
             writer.close()
         destroy_groups(groups)
+
+
+def _timings(timeline: Timeline) -> list[float]:
+    """This step's HOST_FIELDS (``metrics``), resolved from its marks (complete after the stats read)."""
+    timeline.finish_step()
+    return [timeline.busy_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s]
 
 
 def _initial_scaler(start: ResumePoint) -> LossScaler:

@@ -1,0 +1,78 @@
+"""Every check of user input that ``ethpipe train`` makes before any process group exists.
+
+They run identically on every rank (and in the launcher before it spawns any), so bad input makes
+every rank raise the same one-line UserError instead of some ranks hanging.
+"""
+
+from __future__ import annotations
+
+from ethpipe.catalog import check_one_world
+from ethpipe.errors import UserError
+from ethpipe.model_spec import ModelSpec
+from ethpipe.plan import Plan
+from ethpipe.plan_validate import check_tp
+from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus
+from ethpipe.runtime.checkpoint import check_checkpoint
+from ethpipe.runtime.ckpt_layout import ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
+from ethpipe.runtime.config import TrainConfig
+from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
+from ethpipe.runtime.emulate import check_emulation
+
+
+def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
+    """Plan-level checks that need no processes (also run by the launcher before spawning)."""
+    if world_size != plan.world_size:
+        raise UserError(
+            f"the plan needs {plan.world_size} ranks but the world has {world_size}: "
+            f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
+        )
+    spec = plan.resolve_model()
+    check_one_world(plan_gpus(plan), "the plan")
+    check_tp(plan.pipelines, spec)
+    if plan.seq_len > spec.max_seq_len:
+        raise UserError(f"plan seq_len {plan.seq_len} exceeds model '{spec.name}' max_seq_len {spec.max_seq_len}")
+    return spec
+
+
+def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
+    """Every user-input check, before any process group exists; also where training starts."""
+    spec = check_plan_runnable(plan, world_size)
+    check_train_dtype(plan, config.dtype)
+    if config.dtype is not None:
+        check_dtype_fits(plan, config.dtype)
+    data = open_tokens(config.data, spec.vocab_size)
+    start = ResumePoint()
+    resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
+    if resume:
+        assert config.checkpoint_dir is not None
+        start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
+                            data.num_samples(plan.seq_len))
+        if start.step > config.steps or (start.step == config.steps and not config.auto_resume):
+            raise UserError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
+                            "train; raise --steps")
+    elif config.checkpoint_dir is not None:
+        check_fresh_dir(config.checkpoint_dir)
+    if start.step == 0:
+        validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
+    else:
+        _validate_resumed_data(data, plan, config, start)
+    if config.init_from is not None and start.step_dir is None:
+        check_checkpoint(config.init_from, spec)
+    if config.emulate:
+        check_emulation(plan)
+    for s in config.slowdowns:
+        if not 0 <= s.rank < plan.world_size:
+            raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
+    return spec, data, start
+
+
+def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, start: ResumePoint) -> None:
+    end_sample = start.next_sample + (config.steps - start.step) * plan.global_batch_size
+    available = data.num_samples(plan.seq_len)
+    if end_sample > available:
+        raise UserError(
+            f"data file '{data.path}' holds {available} samples but resuming at sample {start.next_sample} for "
+            f"{config.steps - start.step} more steps of {plan.global_batch_size} needs {end_sample}: use fewer "
+            "--steps or more data"
+        )
+    validate_data(data, plan.seq_len, 1, end_sample, config.shuffle, plan.resolve_model().vocab_size)

@@ -1,0 +1,117 @@
+"""What ``ethpipe train`` takes besides the plan: the run's settings, its learning-rate schedule and optimizer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+
+from ethpipe.errors import UserError
+from ethpipe.runtime.emulate import EmulateMode, Slowdown, check_emulate_mode
+from ethpipe.runtime.grad_buckets import DEFAULT_BUCKET_BYTES
+from ethpipe.runtime.rebalance import RebalanceConfig
+
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``ethpipe train`` takes besides the plan (defaults = the CLI's defaults)."""
+
+    data: str
+    steps: int
+    lr: float = 3e-4
+    weight_decay: float = 0.1  # decoupled, on parameters with >= 2 dims only
+    clip_grad: float = 0.0  # max global grad norm; 0 = no clipping
+    seed: int = 0  # model init and shuffle order
+    shuffle: bool = False
+    # None: the plan's precision (``precision.train_dtype``); bf16/fp16: autocast over fp32 weights and
+    # optimizer (fp16 with dynamic loss scaling); fp64: parameters, activations and optimizer in float64
+    # (exactness checks)
+    dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = None
+    recompute: bool = False  # activation recomputation on every stage (plans may also set it per stage)
+    metrics: str | None = None
+    init_from: str | None = None
+    save_final: str | None = None
+    emulate: bool = False
+    emulate_mode: EmulateMode = "paced"  # paced: the plan's targets; measured: real compute x scale / speed
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    trace: str | None = None
+    slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient-sync buckets (runtime/grad_buckets.py); 0: one per unit
+    overlap_grad_sync: bool = True  # fire each bucket from backward hooks during the last backward
+    timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
+    progress: bool = True  # rich progress bar on rank 0
+    device: Literal["auto", "cpu"] = "auto"
+    checkpoint_dir: str | None = None  # training checkpoints (torch.distributed.checkpoint), see docs/checkpoints.md
+    save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
+    keep: int = 3  # newest checkpoints kept
+    resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    auto_resume: bool = False  # resume if checkpoint_dir holds a complete checkpoint, else start fresh (restarts)
+    rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
+    watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off
+    log_sample_ids: bool = False  # metrics lines list the global sample ids of each step
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UserError(f"--steps must be at least 1, got {self.steps}")
+        if self.lr <= 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:
+            raise UserError("--weight-decay, --clip-grad and --warmup-steps must not be negative")
+        if self.dtype not in (None, "fp32", "bf16", "fp16", "fp64"):
+            raise UserError(f"--dtype must be fp32, bf16, fp16 or fp64, got {self.dtype!r}")
+        check_emulate_mode(self.emulate_mode)
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise UserError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.save_every < 0 or self.keep < 1:
+            raise UserError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
+        if (self.save_every or self.resume or self.auto_resume) and self.checkpoint_dir is None:
+            raise UserError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
+        if self.resume and self.auto_resume:
+            raise UserError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
+        if self.watchdog_s is not None and self.watchdog_s < 0:
+            raise UserError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
+        if self.resume and self.init_from is not None:
+            raise UserError("give --init-from or --resume, not both: a resumed run takes its weights from the "
+                            "checkpoint")
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    @property
+    def watchdog_limit_s(self) -> float:
+        """Longer than any collective may wait, so a timeout reports first when it can."""
+        return 2 * self.timeout_s + 60 if self.watchdog_s is None else self.watchdog_s
+
+
+def lr_at(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then constant or cosine down to ``lr * min_lr_ratio``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    span = max(1, config.steps - 1 - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    low = config.lr * config.min_lr_ratio
+    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with nanoGPT's grouping: weight decay on matrices/embeddings, not on norms/biases; the fused
+    kernel on CUDA (one launch for the whole stage; its ``step`` lives on the device)."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = next(module.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, eps=ADAM_EPS, fused=fused or None)
+
+
