@@ -7,6 +7,7 @@ records exactly what it issues: batched p2p (kind, peer, elements, dtype), all-r
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,3 +78,24 @@ def recording(log: CommLog) -> Iterator[CommLog]:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor reads that move data to the host on a GPU (``.item()``, ``.tolist()``, ``.cpu()``,
+    ``.numpy()``, ``float(t)``, ``int(t)``, ``bool(t)``), wherever they happen in the rank's own thread.
+
+    Left out: torch.optim's reads of AdamW's ``step`` counters, host (CPU) scalars on every device for the
+    single-tensor and foreach implementations (CUDA's fused AdamW, what the runtime uses there, reads none).
+    """
+
+    READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+                       torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in self.READS and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch.optim"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -27,10 +27,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ethpipe.comm.program import pipeline_group, plan_peers, step_program, sync_group
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.comm.program import p2p_batches, pipeline_group, plan_peers, step_program, sync_group
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.sync import block_sync_shapes
 from ethpipe.comm.replay import Post
 from ethpipe.cost import memory
 from ethpipe.runtime import executor as executor_module
+from ethpipe.runtime import train as train_module
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.executor import StageIO, run_stage_step
 from ethpipe.runtime.timing import Timeline
@@ -39,7 +43,7 @@ from ethpipe.runtime.p2p import LivenessProbe
 from ethpipe.runtime.train import TrainConfig, train
 from ethpipe.schedule import one_f_one_b
 
-from .comm_log import CommLog, recording
+from .comm_log import CommLog, HostReads, recording
 from .harness import run_ranks
 from .plans import LLAMA_LIKE
 
@@ -49,6 +53,7 @@ from _comm_plans import even_pipeline, make_plan, sync_posts  # noqa: E402  (the
 pytestmark = pytest.mark.dist
 
 SPEC = dataclasses.replace(LLAMA_LIKE, name="p2p-llama", num_layers=8, num_kv_heads=4, tie_embeddings=True)
+UNTIED = dataclasses.replace(SPEC, name="p2p-llama-untied", tie_embeddings=False)
 DEPTH, NUM_MB, MB, SEQ = 4, 8, 2, 16
 STEPS = 2
 
@@ -84,6 +89,36 @@ def _liveness(rank: int, group: dist.ProcessGroup, leaky: bool) -> dict:
     return {"samples": probe.samples, "peak_batch_bytes": probe.peak_batch_bytes}
 
 
+def _traffic_plan():  # type: ignore[no-untyped-def]
+    """An untied model, a tp-2 middle stage, two pipelines of different cuts, ragged micro-batches."""
+    return make_plan([([((0, 3), 1), ((3, 5), 2), ((5, 8), 1)], [2, 1, 2, 1]),
+                      ([((0, 5), 1), ((5, 8), 1)], [3, 1, 2])], spec=UNTIED)
+
+
+def _bf16_run(rank: int, world_size: int, tmp_path: Path, data: str) -> None:
+    """Train the traffic plan in bf16, recording every call and counting host reads per step."""
+    log, reads = CommLog(), HostReads()
+    windows: list[int] = []
+    real_gather = train_module.gather_stats
+
+    def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_gather(*args, **kwargs)
+        windows.append(reads.count)  # a window: from the end of one step's stats to the end of the next's
+        return out
+
+    train_module.gather_stats = gather  # type: ignore[assignment]
+    config = TrainConfig(data=data, steps=STEPS + 1, lr=1e-3, progress=False, timeout_s=60.0, dtype="bf16",
+                         clip_grad=1.0)
+    try:
+        with recording(log), reads:
+            train(_traffic_plan(), config, rank, world_size)
+    finally:
+        train_module.gather_stats = real_gather  # type: ignore[assignment]
+    steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
+    per_step_reads = [b - a for a, b in zip(windows, windows[1:])]
+    (tmp_path / f"bf16-{rank}.json").write_text(json.dumps({"steps": steps, "reads": per_step_reads}))
+
+
 def _ranks(rank: int, world_size: int, tmp: str, data: str) -> None:
     tmp_path = Path(tmp)
     group = dist.new_group(ranks=list(range(DEPTH)), timeout=timedelta(seconds=60))
@@ -98,6 +133,7 @@ def _ranks(rank: int, world_size: int, tmp: str, data: str) -> None:
         train(_order_plan(), config, rank, world_size)
     steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
     (tmp_path / f"calls-{rank}.json").write_text(json.dumps(steps))
+    _bf16_run(rank, world_size, tmp_path, data)
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +186,69 @@ def test_the_runtime_posts_exactly_the_replayed_program(ran: Path) -> None:
             got_sync = [sync_group(tuple(c["group"])) for c in calls if c["fn"] == "all_reduce"
                         and tuple(c["group"]) not in others and len(c["group"]) > 1]
             assert got_sync == want_sync, rank
+
+
+def _bf16(ran: Path, rank: int) -> dict:
+    return json.loads((ran / f"bf16-{rank}.json").read_text())
+
+
+def test_one_host_read_per_training_step(ran: Path) -> None:
+    for rank in range(6):
+        assert _bf16(ran, rank)["reads"] == [1] * STEPS, rank  # the stats all-gather's one .tolist()
+
+
+def test_tp_traffic_is_megatrons_and_boundaries_are_16_bit_under_bf16(ran: Path) -> None:
+    """The tp-2 stage (two layers, no embedding or head) all-reduces 4 x b*s*h bf16 elements per layer per
+    micro-batch: 2 forward (after attention and the MLP), 2 backward (at their inputs); nothing else on its group."""
+    plan = _traffic_plan()
+    stage = plan.pipelines[0].stages[1]
+    sizes = plan.pipelines[0].micro_batch_sizes
+    for rank in stage.ranks:
+        for calls in _bf16(ran, rank)["steps"][1:]:
+            tp_calls = [c for c in calls if c["fn"] == "all_reduce" and tuple(c["group"]) == stage.ranks]
+            assert {c["dtype"] for c in tp_calls} == {"torch.bfloat16"}
+            per_layer_mb = sum(c["numel"] for c in tp_calls) / (stage.num_layers * sum(sizes))
+            assert per_layer_mb == 4 * SEQ * UNTIED.hidden_size
+            assert len(tp_calls) == 4 * stage.num_layers * len(sizes)
+    for rank in range(plan.world_size):
+        for calls in _bf16(ran, rank)["steps"][1:]:
+            assert {dtype for c in calls if c["fn"] == "batch" for *_, dtype in c["ops"]} == {"torch.bfloat16"}
+
+
+def test_counted_traffic_equals_what_the_cost_model_prices(ran: Path) -> None:
+    """Per step: every p2p message is ``CostModel.boundary_bytes`` of its micro-batch, every TP stage moves
+    ``tp_message_bytes`` per layer pass (embedding and head terms included), and each block's all-reduce moves,
+    on its busiest holder, the bytes ``block_sync_shapes`` prices (fp32 gradients)."""
+    plan = _traffic_plan()
+    cluster = cluster_from_dict({"nodes": [{"gpu": {"id": "cpu", "memory_gib": 1, "peak_tflops": 1}, "num_nodes": 1,
+                                            "gpus_per_node": plan.world_size, "nic_gbit_s": 10}]})
+    cost = CostModel(cluster, UNTIED, SEQ, dtype_bytes=2, dtype="bf16")
+    priced_sync = [s.num_bytes if s else 0.0 for s in
+                   block_sync_shapes(plan, cluster, lambda b, f, la: cost.block_grad_bytes(b, first=f, last=la))]
+    moved: dict[str, float] = {}
+    for rank in range(plan.world_size):
+        pos = plan.position_of(rank)
+        pipe = plan.pipelines[pos.pipeline]
+        stage = pipe.stages[pos.stage]
+        first, last = pos.stage == 0, pos.stage == pipe.depth - 1
+        labels = [label for label, _ in sync_posts(plan, rank)]
+        for calls in _bf16(ran, rank)["steps"][1:]:
+            p2p = [numel * 2 for c in calls if c["fn"] == "batch" for _, _, numel, _ in c["ops"]]
+            ops = [o for batch in p2p_batches(one_f_one_b(pipe.depth, pos.stage, pipe.num_microbatches),
+                                              plan_peers(plan, rank)) for o in batch]
+            assert p2p == [cost.boundary_bytes(pipe.micro_batch_sizes[o.microbatch]) for o in ops]
+            tp_bytes = sum(c["numel"] * 2 if c["dtype"] == "torch.bfloat16" else c["numel"] * 4 for c in calls
+                           if c["fn"] == "all_reduce" and tuple(c["group"]) == stage.ranks)
+            kinds = [("block", stage.num_layers)] + [("embedding", 1)] * first + [("head", 1)] * last
+            want = sum(n * sum(cost.tp_message_bytes(kind, b, bwd)) for b in pipe.micro_batch_sizes
+                       for kind, n in kinds for bwd in (False, True)) if stage.tp > 1 else 0
+            assert tp_bytes == want, rank
+            sync = [c for c in calls if c["fn"] == "all_reduce" and tuple(c["group"]) not in
+                    (stage.ranks, pipe.ranks) and len(c["group"]) > 1]
+            assert [c["dtype"] for c in sync] == ["torch.float32"] * len(labels)
+            per_block: dict[str, float] = {}
+            for label, c in zip(labels, sync):
+                per_block[label] = per_block.get(label, 0.0) + c["numel"] * 4
+            for label, num_bytes in per_block.items():
+                moved[label] = max(moved.get(label, 0.0), num_bytes)
+    assert moved == {f"block {k}": priced for k, priced in enumerate(priced_sync)}

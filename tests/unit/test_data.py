@@ -58,7 +58,8 @@ def test_prepare_bytes_roundtrip(tmp_path: Path) -> None:
     data = open_tokens(tmp_path / "o.bin", 256)
     assert count == data.num_tokens
     assert bytes(data.tokens.astype(np.uint8)).decode() == "héllo\n\nworld"
-    assert json.loads((tmp_path / "o.bin.json").read_text()) == {"dtype": "uint16", "vocab_size": 256}
+    assert json.loads((tmp_path / "o.bin.json").read_text()) == {"dtype": "uint16", "vocab_size": 256,
+                                                                 "max_token_id": 195}  # 0xC3 of 'é' 
 
 
 def test_tokenizer_needs_package_or_file(tmp_path: Path) -> None:
@@ -72,3 +73,23 @@ def test_builtin_text_is_real_english() -> None:
     text = " ".join(docs)
     assert len(text) >= 50_000 and text.count(" the ") > 100
     assert docs == builtin_text(max_bytes=50_000)  # deterministic
+
+
+def test_the_sidecar_records_the_largest_id_and_validation_trusts_it(tmp_path: Path) -> None:
+    prepare_tokens(["héllo", "world"], tmp_path / "o.bin")
+    meta = json.loads((tmp_path / "o.bin.json").read_text())
+    assert meta["max_token_id"] == max("héllo\n\nworld".encode())
+    validate_data(open_tokens(tmp_path / "o.bin", 256), 4, 1, 1, False, 256)
+    meta["max_token_id"] = 300  # no scan: a run reads the sidecar's maximum (the file's ids are all < 256)
+    (tmp_path / "o.bin.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="token id 300 but the model's vocab_size is 256"):
+        validate_data(open_tokens(tmp_path / "o.bin", 256), 4, 1, 1, False, 256)
+
+
+def test_the_shuffled_order_is_numpys_seeded_permutation_made_once() -> None:
+    want = np.random.default_rng(7).permutation(50)
+    got = np.concatenate([step_sample_ids(k, 10, 50, True, 7) for k in range(5)])
+    assert got.tolist() == want.tolist() and got.dtype == np.int64
+    from ethpipe.runtime.data import _permutation
+
+    assert _permutation(50, 7) is _permutation(50, 7)  # computed once, not every step

@@ -71,6 +71,8 @@ def train(
     watchdog_s: Optional[float] = typer.Option(
         None, "--watchdog-s", help="End a rank without progress for this long (default 2 x --timeout-s + 60; 0: off)."),
     log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
+    compile_blocks: bool = typer.Option(False, "--compile", help="torch.compile each decoder block (the first "
+                                        "steps pay the compilation; not with tensor-parallel stages)."),
     bucket_mib: float = typer.Option(25.0, "--bucket-mib", help="Gradient-sync bucket size in MiB (0: one "
                                      "all-reduce per block)."),
     no_overlap_grad_sync: bool = typer.Option(
@@ -112,7 +114,7 @@ def train(
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
         resume=resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
-        overlap_grad_sync=not no_overlap_grad_sync,
+        overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks,
     )
     try:
         records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)

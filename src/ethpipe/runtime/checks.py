@@ -60,6 +60,9 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
         check_checkpoint(config.init_from, spec)
     if config.emulate:
         check_emulation(plan)
+    if config.compile and any(s.tp > 1 for p in plan.pipelines for s in p.stages):
+        raise UserError("--compile with a tensor-parallel stage is not supported (its collectives sit inside "
+                        "the blocks): drop --compile, or plan with --max-tp 1")
     for s in config.slowdowns:
         if not 0 <= s.rank < plan.world_size:
             raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")

@@ -74,9 +74,10 @@ def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimi
     """
     flat: dict[str, torch.Tensor] = dict(module.state_dict())
     optim: OptimState = {}
+    fused = bool(optimizer.defaults.get("fused"))  # its step lives on the device (CUDA's fused AdamW)
     for name, param in module.named_parameters():  # a tied weight is listed once
         if empty_optimizer:
-            state = {"step": torch.zeros((), dtype=torch.float32),
+            state = {"step": torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu"),
                      "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                      "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
         else:

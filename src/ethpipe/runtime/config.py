@@ -47,6 +47,7 @@ class TrainConfig:
     slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient-sync buckets (runtime/grad_buckets.py); 0: one per unit
     overlap_grad_sync: bool = True  # fire each bucket from backward hooks during the last backward
+    compile: bool = False  # torch.compile each decoder block (runtime/model.compile_blocks)
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
     progress: bool = True  # rich progress bar on rank 0
     device: Literal["auto", "cpu"] = "auto"
@@ -71,6 +72,8 @@ class TrainConfig:
         check_emulate_mode(self.emulate_mode)
         if self.lr_schedule not in ("constant", "cosine"):
             raise UserError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.bucket_bytes < 0:
+            raise UserError(f"--bucket-mib must be >= 0 (0: one all-reduce per block), got {self.bucket_bytes / 2**20}")
         if self.save_every < 0 or self.keep < 1:
             raise UserError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
         if (self.save_every or self.resume or self.auto_resume) and self.checkpoint_dir is None:

@@ -275,6 +275,15 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     return module
 
 
+def compile_blocks(module: Decoder) -> None:
+    """``torch.compile`` each decoder block in place (``--compile``): the blocks are identical, so they share
+    one compiled graph; the embeddings, head, loss and the executor's communication stay eager. Inductor
+    reorders floating-point operations, so results match eager training to the order-noise bound, not
+    bitwise (docs/runtime.md, "Kernels")."""
+    for layer in module.layers.values():
+        layer.compile()
+
+
 def build_full_model(model: str | ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
     """The whole model in one process (the single-device reference), CPU, fp32 (or ``dtype``)."""
     spec = load_model_spec(model) if isinstance(model, str) else model

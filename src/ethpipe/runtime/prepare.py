@@ -155,10 +155,13 @@ class _ChunkWriter:
 
     def __init__(self, f: Any, dtype: np.dtype) -> None:
         self.f, self.dtype, self.parts, self.buffered, self.count = f, dtype, [], 0, 0
+        self.max_id = -1  # recorded in the sidecar, so a run checks ids against its vocab without a scan
 
     def add(self, ids: np.ndarray) -> None:
         self.parts.append(ids.astype(self.dtype, copy=False))
         self.buffered += ids.size
+        if ids.size:
+            self.max_id = max(self.max_id, int(ids.max()))
         if self.buffered >= CHUNK_TOKENS:
             self.flush()
 
@@ -210,6 +213,7 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
         if writer.count < 2:
             raise UserError("the given text is empty: nothing to tokenize")
         f.flush()
-    meta = {"dtype": str(dtype), "vocab_size": vocab_size, **({"eos_id": eos} if eos is not None else {})}
+    meta = {"dtype": str(dtype), "vocab_size": vocab_size, "max_token_id": writer.max_id,
+            **({"eos_id": eos} if eos is not None else {})}
     write_bytes_atomic(sidecar_path(out), json.dumps(meta).encode())
     return writer.count

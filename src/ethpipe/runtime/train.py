@@ -40,7 +40,7 @@ from ethpipe.runtime.grad_sync import (
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.loss_scale import LossScaler
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
-from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, state_dict_shapes
+from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
 from ethpipe.runtime.rebalance import Rebalancer, split_of
 from ethpipe.runtime.tensor_parallel import TPGroup
@@ -136,6 +136,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp)
     if config.init_from is not None and start.step_dir is None:
         load_into(module, config.init_from)
+    if config.compile:
+        compile_blocks(module)
     optimizer = make_optimizer(module, config)
     if start.step_dir is not None:
         watchdog.beat(f"loading checkpoint {start.step_dir}")
