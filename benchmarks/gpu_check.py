@@ -9,6 +9,8 @@ runtime's own modules), prices the same layers with the calibrated cost model fo
 passes (``gpu_calibration.yaml``: `ethpipe calibrate`'s fit, centred on the shipped fallback, on the
 passes the shipped fit uses): the shipped constants come from fp32 profiles only, so this fit is what
 measures the family's 16-bit tensor-core efficiency.
+It also measures one-stage training throughput of ethpipe's runtime against a plain PyTorch loop of the
+same model and kernels, with and without ``--compile`` (``gpu_throughput.py``).
 Meant to finish in under 8 minutes on one GPU; ``--device cpu`` runs the same logic on the CPU
 with tiny widths (what the tests do here).
 
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_throughput import measure_throughput, render_throughput  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "benchmarks"
@@ -167,6 +172,8 @@ def render(result: dict[str, Any]) -> str:
                   f"{'yes' if n in fit['informed'] else 'no'} |" for n in names]
     elif result.get("fit_error"):
         lines += ["", "## Constants fitted to these profiles", "", f"The fit failed: {result['fit_error']}"]
+    if result.get("throughput"):
+        lines += render_throughput(result["throughput"])
     tests = result.get("tests")
     lines += ["", "## tests/gpu", "", f"`{tests['summary']}` (exit {tests['returncode']}, {tests['wall_s']:.0f} s)"
               if tests else "not run (`--skip-tests`)", ""]
@@ -182,6 +189,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--micro-batches", default="1,4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--throughput-width", type=int, default=2048, help="model width of the throughput check")
+    parser.add_argument("--throughput-layers", type=int, default=8)
+    parser.add_argument("--throughput-compile", choices=("auto", "yes", "no"), default="auto",
+                        help="also measure with --compile (auto: on CUDA)")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=OUT)
     args = parser.parse_args(argv)
     started = time.time()
@@ -204,6 +216,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                    args.out_dir / "gpu_calibration.yaml")
     except Exception as err:  # noqa: BLE001  (a scarce GPU run keeps its rows and the tests whatever the fit does)
         result["fit_error"] = f"{type(err).__name__}: {err}"
+    if not args.skip_throughput:
+        compiled = args.throughput_compile == "yes" or (args.throughput_compile == "auto" and args.device == "cuda")
+        result["throughput"] = measure_throughput(args.device, args.throughput_width, args.throughput_layers,
+                                                  args.seq_len, compile_modes=(False, True) if compiled else (False,))
+        (args.out_dir / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     result["tests"] = None if args.skip_tests else run_gpu_tests()
     result["wall_s"] = time.time() - started
     (args.out_dir / "gpu.json").write_text(json.dumps(result, indent=1) + "\n")

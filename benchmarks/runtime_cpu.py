@@ -1,6 +1,7 @@
 """Runtime on CPU: measured step time of the eth, uniform and layer-balanced plans under --emulate
-(6 ranks: 2 emulated "fast" + 4 "slow" devices, tiny model), and our 1F1B executor vs
-torch.distributed.pipelining.Schedule1F1B on one homogeneous pipeline (overhead ratio).
+(6 ranks: 2 emulated "fast" + 4 "slow" devices, tiny model), and ethpipe vs torch.distributed.pipelining
+on the same homogeneous plans (``runtime_vs_torch.py``: 1F1B alone, and whole steps against Schedule1F1B
++ DDP), with the gradient sync's exposed time per sync variant.
 
 The main table runs the plans the planner makes for each method, with exactly the profile, emulated
 cost, plans and pacing targets of ``ethpipe demo`` (``ethpipe.demo``). A second table runs plans
@@ -20,37 +21,29 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 import torch.optim  # imported before the workers fork
 import yaml
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from ethpipe import demo
 from ethpipe.cli.demo_cmd import GLOBAL_BATCH, MODEL, PROFILE_SIZES, SEQ_LEN
-from ethpipe.comm.program import Peers
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
 from ethpipe.runtime.emulate import local_cores, with_emulation
-from ethpipe.runtime.executor import StageIO, run_stage_step
-from ethpipe.runtime.timing import Timeline
-from ethpipe.runtime.launch import die_with_parent, run_local
-from ethpipe.runtime.model import build_stage
+from ethpipe.runtime.launch import run_local
 from ethpipe.runtime.train import TrainConfig
-from ethpipe.schedule import one_f_one_b
 from ethpipe.sim import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import runtime_vs_torch  # noqa: E402  (the comparison with torch.distributed.pipelining)
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 SPEEDS = {"fast": 1.0, "slow": 0.25}  # the demo cluster's device speeds, which the hand-written plans assume
@@ -156,68 +149,25 @@ def bench_plans(plans: dict[str, dict[str, Plan]], data: str, steps: int,
     return out
 
 
-def _pipeline_worker(rank: int, world: int, store: str, num_mb: int, iters: int, result: str) -> None:
-    """One homogeneous pipeline of `world` stages: time ours and torch's Schedule1F1B, same stage."""
-    die_with_parent()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    spec = load_model_spec(MODEL)
-    per = spec.num_layers // world
-    layers = (rank * per, (rank + 1) * per)
-    first, last = rank == 0, rank == world - 1
-    module = build_stage(spec, layers, first, last)
-    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=120))
-    mb = 2
-    tokens = torch.randint(0, spec.vocab_size, (num_mb * mb, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    io = StageIO(group, Peers(rank - 1 if not first else None, () if last else (rank + 1,),
-                              rank + 1 if not last else None, () if first else (rank - 1,)),
-                 first, last, spec.hidden_size, SEQ_LEN)
-    actions = one_f_one_b(world, rank, num_mb)
-
-    def ours() -> None:
-        run_stage_step(module, actions, (mb,) * num_mb, list(inputs.split(mb)) if first else None,
-                       list(targets.split(mb)) if last else None, io, 1.0, None, 0, Timeline())
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum")
-
-    stage = PipelineStage(module, rank, world, torch.device("cpu"), group=group)
-    schedule = Schedule1F1B(stage, num_mb, loss_fn=loss_fn, scale_grads=False)
-
-    def theirs() -> None:
-        if first:
-            schedule.step(inputs)
-        elif last:
-            schedule.step(target=targets)
-        else:
-            schedule.step()
-
-    times: dict[str, list[float]] = {"ours": [], "torch": []}
-    for it in range(2 * iters + 4):  # interleaved, first two of each discarded as warm-up
-        name, fn = (("ours", ours), ("torch", theirs))[it % 2]
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        fn()
-        dist.barrier(group=group)
-        times[name].append(time.perf_counter() - start)
-        module.zero_grad(set_to_none=True)
-    if rank == 0:
-        Path(result).write_text(json.dumps({k: statistics.median(v[2:]) for k, v in times.items()}))
-    dist.destroy_process_group()
+def _runs_ms(values: list[float]) -> str:
+    return "/".join(f"{v * 1e3:.0f}" for v in values)
 
 
-def bench_schedules(world: int = 4, num_mb: int = 8, iters: int = 15) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = f"{tmp}/result.json"
-        mp.start_processes(_pipeline_worker, args=(world, f"{tmp}/store", num_mb, iters, result), nprocs=world,
-                           start_method="fork")
-        out = json.loads(Path(result).read_text())
-    out["ratio_ours_over_torch"] = out["ours"] / out["torch"]
-    print(f"1F1B ours {out['ours'] * 1e3:.1f} ms, torch {out['torch'] * 1e3:.1f} ms, ratio "
-          f"{out['ratio_ours_over_torch']:.3f}", flush=True)
-    return {"stages": world, "microbatches": num_mb, "micro_batch_size": 2, **out}
+def _sync_note(sync: dict[str, Any]) -> str:
+    """What the sync variants' numbers say, from the numbers: the lowest exposed time, and whether any
+    variant's step time is outside another's range of runs."""
+    exposed = {n: v for n, v in sync["medians"].items() if not n.endswith(" step")}
+    best, worst = min(exposed, key=exposed.__getitem__), max(exposed, key=exposed.__getitem__)
+    steps = {n: sync["rounds"][n + " step"] for n in exposed}
+    separated = any(max(steps[a]) < min(steps[b]) for a in steps for b in steps if a != b)
+    return (f"Lowest exposed sync: {best} ({exposed[best] * 1e3:.1f} ms), highest: {worst} "
+            f"({exposed[worst] * 1e3:.1f} ms). Step times "
+            + ("do separate: some variant's runs all lie below another's." if separated else
+               "do not separate: every variant's runs overlap every other's, so on this 2-core machine (4 ranks "
+               "keeping both cores busy with compute) less exposed sync did not make a step shorter.")
+            + " The default bucket size stays 25 MiB (DDP's): on GPUs every all-reduce adds NCCL's launch latency, "
+              "so a 7B stage's 6.8 GB of gradients in 1 MiB buckets would be ~6800 collectives a step; tune with "
+              "`--bucket-mib`.")
 
 
 def _ratio(a: float, b: float) -> str:
@@ -231,7 +181,7 @@ def _over_memory(plans: dict[str, dict[str, Any]]) -> str:
 
 def render(res: dict[str, Any]) -> str:
     """The markdown report, every number read from (or computed from) the results JSON."""
-    main, hand, sched = res["plans"], res["hand_written_plans"], res["schedule"]
+    main, hand = res["plans"], res["hand_written_plans"]
     base, eth = main["uniform"]["median_step_s"], main["eth"]["median_step_s"]
     rows = "\n".join(
         f"| {n} | {v['plan']} | {v['median_step_s'] * 1e3:.1f} | {v['tokens_per_s']:.0f} | "
@@ -244,6 +194,11 @@ def render(res: dict[str, Any]) -> str:
         f"{_ratio(hbase, v['median_step_s'])} | {v['ideal_units']} | {v['simulated_s'] * 1e3:.1f} | "
         f"{v['spread'] * 100:.1f}% | {v['memory_use'] * 100:.0f}% |" for n, v in hand.items())
     lb, hlb, heth = main["layer-balanced"], hand["layer-balanced"], hand["eth"]
+    fb, full, sync = res["vs_torch"]["fb_only"], res["vs_torch"]["full_step"], res["vs_torch"]["sync"]
+    sync_rows = "\n".join(f"| {name} | {ms * 1e3:.1f} (runs {_runs_ms(sync['rounds'][name])}) | "
+                          f"{sync['medians'][name + ' step'] * 1e3:.1f} (runs {_runs_ms(sync['rounds'][name + ' step'])}) |"
+                          for name, ms in sync["medians"].items() if not name.endswith(" step"))
+    sync_note = _sync_note(sync)
     per_sample = {int(b): s for b, s in res["block_sample_s"].items()}
     best = min(main, key=lambda n: main[n]["median_step_s"])
     return f"""# Runtime on CPU (measured)
@@ -300,12 +255,28 @@ plan {lb['memory_use'] * 100:.0f}%).
 Planner's eth over hand-written eth (hand-written step time / planner's): measured {_ratio(heth['median_step_s'], eth)},
 simulated {_ratio(heth['simulated_s'], main['eth']['simulated_s'])}.
 
-## Our 1F1B vs `torch.distributed.pipelining.Schedule1F1B` (one homogeneous pipeline)
+## ethpipe vs `torch.distributed.pipelining` (same plan, same run; `benchmarks/runtime_vs_torch.py`)
 
-{sched['stages']} stages of {res['model']}, {sched['microbatches']} micro-batches of {sched['micro_batch_size']} x {res['seq_len']}, forward+backward
-only, no emulation, median of interleaved runs: ours {sched['ours'] * 1e3:.1f} ms, torch {sched['torch'] * 1e3:.1f} ms,
-ratio ours/torch = **{sched['ratio_ours_over_torch']:.3f}**. ({sched['stages']} processes share {res['cores']} cores here, so both
-include the same contention.)
+**1F1B, forward and backward only**: one pipeline of {fb['stages']} stages of {res['model']}, {fb['microbatches']}
+micro-batches of {fb['micro_batch_size']} x {res['seq_len']}, median of alternating iterations: ours {fb['ours'] * 1e3:.1f} ms,
+`Schedule1F1B` {fb['torch'] * 1e3:.1f} ms, ratio ours/torch = **{fb['ratio_ours_over_torch']:.3f}**.
+
+**Whole training steps**: {full['pipelines']} pipelines x {full['stages']} stages of {res['model']}, {full['microbatches']} micro-batches of
+{full['micro_batch_size']} per pipeline, fp32. ethpipe: `ethpipe.runtime.train.train` (1F1B with batched p2p, the block
+gradient sync fired from backward hooks, the one stats all-gather, AdamW). torch: `Schedule1F1B` per pipeline with
+each stage in `DistributedDataParallel` over its two replicas (buckets reduced during the last micro-batch's
+backward), a loss all-reduce for logging, the same AdamW. Median step time over {res['vs_torch']['rounds']} alternating rounds of
+{res['vs_torch']['steps']} steps: ethpipe {full['ethpipe'] * 1e3:.1f} ms, torch {full['torch'] * 1e3:.1f} ms, ratio ethpipe/torch =
+**{full['ratio_ethpipe_over_torch']:.3f}**. (4 processes share {res['cores']} cores here, so both include the same contention.)
+
+**Gradient sync exposed** (the wait after the last backward, median over rank 0's steps, then over rounds), 2 pipelines x
+2 stages of a {sync['num_layers']}-layer h={sync['hidden_size']} model (25 MB of fp32 gradients per stage), 4 micro-batches:
+
+| sync | exposed ms (median; each run) | step ms (median; each run) |
+|---|---|---|
+{sync_rows}
+
+{sync_note}
 """
 
 
@@ -333,7 +304,7 @@ def main() -> None:
             rec["memory_use"] = setup.memory_use[table][name]
             if table == "hand_written":
                 rec["ideal_units"] = IDEAL_UNITS[name]
-    sched = bench_schedules()
+    vs_torch = runtime_vs_torch.measure()
     load_after = os.getloadavg()
     machine = f"{platform.platform()}, {platform.processor() or platform.machine()}, {local_cores()} cores, " \
               f"torch {torch.__version__}"
@@ -342,7 +313,7 @@ def main() -> None:
               "steps": args.steps, "repeats": args.repeats, "model": MODEL, "global_batch": GLOBAL_BATCH,
               "seq_len": SEQ_LEN, "profile_device": setup.profile_device,
               "block_sample_s": {str(b): s for b, s in setup.block_sample_s.items()},
-              "plans": measured["planner"], "hand_written_plans": measured["hand_written"], "schedule": sched}
+              "plans": measured["planner"], "hand_written_plans": measured["hand_written"], "vs_torch": vs_torch}
     markdown = render(result)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "runtime_cpu.json").write_text(json.dumps(result, indent=2) + "\n")

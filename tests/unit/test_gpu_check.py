@@ -35,7 +35,8 @@ def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
     (tmp_path / "gpu_profiles").mkdir()
     (tmp_path / "gpu_profiles" / "earlier_run.json").write_text("{}")  # another run's: must not be fitted
     result = gpu_check.main(["--device", "cpu", "--gpu-id", "a100_80gb_sxm", "--widths", "64", "--seq-len", "32",
-                             "--micro-batches", "1,2", "--repeats", "1", "--skip-tests", "--out-dir", str(tmp_path)])
+                             "--micro-batches", "1,2", "--repeats", "1", "--skip-tests", "--out-dir", str(tmp_path),
+                             "--throughput-width", "64", "--throughput-layers", "1"])
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
     assert {(r["dtype"], r["tf32"], r["attention"]) for r in rows} == set(gpu_check.MODES)
     assert {r["kind"] for r in rows} == {"embedding", "block", "head"} and {r["micro_batch"] for r in rows} == {1, 2}
@@ -48,3 +49,6 @@ def test_cpu_dry_run_writes_every_mode_and_layer(tmp_path: Path) -> None:
     assert fitted.constants("ampere")[0].source.startswith("benchmarks/gpu_check.py on ")
     assert result["fit"]["num_passes"] == 2 * 2 * 2 * len(gpu_check.MODES)  # (block, head) x mbs x (fwd, bwd)
     assert "## Constants fitted to these profiles (ampere" in report
+    (throughput,) = result["throughput"]  # the dry run's one mode: no --compile off CUDA
+    assert not throughput["compile"] and throughput["ethpipe_tokens_per_s"] > 0 and throughput["plain_tokens_per_s"] > 0
+    assert "## One-stage throughput" in report
