@@ -153,7 +153,7 @@ class Plan:
         return tuple(out)
 
     def blocks_of_stage(self, pipeline: int, stage: int) -> tuple[int, ...]:
-        """Indices of the blocks held by a stage, ascending (the global sync order)."""
+        """Indices of the blocks held by a stage, ascending (the sync runs them in ``cost/sync.block_sync_order``)."""
         lo, hi = self.pipelines[pipeline].stages[stage].layers
         return tuple(i for i, b in enumerate(self.blocks) if lo <= b.layers[0] and b.layers[1] <= hi)
 

@@ -14,7 +14,8 @@ from ethpipe.comm.program import communicators, step_program
 from ethpipe.comm.replay import Op, Outcome, Post, Program, Wait, replay
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
+from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import stage_sync_units
 from ethpipe.runtime.model import Decoder, state_dict_shapes
 from ethpipe.runtime.tensor_parallel import TPGroup

@@ -26,6 +26,9 @@ class FakeCost:
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         return self.p2p_time_s
 
+    def tied_sync_s(self, plan: Plan) -> float:
+        return 0.0  # the fakes' models are untied
+
     def block_sync_s(self, plan: Plan) -> list[float]:
         """bytes x seconds_per_byte for blocks held by more than one pipeline."""
         multi = len(plan.pipelines) > 1

@@ -29,9 +29,10 @@ def _spec(family: str, hidden: int, head_dim: int, ffn: int) -> ModelSpec:
     return spec
 
 
-def _saved_bytes(spec: ModelSpec, last: bool, autocast: bool, seq_len: int, batch: int) -> int:
+def _saved_bytes(spec: ModelSpec, last: bool, autocast: bool, seq_len: int, batch: int,
+                 recompute: bool = False) -> int:
     """Non-parameter storages autograd keeps over one forward of layers 1-2 (+ the head)."""
-    module = build_stage(spec, (1, 3), first=False, last=last)
+    module = build_stage(spec, (1, 3), first=False, last=last, recompute=recompute)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[tuple[int, int], int] = {}
 
@@ -70,3 +71,22 @@ def _norm_and_bias_params(spec: ModelSpec) -> int:
     """Per layer, the parameters autocast does not cast (norms, biases: 1-D)."""
     module = build_stage(spec, (0, 1), first=False, last=False)
     return sum(p.numel() for p in module.parameters() if p.dim() < 2)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recompute_keeps_each_blocks_fp32_input(autocast: bool) -> None:
+    """Activation recomputation keeps only each block's input: the fp32 residual stream, also under 16-bit
+    autocast (what the memory model's recompute term counts per layer and sample)."""
+    from ethpipe.cluster import cluster_from_dict
+    from ethpipe.cost.model import CostModel
+
+    s, b = 16, 2
+    spec = _spec("llama", 64, 16, 96)
+    cluster = cluster_from_dict({"nodes": [{"gpu": {"id": "x", "memory_gib": 1, "peak_tflops": 1}, "num_nodes": 1,
+                                            "gpus_per_node": 1, "nic_gbit_s": 1}]})
+    d = 2 if autocast else 4
+    cost = CostModel(cluster, spec, s, dtype_bytes=d, dtype="bf16" if autocast else "fp32")
+    _, with_rc = cost.memory_terms(1, b, 1, True, first=False, last=False)
+    _, without = cost.memory_terms(1, b, 0, True, first=False, last=False)  # states and weight copies only
+    assert _saved_bytes(spec, False, autocast, s, b, recompute=True) == 2 * (with_rc - without)
+    assert with_rc - without == memory.block_input_bytes(spec, s, 4) * b

@@ -368,7 +368,9 @@ def test_calibrate_cli_end_to_end_on_sailor_profiles(tmp_path: Path) -> None:
 def test_replanned_clusters_predict_within_20_percent_and_rebalance_within_3() -> None:
     """The issue's four clusters planned without profiles: the plan's own prediction is within 20% of
     its time under the measured profiles, and after the online batch re-split the runtime performs
-    (`--rebalance`) it is within 3% of the plan made from the profiles themselves."""
+    (`--rebalance`) it is within 6% of the plan made from the profiles themselves (3% while the sync was
+    priced in ascending block order; the runtime's descending order favours layouts the profile-made plans
+    find and re-splitting the data cannot reach: docs/cost-model.md, "Calibration")."""
     import calibration as bench
     from ethpipe.cost.hardware import shipped_calibration
 
@@ -376,8 +378,10 @@ def test_replanned_clusters_predict_within_20_percent_and_rebalance_within_3() -
     assert len(rows) == len(bench.CLUSTERS)
     for r in rows:
         assert abs(r["prediction_error"]) < 0.20, r
-        assert r["rebalanced_quality"] < 0.03, r
-        assert r["rebalanced_under_profiles_s"] <= r["calibrated_plan_under_profiles_s"] * (1 + 1e-9), r
+        assert r["rebalanced_quality"] < 0.06, r
+        # The re-split balances the pipelines' compute; the gradient sync after it (blocks descending, as the
+        # runtime issues them) may then end a hair later: at most 0.1% (0.05% on the A100-40 + V100-16 cluster).
+        assert r["rebalanced_under_profiles_s"] <= r["calibrated_plan_under_profiles_s"] * (1 + 1e-3), r
 
 
 def test_layer_times_at_any_micro_batch_are_the_kernels_rooflines() -> None:

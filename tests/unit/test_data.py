@@ -59,7 +59,7 @@ def test_prepare_bytes_roundtrip(tmp_path: Path) -> None:
     assert count == data.num_tokens
     assert bytes(data.tokens.astype(np.uint8)).decode() == "héllo\n\nworld"
     assert json.loads((tmp_path / "o.bin.json").read_text()) == {"dtype": "uint16", "vocab_size": 256,
-                                                                 "max_token_id": 195}  # 0xC3 of 'é' 
+                                                                 "num_tokens": count, "max_token_id": 195}  # 'é' 
 
 
 def test_tokenizer_needs_package_or_file(tmp_path: Path) -> None:
@@ -84,6 +84,10 @@ def test_the_sidecar_records_the_largest_id_and_validation_trusts_it(tmp_path: P
     (tmp_path / "o.bin.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="token id 300 but the model's vocab_size is 256"):
         validate_data(open_tokens(tmp_path / "o.bin", 256), 4, 1, 1, False, 256)
+    meta["num_tokens"] += 1  # the sidecar of another file: its maximum is not trusted, the file is scanned
+    (tmp_path / "o.bin.json").write_text(json.dumps(meta))
+    assert open_tokens(tmp_path / "o.bin", 256).max_token_id is None
+    validate_data(open_tokens(tmp_path / "o.bin", 256), 4, 1, 1, False, 256)
 
 
 def test_the_shuffled_order_is_numpys_seeded_permutation_made_once() -> None:

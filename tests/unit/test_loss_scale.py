@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ethpipe.runtime.grad_sync import grad_stats, scale_grads
+from ethpipe.runtime.grad_sync import GradStats, scale_grads
 from ethpipe.runtime.loss_scale import INIT_SCALE, LossScaler
 
 
@@ -27,12 +27,12 @@ def test_grad_stats_flag_nonfinite_and_count_owned_squares_and_unscale_in_one_la
     module.weight.grad = torch.full((2, 3), 8.0)
     module.bias.grad = torch.tensor([3.0, 4.0])
     params = dict(module.named_parameters())
-    stats = grad_stats(params, ["weight"], torch.device("cpu"))
+    stats = GradStats(params, ["weight"], torch.device("cpu"))()
     u = 2.0**-24  # the norm is an fp32 reduction, squared in fp64
     assert stats.dtype == torch.float64 and stats.tolist() == [pytest.approx(6 * 64.0, rel=4 * u), 0.0]  # owned only
     module.bias.grad = torch.tensor([float("inf"), 1.0])
-    assert grad_stats(params, ["weight"], torch.device("cpu")).tolist() == [pytest.approx(384.0, rel=4 * u), 1.0]
+    assert GradStats(params, ["weight"], torch.device("cpu"))().tolist() == [pytest.approx(384.0, rel=4 * u), 1.0]
     module.bias.grad = torch.tensor([float("nan"), 1.0])
-    assert grad_stats(params, [], torch.device("cpu")).tolist() == [0.0, 1.0]
+    assert GradStats(params, [], torch.device("cpu"))().tolist() == [0.0, 1.0]
     scale_grads(module, 0.25)
     assert torch.equal(module.weight.grad, torch.full((2, 3), 2.0)) and torch.isnan(module.bias.grad[0])

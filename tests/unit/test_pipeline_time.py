@@ -28,6 +28,9 @@ class _Table:
     def block_sync_s(self, plan: Plan) -> list[float]:
         return [0.0] * len(plan.blocks)
 
+    def tied_sync_s(self, plan: Plan) -> float:
+        return 0.0
+
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return 0.0
 

@@ -91,16 +91,17 @@ def test_flat_sync_waits_for_the_slowest_flush() -> None:
     assert [e.name for e in report.critical_path][-2] == "allreduce block 1"
 
 
-def test_shared_holder_syncs_blocks_in_ascending_order() -> None:
-    # Pipeline 1 (one stage, twice as fast) holds both blocks: block 1 waits for block 0 on its comm stream.
+def test_shared_holder_syncs_blocks_in_descending_order() -> None:
+    # Pipeline 1 (one stage, twice as fast) holds both blocks and syncs them in the runtime's order, blocks
+    # descending: block 1 with pipeline 0's last stage (free at 8), then block 0 with its first (free at 12).
     plan = make_plan([([(0, 2), (2, 4)], [1], "fast"), ([(0, 4)], [1], "quick")])
     cost = FakeCost(fwd_per_layer_s={"fast": 1.0, "quick": 0.5}, grad_bytes_by_layers={(0, 2): 1000, (2, 4): 1000})
     report = simulate(plan, cost)
     ar = {(e.block, e.ranks[0]): (e.start_s, e.end_s) for e in report.events if e.kind == "allreduce"}
+    assert ar[(1, 1)] == (8, 9) and ar[(1, 2)] == (8, 9)
     assert ar[(0, 0)] == (12, 13) and ar[(0, 2)] == (12, 13)
-    assert ar[(1, 1)] == (13, 14) and ar[(1, 2)] == (13, 14)
-    assert report.iteration_time_s == 14.0
-    assert report.ranks[2].bubble_s == 0.0 and report.ranks[2].sync_wait_s == 8.0
+    assert report.iteration_time_s == 13.0
+    assert report.ranks[2].bubble_s == 0.0 and report.ranks[2].sync_wait_s == 7.0
 
 
 def test_microbatches_fewer_than_stages() -> None:

@@ -11,6 +11,7 @@ import typer
 
 from ethpipe.cli.app import app, console, err_console, user_errors
 from ethpipe.errors import UserError
+from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
 
 data_app = typer.Typer(help="Make token files for `ethpipe train`.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -73,8 +74,8 @@ def train(
     log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
     compile_blocks: bool = typer.Option(False, "--compile", help="torch.compile each decoder block (the first "
                                         "steps pay the compilation; not with tensor-parallel stages)."),
-    bucket_mib: float = typer.Option(25.0, "--bucket-mib", help="Gradient-sync bucket size in MiB (0: one "
-                                     "all-reduce per block)."),
+    bucket_mib: float = typer.Option(DEFAULT_BUCKET_BYTES / 2**20, "--bucket-mib", help="Gradient-sync bucket size "
+                                     "in MiB (0: one all-reduce per sync unit: a block, or its slice under mixed TP)."),
     no_overlap_grad_sync: bool = typer.Option(
         False, "--no-overlap-grad-sync", help="Start the gradient all-reduces after the last backward's sends "
                                               "instead of from its hooks (for NCCL setups that serialise "

@@ -37,6 +37,8 @@ from ethpipe.schedule import Action, one_f_one_b
 
 Payload = Literal["act", "grad"]
 WORLD = "world"
+# The gradient sync's default bucket size (runtime/grad_buckets.py; measured: docs/runtime.md, "Gradient sync").
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)

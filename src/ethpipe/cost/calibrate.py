@@ -54,7 +54,7 @@ _MEM, _LAUNCH, _LAYER = 3, 4, 5  # columns of x after the math units' (indexed a
 LinkFn = Callable[[GpuSpec, int, float], float]
 
 
-TP_ALLREDUCES_PER_BLOCK_PASS = 2  # Megatron: after attention and after the MLP (= CostModel's)
+TP_ALLREDUCES_PER_BLOCK_PASS = 2  # Megatron: after attention and after the MLP (as CostModel.tp_message_bytes)
 
 
 def catalog_link_gbps(gpu: GpuSpec, tp: int, num_bytes: float) -> float:

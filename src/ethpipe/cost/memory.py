@@ -19,8 +19,6 @@ from ethpipe.model_spec import ModelSpec
 # fragmentation and communication buffers take the rest.
 USABLE_MEMORY_FRACTION = 0.9
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients: what the block sync all-reduces, also under 16-bit autocast
-ADAM_STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v (mixed precision)
-FP32_ADAM_STATE_BYTES_PER_PARAM = 8  # m + v (fp32 training: the weights are the master copy)
 LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
 # Boundary tensors a stage with a neighbour holds besides its stashed inputs (runtime/executor.py): while
 # one p2p batch is in flight, the payload it sends and the buffer it receives into (during a backward:
@@ -34,8 +32,11 @@ LOSS_TRANSIENT_LOGITS = 2
 
 
 def state_bytes_per_param(dtype_bytes: int) -> int:
-    adam = ADAM_STATE_BYTES_PER_PARAM if dtype_bytes < 4 else FP32_ADAM_STATE_BYTES_PER_PARAM
-    return 2 * dtype_bytes + adam
+    """Weights + gradients + AdamW's two moments per parameter, as the runtime keeps them: all in the weights'
+    dtype, fp32 under every 16-bit precision (autocast) and in fp32 training (4 + 4 + 8 = 16), fp64 in the
+    exactness mode (32)."""
+    weight = max(dtype_bytes, GRAD_BYTES_PER_PARAM)
+    return 4 * weight
 
 
 def block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
@@ -66,11 +67,6 @@ def loss_transient_bytes(model: ModelSpec, seq_len: int, tp: int) -> float:
 def block_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
     """What full recomputation keeps per block and sample: the block's input."""
     return seq_len * dtype_bytes * model.hidden_size
-
-
-def head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
-    """Final-norm input/output plus fp32 logits (split over TP, vocab-parallel) for one sample."""
-    return seq_len * (2 * dtype_bytes * model.hidden_size + LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
 
 
 def block_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:

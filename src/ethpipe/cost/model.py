@@ -21,7 +21,7 @@ from ethpipe.cost.p2p import P2pFlows, p2p_flows
 from ethpipe.cost.hardware import (
     Calibration, DeviceCompute, KernelLines, has_hardware_model, recorded_calibration, shipped_calibration,
 )
-from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s
+from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s, tied_sync_shape
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
@@ -357,6 +357,10 @@ class CostModel(MemoryPricing):
     def sync_s(self, shape: SyncShape | None) -> float:
         """Seconds of one block all-reduce of this shape (``cost/sync.py``)."""
         return 0.0 if shape is None else sync_shape_s(shape, self.cluster)
+
+    def tied_sync_s(self, plan: Plan) -> float:
+        """Seconds of the tied embedding matrix's all-reduce among its copies (0 for an untied model)."""
+        return self.sync_s(tied_sync_shape(plan, self.cluster, self.tied_grad_bytes())) if self.tied_grad_bytes() else 0.0
 
     def block_sync_s(self, plan: Plan) -> list[float]:
         """Seconds of each block's all-reduce in ``plan`` (0.0 where one pipeline holds it).

@@ -40,10 +40,22 @@ class MemoryPricing:
         """Bytes of one gradient element as the block sync all-reduces it (fp32 under every precision)."""
         return memory.GRAD_BYTES_PER_PARAM
 
+    def grad_sync_bytes(self, num_layers: int, *, first: bool, last: bool) -> int:
+        """Gradient bytes the block sync moves for ``num_layers`` layers, plus the embedding / norm+head at the
+        ends; a tied matrix is synced apart (``tied_grad_bytes``), so it is left out of both ends."""
+        params = self.stage_params(num_layers, first=first, last=last)
+        if self.model.tie_embeddings:
+            params -= (first + last) * self.model.vocab_size * self.model.hidden_size
+        return params * self.grad_bytes
+
     def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
-        """Gradient bytes of a block: its layers, plus the embedding / norm+head at the ends."""
-        num_layers = block.layers[1] - block.layers[0]
-        return self.stage_params(num_layers, first=first, last=last) * self.grad_bytes
+        """Gradient bytes of a block (``grad_sync_bytes`` of its layers)."""
+        return self.grad_sync_bytes(block.layers[1] - block.layers[0], first=first, last=last)
+
+    def tied_grad_bytes(self) -> int:
+        """The tied embedding matrix's gradient bytes (0 for an untied model)."""
+        m = self.model
+        return m.vocab_size * m.hidden_size * self.grad_bytes if m.tie_embeddings else 0
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
@@ -73,7 +85,8 @@ class MemoryPricing:
         m, s, d = self.model, self.seq_len, self.dtype_bytes
         bpp = self._state_bpp  # type: ignore[attr-defined]
         full = self._activation_bytes(device, "block", micro_batch, tp)
-        kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
+        # Recompute keeps each block's input: the residual stream, in the weights' fp32 under 16-bit autocast.
+        kept = memory.block_input_bytes(m, s, max(d, memory.GRAD_BYTES_PER_PARAM)) * micro_batch if recompute else full
         per_layer = (bpp * m.params_per_layer() / tp + in_flight * kept
                      + memory.autocast_weight_bytes(m.params_per_layer(), d, tp))
         fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp

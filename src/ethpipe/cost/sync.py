@@ -65,6 +65,35 @@ def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:
         inter_latency_s=cluster.inter_node_latency_s, intra_curve=curve)
 
 
+def block_sync_order(num_blocks: int) -> list[int]:
+    """The order the runtime issues block all-reduces in (``runtime/grad_buckets.sync_order``): blocks
+    descending, the order their gradients become final in the backward; the tied matrix after them."""
+    return list(range(num_blocks - 1, -1, -1))
+
+
+def tied_holder_stages(plan: Plan) -> list[tuple[int, int]]:
+    """(pipeline, stage) of every copy of a tied embedding: each pipeline's first stage, and its last if deeper."""
+    return [(p, s) for p, pipe in enumerate(plan.pipelines) for s in dict.fromkeys((0, pipe.depth - 1))]
+
+
+def tied_sync_shape(plan: Plan, cluster: Cluster, num_bytes: float) -> SyncShape | None:
+    """The tied matrix's one all-reduce among all its copies (after the blocks: it shares no NIC with them);
+    None where a single stage holds the only copy."""
+    stages = [plan.pipelines[p].stages[s] for p, s in tied_holder_stages(plan)]
+    if len(stages) < 2:
+        return None
+    heads = [cluster.devices[st.ranks[0]] for st in stages]
+    here: dict[int, int] = {}
+    nic: dict[int, tuple[float, float]] = {}
+    for d in heads:
+        here[d.node] = here.get(d.node, 0) + 1
+        nic[d.node] = (d.nic_gbps, d.flow_gbps)
+    return SyncShape(num_bytes=num_bytes / min(st.tp for st in stages), num_ranks=len(heads), num_nodes=len(here),
+                     max_ranks_per_node=max(here.values()), intra_gbps=min(d.gpu.intra_node_gbps for d in heads),
+                     nic_gbps=min(nic_share_gbps(*nic[n], c, c) for n, c in here.items()),
+                     gpus=distinct_gpus(d.gpu for d in heads))
+
+
 def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
     """Per block: the (pipeline, stage) holding it in every pipeline, in plan order."""
     out = []

@@ -312,7 +312,7 @@ class LowerBounds:
         for r in heads:
             here[devs[r].node] = here.get(devs[r].node, 0) + 1
         num_layers = num_layers if depth > 1 else self.cost.model.num_layers
-        num_bytes = self.cost.stage_params(num_layers, first=True, last=depth == 1) * self.cost.grad_bytes / tp
+        num_bytes = self.cost.grad_sync_bytes(num_layers, first=True, last=depth == 1) / tp
         intra = min(devs[r].gpu.intra_node_gbps for r in heads)
         first_rank = {devs[r].node: r for r in reversed(heads)}
         nic = min(devs[first_rank[n]].nic_gbps / max((self._node_ranks[n] if crossing else c * tp) / c, 1.0)

@@ -1,8 +1,9 @@
 """Closed-form iteration time of ANY valid plan, with block-wise gradient sync (docs/design.md §2.2).
 
 Per pipeline: each stage's last backward from ``cost/pipeline.py`` (``stage_finish_s``, any
-micro-batch sizes). Then every stage all-reduces its blocks in ascending block order (the
-global order that keeps overlapping groups deadlock-free): a block's all-reduce starts when all
+micro-batch sizes). Then every stage all-reduces its blocks in the runtime's one global order
+(blocks descending, then the tied matrix: ``cost/sync.block_sync_order``), which keeps overlapping
+groups deadlock-free: a block's all-reduce starts when all
 its holders are free, holders stay busy until it ends, and each stage runs its optimizer step
 after its last block. All-reduce durations come from ``CostModel.block_sync_s`` (the one
 pricing, shared with the simulator). ``flat_sync``: every all-reduce waits for the slowest
@@ -19,7 +20,7 @@ import numpy as np
 from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import stage_finish_s
-from ethpipe.cost.sync import holder_stages
+from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
 from ethpipe.planner.timing import StageSlot, action_times_s
 
@@ -68,7 +69,10 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     free = {(p, s): (makespan if flat_sync else float(finish[p][s]))
             for p, pipe in enumerate(plan.pipelines) for s in range(pipe.depth)}
     sync_end = makespan
-    for holders, duration in zip(holder_stages(plan), cost.block_sync_s(plan)):
+    holders_of, durations = holder_stages(plan), cost.block_sync_s(plan)
+    syncs = [(holders_of[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
+    syncs.append((tied_holder_stages(plan), cost.tied_sync_s(plan)))  # the runtime's order: the tied matrix last
+    for holders, duration in syncs:
         if duration > 0.0:
             start = max(free[h] for h in holders)
             for h in holders:

@@ -55,7 +55,7 @@ def _prescore_s(cost: CostModel, pool: Pool, depth: int, tp: int, span: int, sha
     """Rough iteration time of a shape: 1F1B at b=1 with a perfect layer split, plus the first
     stage's sync (later stages sync while it drains) with the node's NIC carrying 1/span of a replica."""
     per_sample = sum(cost.layer_times_s(pool.device, 1, tp)) * cost.model.num_layers / depth
-    model_bytes = cost.stage_params(cost.model.num_layers, first=True, last=True) * cost.grad_bytes
+    model_bytes = cost.grad_sync_bytes(cost.model.num_layers, first=True, last=True)
     nic = cost.cluster.devices[pool.nodes[0][0]].nic_gbps * 1e9
     sync = 2 * model_bytes / depth / nic if len(pool.nodes) > 1 or span > 1 else 0.0
     return (share + depth - 1) * per_sample + sync

@@ -16,7 +16,7 @@ import numpy as np
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.sync import SyncShape, distinct_gpus
+from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_share_gbps
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.balance import balance_samples
@@ -134,6 +134,27 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
     return out
 
 
+def tied_shape(cost: CostModel, groups: Sequence[Group]) -> SyncShape | None:
+    """The tied matrix's all-reduce among every pipeline's first and last stage (``cost/sync.tied_sync_shape``'s
+    arithmetic on the groups' heads); None for an untied model or a single copy."""
+    if not cost.tied_grad_bytes():
+        return None
+    ends = [gr.stages[s] for gr in groups for s in dict.fromkeys((0, gr.template.depth - 1))]
+    here: dict[int, int] = {}
+    nic: dict[int, tuple[float, float]] = {}
+    for st in ends:
+        rails = dict(st.flow_gbps)
+        for node, c, bw in st.heads:
+            here[node] = here.get(node, 0) + c
+            nic[node] = (bw, rails.get(node, bw))
+    if sum(here.values()) < 2:
+        return None
+    tp = min(gr.template.slots[s].tp for gr in groups for s in (0, gr.template.depth - 1))
+    return SyncShape(cost.tied_grad_bytes() / tp, sum(here.values()), len(here), max(here.values()),
+                     min(st.intra_gbps for st in ends), min(nic_share_gbps(*nic[n], c, c) for n, c in here.items()),
+                     distinct_gpus(g for st in ends for g in st.gpus))
+
+
 def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequence[Sequence[int]], *,
                       flat_sync: bool = False, shapes: list | None = None) -> float:
     """Iteration time of a candidate: stage finishes, block-wise (or flat) sync, optimizer."""
@@ -147,10 +168,13 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
             opts[(g, s)] = cost.optimizer_s(stage, first=s == 0, last=s == tpl.depth - 1)
     makespan = max(finish.values())
     free = {k: (makespan if flat_sync else v) for k, v in finish.items()}
-    for holders, shape in (shapes if shapes is not None else sync_shapes(cost, groups)):
+    blocks = shapes if shapes is not None else sync_shapes(cost, groups)
+    syncs = [([(g, s) for g, s in enumerate(blocks[k][0])], blocks[k][1]) for k in block_sync_order(len(blocks))]
+    syncs.append(([(g, s) for g, gr in enumerate(groups) for s in dict.fromkeys((0, gr.template.depth - 1))],
+                  tied_shape(cost, groups)))  # the runtime's order: blocks descending, the tied matrix last
+    for keys, shape in syncs:
         duration = cost.sync_s(shape)
         if duration > 0.0:
-            keys = [(g, s) for g, s in enumerate(holders)]
             start = max(free[k] for k in keys)
             for k in keys:
                 free[k] = start + duration

@@ -152,7 +152,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
     ``per_type_only``: skip one degree for all (the replicated family searched those exactly); candidates
     whose lower bound cannot beat ``cutoff`` are not built."""
     counts = [p.num_devices for p in pools]
-    model_bytes = cost.stage_params(cost.model.num_layers, first=True, last=True) * cost.grad_bytes
+    model_bytes = cost.grad_sync_bytes(cost.model.num_layers, first=True, last=True)
     nic = min(cost.cluster.devices[p.nodes[0][0]].nic_gbps for p in pools) * 1e9
     bounds = shared_bounds(cost, cache)
     vectors = [v for v in tp_vectors(cost, pools, max_tp, options.per_type_tp) if not per_type_only or len(set(v)) > 1]

@@ -13,7 +13,12 @@ from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
 from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus
 from ethpipe.runtime.checkpoint import check_checkpoint
-from ethpipe.runtime.ckpt_layout import ResumePoint, check_fresh_dir, complete_checkpoints, find_resume
+from ethpipe.runtime.ckpt_layout import (
+    ResumePoint,
+    check_fresh_dir,
+    complete_checkpoints,
+    find_resume,
+)
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
 from ethpipe.runtime.emulate import check_emulation

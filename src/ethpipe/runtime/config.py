@@ -11,7 +11,7 @@ import torch
 
 from ethpipe.errors import UserError
 from ethpipe.runtime.emulate import EmulateMode, Slowdown, check_emulate_mode
-from ethpipe.runtime.grad_buckets import DEFAULT_BUCKET_BYTES
+from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
 from ethpipe.runtime.rebalance import RebalanceConfig
 
 ADAM_BETAS = (0.9, 0.95)

@@ -62,8 +62,11 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
         raise UserError(f"data file '{path}' has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
     if path.stat().st_size == 0:
         raise UserError(f"data file '{path}' is empty")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
     max_id = meta.get("max_token_id")
-    return TokenFile(path, np.memmap(path, dtype=dtype, mode="r"), int(max_id) if max_id is not None else None)
+    if meta.get("num_tokens") != tokens.shape[0]:  # a sidecar of another (or a rewritten) file: scan instead
+        max_id = None
+    return TokenFile(path, tokens, int(max_id) if max_id is not None else None)
 
 
 @lru_cache(maxsize=2)

@@ -175,6 +175,7 @@ def run_stage_step(
             if k == last_backward:
                 timeline.end_phase()
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
+    timeline.sends_done()
     del outgoing
     if on_last_backward is not None:
         on_last_backward()

@@ -1,36 +1,43 @@
-"""DDP-style block gradient sync: persistent flat buffers per bucket, all-reduces fired from backward hooks.
+"""DDP-style block gradient sync: persistent gradient buffers, all-reduces fired from backward hooks.
 
 A stage's sync units (``sync_layout``: each block's slices, then the tied matrix's) are cut into buckets
 of at most ``bucket_bytes`` in backward order (a unit's slices reversed: the last layers' gradients are
-final first), and every bucket owns one flat buffer for the whole run. A parameter that lies whole in
-one bucket has its ``.grad`` as a view of that buffer: autograd accumulates into it in place, the
-all-reduce sums it in place, and nothing is copied or concatenated. A parameter split across units
-(a shard that several TP degrees cut differently) is copied into its buckets and back.
+final first). Every gradient lives in persistent memory for the whole run, in one of three ways:
+
+- **view**: a parameter that lies whole in one bucket has its ``.grad`` as a view of the bucket's flat
+  buffer: autograd accumulates into it in place, the all-reduce sums it in place, nothing is copied.
+- **direct**: a piece along dim 0 of a parameter that several TP degrees cut differently (``SyncSlice.split``)
+  is a contiguous region of its gradient (a tensor of its own on every holder), all-reduced in place as
+  its own tensor: no copy, the same tensors on every holder.
+- **copy**: a piece along dim 1 (a row-parallel weight's columns) is not contiguous where a holder's shard
+  spans several pieces; there it is copied into the bucket's flat buffer and back (+1x gradient memory
+  for those slices only, ``copied_bytes``); a holder whose shard is exactly the piece views it.
 
 During the stage's last backward (``arm``), each parameter's post-accumulate-grad hook marks it final;
-a bucket fires its all-reduce once all its parameters are final AND every bucket before it in the one
-global order has fired. The order is the same on every rank: blocks in descending order (the order
-their gradients become final), each block's units as ``sync_layout`` lists them, the tied matrix last;
-so each group sees its all-reduces in the same order on all of its members and overlapping groups
-cannot deadlock (``ethpipe.comm.replay``). ``flush`` fires what no hook reached (a parameter without a
-gradient), ``wait`` waits for all of them. Buckets with one holder skip the collective.
+a bucket fires its all-reduces once all its parameters are final AND every bucket before it in the one
+global order has fired. The order is the same on every rank: blocks descending (the order their
+gradients become final; ``cost/sync.block_sync_order``), each block's units as ``sync_layout`` lists
+them, the tied matrix last; so each group sees its all-reduces in the same order on all of its members
+and overlapping groups cannot deadlock (``ethpipe.comm.replay``). ``flush`` fires what no hook reached
+(a parameter without a gradient), ``wait`` waits for all of them. Buckets with one holder skip the
+collective.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
 from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit
 from ethpipe.units import runs_of_bytes
 
-# Default bucket size: see docs/runtime.md, "Gradient sync" (measured).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+Mode = Literal["view", "direct", "copy"]
 
 
 def sync_order(units: Sequence[SyncUnit]) -> list[SyncUnit]:
@@ -46,11 +53,11 @@ class _Bucket:
     holders: tuple[int, ...]
     divide_by: int
     slices: list[SyncSlice]
+    modes: list[Mode]
+    offsets: list[int]  # into ``flat`` (view and copy slices)
     flat: torch.Tensor
-    offsets: list[int]
-    copied: list[bool]  # per slice: copied in and out (else a view the parameter's .grad is)
     pending: set[str] = field(default_factory=set)
-    work: dist.Work | None = None
+    works: list[dist.Work] = field(default_factory=list)
     issued: bool = False
 
 
@@ -58,9 +65,7 @@ def _numel(param: nn.Parameter, sl: SyncSlice) -> int:
     return param.numel() if sl.dim is None else param.numel() // param.shape[sl.dim] * sl.length
 
 
-def _region(param: nn.Parameter, sl: SyncSlice) -> torch.Tensor:
-    grad = param.grad
-    assert grad is not None
+def _region(grad: torch.Tensor, sl: SyncSlice) -> torch.Tensor:
     return grad if sl.dim is None else grad.narrow(sl.dim, sl.start, sl.length)
 
 
@@ -68,54 +73,65 @@ class GradBuckets:
     """This stage's sync buckets (module docstring); ``groups`` maps holder tuples to process groups."""
 
     def __init__(self, params: Mapping[str, nn.Parameter], units: Sequence[SyncUnit],
-                 groups: Mapping[tuple[int, ...], dist.ProcessGroup], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 on_issue: Callable[[str], None] | None = None) -> None:
-        self.params, self.groups, self.on_issue = params, groups, on_issue
+                 groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.params, self.groups = params, groups
         self._names = {id(p): n for n, p in params.items()}
         uses: dict[str, int] = {}
         for unit in units:
             for sl in unit.slices:
                 uses[sl.name] = uses.get(sl.name, 0) + 1
+        self.grads: dict[str, torch.Tensor] = {}  # every synced parameter's persistent gradient
+        self._own: set[str] = set()  # split parameters: their gradient is a tensor of its own
         self.buckets: list[_Bucket] = []
-        self._owner: dict[str, list[_Bucket]] = {}
         for unit in sync_order(units):
             for run in runs_of_bytes(list(reversed(unit.slices)),
                                      lambda sl: _numel(params[sl.name], sl) * params[sl.name].element_size(),
                                      bucket_bytes):
                 self._add(unit, run, uses)
+        self._owner: dict[str, list[_Bucket]] = {}
         for bucket in self.buckets:
             for sl in bucket.slices:
                 self._owner.setdefault(sl.name, []).append(bucket)
-        self.viewed = {sl.name for b in self.buckets for sl, c in zip(b.slices, b.copied) if not c}
-        self.started_s = 0.0
         self._armed = False
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._final) for n, p in params.items() if n in self._owner]
+        self.zero_grads()
 
     def _add(self, unit: SyncUnit, run: list[SyncSlice], uses: Mapping[str, int]) -> None:
-        first = self.params[run[0].name]
-        sizes = [_numel(self.params[sl.name], sl) for sl in run]
-        flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
-        offsets, copied, offset = [], [], 0
-        for sl, n in zip(run, sizes):
+        modes: list[Mode] = []
+        for sl in run:  # from global facts only (``split``, the dim), so every holder issues the same tensors
             param = self.params[sl.name]
             whole = sl.dim is None or sl.length == param.shape[sl.dim]
-            view = whole and uses[sl.name] == 1
-            if view:  # from now on the parameter's gradient lives in the bucket
-                param.grad = flat[offset:offset + n].view(param.shape)
+            if sl.split and sl.dim == 0:
+                modes.append("direct")
+            else:
+                modes.append("view" if whole and uses[sl.name] == 1 else "copy")
+        sizes = [_numel(self.params[sl.name], sl) if m != "direct" else 0 for sl, m in zip(run, modes)]
+        first = self.params[run[0].name]
+        flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
+        offsets, offset = [], 0
+        for sl, mode, n in zip(run, modes, sizes):
+            param = self.params[sl.name]
+            if mode == "view":  # from now on the parameter's gradient lives in the bucket
+                self.grads[sl.name] = flat[offset:offset + n].view(param.shape)
+            elif sl.name not in self.grads:
+                self.grads[sl.name] = torch.zeros_like(param)
+                self._own.add(sl.name)
             offsets.append(offset)
-            copied.append(not view)
             offset += n
-        self.buckets.append(_Bucket(unit.label, unit.holders, unit.divide_by, list(run), flat, offsets, copied))
+        self.buckets.append(_Bucket(unit.label, unit.holders, unit.divide_by, list(run), modes, offsets, flat))
 
     def zero_grads(self) -> None:
-        """The next step's gradients start at zero: bucket views are zeroed in place, others dropped."""
+        """The next step's gradients start at zero, in their persistent memory (re-bound each step, so nothing
+        that replaced a ``.grad`` can leave the sync summing a buffer autograd no longer writes)."""
         for bucket in self.buckets:
             bucket.flat.zero_()
-            bucket.work, bucket.issued = None, False
+            bucket.works, bucket.issued = [], False
+        for name in self._own:
+            self.grads[name].zero_()  # a split parameter's own gradient (views were zeroed with their bucket)
         for name, param in self.params.items():
-            if name not in self.viewed:
-                param.grad = None
+            param.grad = self.grads.get(name)
         self._armed, self._next = False, 0
 
     def arm(self) -> None:
@@ -123,7 +139,6 @@ class GradBuckets:
         for bucket in self.buckets:
             bucket.pending = {sl.name for sl in bucket.slices}
         self._armed = True
-        self.started_s = time.time()
 
     def _final(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -143,40 +158,48 @@ class GradBuckets:
         self._issue_ready(everything=True)
         self._armed = False
 
+    def _tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
+        """What the bucket's all-reduces sum, in order: its flat buffer (if any), then each direct slice."""
+        direct = [_region(self.grads[sl.name], sl) for sl, m in zip(bucket.slices, bucket.modes) if m == "direct"]
+        return ([bucket.flat] if bucket.flat.numel() else []) + direct
+
     def _issue(self, bucket: _Bucket) -> None:
-        for sl, offset, copied in zip(bucket.slices, bucket.offsets, bucket.copied):
-            if copied:
-                param = self.params[sl.name]
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                region = _region(param, sl)
+        for sl, mode, offset in zip(bucket.slices, bucket.modes, bucket.offsets):
+            if mode == "copy":
+                region = _region(self.grads[sl.name], sl)
                 bucket.flat[offset:offset + region.numel()].view(region.shape).copy_(region)
+        tensors = self._tensors(bucket)
         if bucket.divide_by != 1:
-            bucket.flat.div_(bucket.divide_by)
+            for t in tensors:
+                t.div_(bucket.divide_by)
         if len(bucket.holders) > 1:
-            bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.groups[bucket.holders],
-                                          async_op=True)
+            group = self.groups[bucket.holders]
+            bucket.works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
         bucket.issued = True
-        if self.on_issue is not None:
-            self.on_issue(bucket.label)
 
     def wait(self, on_done: Callable[[str], None] | None = None) -> None:
         """Wait in issue order and copy split parameters back; ``on_done(label)`` after each (tracing)."""
         assert all(b.issued for b in self.buckets), "wait() before flush()"
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            for sl, offset, copied in zip(bucket.slices, bucket.offsets, bucket.copied):
-                if copied:
-                    region = _region(self.params[sl.name], sl)
+            for work in bucket.works:
+                work.wait()
+            for sl, mode, offset in zip(bucket.slices, bucket.modes, bucket.offsets):
+                if mode == "copy":
+                    region = _region(self.grads[sl.name], sl)
                     region.copy_(bucket.flat[offset:offset + region.numel()].view(region.shape))
             if on_done is not None:
                 on_done(bucket.label)
 
     def posts(self) -> list[tuple[str, tuple[int, ...]]]:
         """(label, holders) of each all-reduce in issue order (``ethpipe.comm.program.step_program``)."""
-        return [(b.label, b.holders) for b in self.buckets if len(b.holders) > 1]
+        return [(b.label, b.holders) for b in self.buckets if len(b.holders) > 1 for _ in self._tensors(b)]
+
+    def copied_bytes(self) -> int:
+        """The extra gradient memory of copied slices (their flat-buffer space): what the memory model leaves out."""
+        return sum(_numel(self.params[sl.name], sl) * self.params[sl.name].element_size()
+                   for b in self.buckets for sl, m in zip(b.slices, b.modes) if m == "copy")
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
+

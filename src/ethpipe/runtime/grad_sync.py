@@ -77,9 +77,10 @@ def owned_names(plan: Plan, rank: int, blocks: dict[int, list[str]], tied: list[
     return owned + (tied if tied and rank in tied_stages(plan)[0] else [])
 
 
-def grad_stats(params: Mapping[str, nn.Parameter], owned: Sequence[str], device: torch.device) -> torch.Tensor:
+class GradStats:
     """[this rank's share of the squared global norm, 1.0 if any of its gradients is non-finite], fp64, on the
-    device, from one foreach pass (no host read, no wide copy of any gradient).
+    device, from one foreach pass (no host read, no wide copy of any gradient, no host-to-device copy: the
+    owned mask is made once).
 
     Each gradient's norm is computed in its own dtype (fp32 accumulation for fp32/16-bit gradients), and
     the squares are summed in fp64: the result's relative error is that of the worst per-tensor norm, at
@@ -87,14 +88,25 @@ def grad_stats(params: Mapping[str, nn.Parameter], owned: Sequence[str], device:
     e.g. below 1e-5 for a 128k x 8192 embedding in the worst case. fp64 runs are exact to u_fp64.
     A non-finite element makes its tensor's norm non-finite, so the total says whether any is.
     """
-    names = [n for n, p in params.items() if p.grad is not None]
-    if not names:
-        return torch.zeros(2, dtype=torch.float64, device=device)
-    squares = torch.stack(torch._foreach_norm([params[n].grad for n in names])).double().pow(2)  # type: ignore[misc]
-    index = {n: i for i, n in enumerate(names)}
-    mine = [index[n] for n in owned if n in index]
-    share = squares[mine].sum() if mine else torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([share, (~torch.isfinite(squares.sum())).double()])
+
+    def __init__(self, params: Mapping[str, nn.Parameter], owned: Sequence[str], device: torch.device) -> None:
+        missing = sorted(set(owned) - set(params))
+        assert not missing, f"owned parameters not on this stage: {missing[:3]}"
+        self.params, self.device = params, device
+        self._names: tuple[str, ...] | None = None
+        self._owned = frozenset(owned)
+        self._mask = torch.zeros(0, dtype=torch.bool, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        names = tuple(n for n, p in self.params.items() if p.grad is not None)
+        if not names:
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        if names != self._names:  # once (gradients are persistent), or where a stage's set of gradients changed
+            self._names = names
+            self._mask = torch.tensor([n in self._owned for n in names], dtype=torch.bool, device=self.device)
+        squares = torch.stack(torch._foreach_norm([self.params[n].grad for n in names])).double().pow(2)  # type: ignore[misc]
+        share = torch.where(self._mask, squares, torch.zeros_like(squares)).sum()  # another rank's inf stays out
+        return torch.stack([share, (~torch.isfinite(squares.sum())).double()])
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

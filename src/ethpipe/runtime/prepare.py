@@ -213,7 +213,7 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
         if writer.count < 2:
             raise UserError("the given text is empty: nothing to tokenize")
         f.flush()
-    meta = {"dtype": str(dtype), "vocab_size": vocab_size, "max_token_id": writer.max_id,
+    meta = {"dtype": str(dtype), "vocab_size": vocab_size, "num_tokens": writer.count, "max_token_id": writer.max_id,
             **({"eos_id": eos} if eos is not None else {})}
     write_bytes_atomic(sidecar_path(out), json.dumps(meta).encode())
     return writer.count

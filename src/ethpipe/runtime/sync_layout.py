@@ -33,12 +33,22 @@ from ethpipe.runtime.tensor_parallel import shard_dim
 
 @dataclass(frozen=True)
 class SyncSlice:
-    """A slice of one local gradient: ``length`` elements from ``start`` along ``dim`` (None: whole)."""
+    """A slice of one local gradient: ``length`` elements from ``start`` along ``dim`` (None: whole).
+
+    ``split``: some holder's shard of the parameter spans more than this slice (a lower TP degree holds
+    several pieces), the same on every holder, so every holder lays the unit's all-reduces out alike
+    (``grad_buckets``)."""
 
     name: str
     dim: int | None
     start: int
     length: int
+    split: bool = False
+
+
+def _split_somewhere(stages: Sequence[tuple[int, ...]], k0: int, k1: int, pieces: int) -> bool:
+    """Whether a run of pieces [k0, k1) is less than some holding stage's whole shard (pieces / its degree)."""
+    return any(pieces // len(ranks) > k1 - k0 for ranks in stages)
 
 
 @dataclass(frozen=True)
@@ -110,7 +120,8 @@ def tied_units(plan: Plan, rank: int, name: str, full_shape: tuple[int, ...]) ->
     size, index = full_shape[0], mine.index(rank)  # vocab rows: the shard dim of the embedding
     assert size % pieces == 0, (size, pieces)
     piece = size // pieces
-    return [SyncUnit(-1, holders, (SyncSlice(name, 0, k0 * piece - index * (size // len(mine)), (k1 - k0) * piece),),
+    return [SyncUnit(-1, holders, (SyncSlice(name, 0, k0 * piece - index * (size // len(mine)), (k1 - k0) * piece,
+                                             _split_somewhere(stages, k0, k1, pieces)),),
                      tag="tied") for k0, k1, holders in runs if rank in holders]
 
 
@@ -123,10 +134,12 @@ def sync_units(plan: Plan, rank: int, blocks: Mapping[int, Sequence[str]],
     for b_idx in sorted(blocks):
         names = list(blocks[b_idx])
         pieces, runs = piece_runs(plan, b_idx)
+        stages = _holding_stages(plan, b_idx)
         sharded = [n for n in names if pieces > 1 and shard_dim(n) is not None]
         for k0, k1, holders in runs if sharded else []:
             if rank not in holders:
                 continue
+            split = _split_somewhere(stages, k0, k1, pieces)
             slices = []
             for name in sharded:
                 dim = shard_dim(name)
@@ -134,7 +147,7 @@ def sync_units(plan: Plan, rank: int, blocks: Mapping[int, Sequence[str]],
                 size = full_shapes[name][dim]
                 assert size % pieces == 0, (name, size, pieces)
                 piece = size // pieces
-                slices.append(SyncSlice(name, dim, k0 * piece - pos.tp_rank * (size // tp), (k1 - k0) * piece))
+                slices.append(SyncSlice(name, dim, k0 * piece - pos.tp_rank * (size // tp), (k1 - k0) * piece, split))
             units.append(SyncUnit(b_idx, holders, tuple(slices)))
         replicated = [SyncSlice(n, None, 0, 0) for n in names if n not in sharded]
         if replicated:

@@ -89,6 +89,9 @@ class _CopyToTP(torch.autograd.Function):
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """In place: its input (a row-parallel matmul's output) must not be saved by another op; autograd
+    raises if it is, and the layers of this module never save it."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         if not x.is_contiguous():

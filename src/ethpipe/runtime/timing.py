@@ -6,9 +6,10 @@ host synchronisation (the stats read), when every event has completed. On CPU, o
 paces actions on the host (``synchronous``), a mark is the wall clock (after a device synchronisation
 on an accelerator, so that the host time means something).
 
-Metrics keep their meaning: ``busy_s`` is the sum of the forward/backward actions' durations,
-``phase_s`` the time from the step's start to the end of its last backward, ``sync_exposed_s`` the time
-from there until the gradient sync has completed.
+What the marks measure: ``busy_s`` is the sum of the forward/backward actions' durations, ``phase_s``
+the time from the step's first action to the end of its last backward (data loading before it left
+out), ``sync_exposed_s`` the time from the end of the step's last sends (the final p2p batch) until the
+gradient sync has completed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Timeline:
     _start: Mark = 0.0
     _start_wall_s: float = 0.0
     _phase_end: Mark | None = None
+    _sends_done: Mark | None = None
     _sync_done: Mark | None = None
 
     @property
@@ -50,7 +52,7 @@ class Timeline:
     def mark(self) -> Mark:
         if self.uses_events:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         _sync_device(self.device)
         return time.time()
@@ -62,7 +64,7 @@ class Timeline:
 
     def start_step(self) -> None:
         self._spans.clear()
-        self._phase_end = self._sync_done = None
+        self._phase_end = self._sends_done = self._sync_done = None
         self._start_wall_s = time.time()
         self._start = self.mark()
 
@@ -71,8 +73,12 @@ class Timeline:
         self._spans.append((name, start, end))
 
     def end_phase(self) -> None:
-        """The last backward has ended (and its sends are posted)."""
+        """The last backward has ended."""
         self._phase_end = self.mark()
+
+    def sends_done(self) -> None:
+        """The step's last p2p batch (the last backward's sends) is waited: the sync's wait starts here."""
+        self._sends_done = self.mark()
 
     def sync_done(self) -> None:
         self._sync_done = self.mark()
@@ -90,8 +96,8 @@ class Timeline:
                 self.events.append((name, start, start + duration))
         self.busy_s = busy
         self.phase_s = self._seconds(self._start, self._phase_end) if self._phase_end is not None else 0.0
-        self.sync_exposed_s = (self._seconds(self._phase_end, self._sync_done)
-                               if self._phase_end is not None and self._sync_done is not None else 0.0)
+        self.sync_exposed_s = (self._seconds(self._sends_done, self._sync_done)
+                               if self._sends_done is not None and self._sync_done is not None else 0.0)
 
     def add(self, name: str, start_s: float, end_s: float) -> None:
         """A host-timed slice (optimizer step, checkpoint save) for the trace."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 import os
 import time
 import zlib
@@ -35,7 +36,7 @@ from ethpipe.runtime.executor import StageIO, run_stage_step
 from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import (
-    clip_coefficient, grad_stats, owned_names, scale_grads, stage_sync_units, tied_parameters,
+    GradStats, clip_coefficient, owned_names, scale_grads, stage_sync_units, tied_parameters,
 )
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.loss_scale import LossScaler
@@ -57,7 +58,10 @@ def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
     """This pipeline's micro-batches of the step's global sample ids, under ``plan``'s split."""
     out = []
     for lo, hi in plan.microbatch_slices(pipeline):
-        out.append(torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len)).to(device))
+        rows = torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len))
+        if device.type == "cuda":  # pinned: the copy runs on the stream without holding the host
+            rows = rows.pin_memory().to(device, non_blocking=True)
+        out.append(rows.to(device))
     return out
 
 
@@ -146,6 +150,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     params = dict(module.named_parameters())
     owned = owned_names(plan, rank, blocks, [TIED_WEIGHT] if tied_parameters(module, tied) else [])
     buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes)
+    norm_parts = GradStats(params, owned, device)
     emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
                                  if config.emulate else None)
     autocast_dtype = AUTOCAST_DTYPES.get(dtype)
@@ -161,6 +166,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     rebalancer = Rebalancer(plan, config.rebalance) if config.rebalance is not None else None
     current = plan  # the split running now: the plan's, until a rebalance changes it (same stages and groups)
     kill = kill_spec()
+    sync = _SyncSteps(buckets, timeline, kill, rank)
     forward_kill = ForwardKill.arm(module, kill, rank)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     try:
@@ -182,30 +188,16 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             if forward_kill is not None:
                 forward_kill.begin_step(step, cur_pipe.num_microbatches)
             timeline.start_step()
-            armed = timeline.mark() if timeline.record else None
-
-            def arm() -> None:
-                nonlocal armed
-                armed = timeline.mark() if timeline.record else None
-                buckets.arm()
-
-            def fire_rest(step: int = step) -> None:
-                buckets.flush()
-                maybe_kill(kill, rank, "allreduce", step)  # test hook: peers are inside the all-reduces
-
-            def traced(label: str) -> None:
-                if armed is not None:
-                    timeline.span(f"allreduce {label}", armed, timeline.mark())
-
+            sync.step, sync.start = step, None
             scale = scaler.scale if scaler is not None else 1.0
             loss = run_stage_step(module, actions, cur_pipe.micro_batch_sizes, inputs, targets, io,
                                   loss_scale * scale, emulator, step, timeline, autocast_dtype,
-                                  on_last_backward=fire_rest,
-                                  before_last_backward=arm if config.overlap_grad_sync else None)
-            buckets.wait(traced)
+                                  on_last_backward=sync.fire_rest,
+                                  before_last_backward=sync.arm if config.overlap_grad_sync else None)
+            buckets.wait(sync.traced)
             timeline.sync_done()
             maybe_overflow(module, rank, step)
-            on_device = torch.cat([(loss.double() / scale).reshape(1), grad_stats(params, owned, device)])
+            on_device = torch.cat([(loss.double() / scale).reshape(1), norm_parts()])
             stats = gather_stats(plan, on_device, lambda: _timings(timeline), device, control)
             stats = dataclasses.replace(stats, grad_norm=stats.grad_norm / scale)  # of the unscaled gradients
             skipped = scaler is not None and stats.num_nonfinite > 0  # the same world-wide count on every rank
@@ -253,6 +245,36 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         if writer is not None:
             writer.close()
         destroy_groups(groups)
+
+
+@dataclass
+class _SyncSteps:
+    """The gradient sync's per-step callbacks: armed before the last backward (hooks), the rest fired after its
+    sends; its trace slices start where the sync started (the last backward, or after its sends)."""
+
+    buckets: GradBuckets
+    timeline: Timeline
+    kill: Any
+    rank: int
+    step: int = 0
+    start: Any = None  # the trace mark where this step's sync began
+
+    def _begin(self) -> None:
+        if self.start is None and self.timeline.record:
+            self.start = self.timeline.mark()
+
+    def arm(self) -> None:
+        self._begin()
+        self.buckets.arm()
+
+    def fire_rest(self) -> None:
+        self._begin()
+        self.buckets.flush()
+        maybe_kill(self.kill, self.rank, "allreduce", self.step)  # test hook: peers are inside the all-reduces
+
+    def traced(self, label: str) -> None:
+        if self.start is not None:
+            self.timeline.span(f"allreduce {label}", self.start, self.timeline.mark())
 
 
 def _timings(timeline: Timeline) -> list[float]:

@@ -6,8 +6,9 @@ previous stage, ``B j`` on a non-last stage the gradient from the next. Receives
 rendezvous, as in the runtime: the transfer (p2p time on that link) starts once the sender has
 produced the tensor and the receiver has reached the action, and occupies the receiver; sends
 are asynchronous and cost the sender nothing. After a stage's last backward its blocks'
-gradients are all-reduced on a per-stage communication stream in ascending block order, each
-block's all-reduce starting once every holder is free; then each stage steps its optimizer.
+gradients are all-reduced on a per-stage communication stream in the runtime's order (blocks descending,
+the tied matrix last), each all-reduce starting once every holder is free; then each stage steps its
+optimizer.
 With ``flat_sync`` every all-reduce waits for the slowest pipeline to flush (DDP-style).
 
 Stages are advanced in alternating sweeps (forward chains resolve in ascending sweeps,
@@ -18,7 +19,7 @@ stage is one stream whose events carry all its ranks.
 from __future__ import annotations
 
 from ethpipe.cost.plan_memory import stage_peak_bytes
-from ethpipe.cost.sync import holder_stages
+from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
 from ethpipe.schedule import pipeline_schedule
 from ethpipe.sim.report import RankStats, SimEvent, SimReport
@@ -134,14 +135,18 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
     slowest = max(flush, key=lambda key: flush[key])
     comm_free = {key: (flush[slowest] if flat_sync else t) for key, t in flush.items()}
     comm_tail = {key: (tail[slowest] if flat_sync else ev) for key, ev in tail.items()}
-    for k, (holders, dur) in enumerate(zip(holder_stages(plan), cost.block_sync_s(plan))):
+    holders_of, durations = holder_stages(plan), cost.block_sync_s(plan)
+    syncs = [(f"block {k}", k, holders_of[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
+    tied_s = cost.tied_sync_s(plan)  # the runtime's order: blocks descending, the tied matrix last
+    syncs += [("tied", -1, tied_holder_stages(plan), tied_s)] if tied_s > 0 else []
+    for label, k, holders, dur in syncs:
         if dur <= 0.0:
             continue
         binding = max(holders, key=lambda key: comm_free[key])
         start, pred = comm_free[binding], comm_tail[binding]
         for key in holders:
             ranks = plan.pipelines[key[0]].stages[key[1]].ranks
-            event = SimEvent(f"allreduce block {k}", "allreduce", key[0], key[1], ranks, start, start + dur, block=k)
+            event = SimEvent(f"allreduce {label}", "allreduce", key[0], key[1], ranks, start, start + dur, block=k)
             ev = rec.add(event, pred)
             comm_free[key], comm_tail[key] = start + dur, ev
 

@@ -25,6 +25,10 @@ class TimingModel(Protocol):
         """Seconds of each block's all-reduce (``CostModel.block_sync_s``: the planner prices sync the same way)."""
         ...
 
+    def tied_sync_s(self, plan: Plan) -> float:
+        """Seconds of the tied embedding matrix's all-reduce among its copies (0: untied)."""
+        ...
+
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """Seconds of the optimizer step over a stage's parameters."""
         ...
