@@ -100,6 +100,10 @@ class Plan:
     extra: dict[str, Any] = field(default_factory=dict)  # unknown top-level fields, preserved on save
     version: int = PLAN_VERSION
     idle_devices: tuple[IdleDevice, ...] = ()  # ranks 0..world-1 are the other devices, in cluster order
+    # ZeRO-1 across pipelines: each holder of a sync unit keeps the AdamW moments of its shard only
+    # (docs/runtime.md, "Optimizer sharding"); ``shard_weights`` per rank (empty: equal shards).
+    shard_optimizer: bool = False
+    shard_weights: tuple[float, ...] = ()
 
     # -- derived views -------------------------------------------------------------
 
@@ -186,6 +190,10 @@ class Plan:
         if self.idle_devices:
             out["idle_devices"] = [{"device_index": d.device_index, "device": d.device, "reason": d.reason}
                                    for d in self.idle_devices]
+        if self.shard_optimizer:
+            out["shard_optimizer"] = True
+        if self.shard_weights:
+            out["shard_weights"] = list(self.shard_weights)
         if self.predicted is not None:
             out["predicted"] = self.predicted
         out.update(self.extra)

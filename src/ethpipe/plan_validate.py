@@ -14,7 +14,7 @@ from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
-          "model_spec", "cluster", "predicted", "idle_devices"}
+          "model_spec", "cluster", "predicted", "idle_devices", "shard_optimizer", "shard_weights"}
 
 
 def _req(data: dict[str, Any], key: str, where: str) -> Any:
@@ -219,5 +219,22 @@ def plan_from_dict(data: Any) -> Plan:
     if extra.get("attention", "auto") not in ATTENTION_CHOICES:
         raise UserError(f"plan field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got "
                         f"{extra['attention']!r}: re-make the plan with `ethpipe plan --attention ...`")
+    shard, weights = _sharding(data, sum(len(p.ranks) for p in pipes))
     return Plan(str(data["method"]) if "method" in data else "custom", model, batch, seq_len, pipes, blocks,
-                spec, cluster, predicted, extra, version, idle)
+                spec, cluster, predicted, extra, version, idle, shard, weights)
+
+
+def _sharding(data: dict[str, Any], world_size: int) -> tuple[bool, tuple[float, ...]]:
+    """``shard_optimizer`` (a bool) and ``shard_weights`` (one positive number per rank, or none)."""
+    shard = data.get("shard_optimizer", False)
+    if not isinstance(shard, bool):
+        raise UserError(f"plan field 'shard_optimizer' must be true or false, got {shard!r}")
+    raw = data.get("shard_weights", [])
+    if not isinstance(raw, list) or any(isinstance(w, bool) or not isinstance(w, (int, float)) or w <= 0 for w in raw):
+        raise UserError("plan field 'shard_weights' must be a list of positive numbers, one per rank")
+    if raw and len(raw) != world_size:
+        raise UserError(f"plan field 'shard_weights' has {len(raw)} entries but the plan has {world_size} ranks: "
+                        "give one per rank, or drop it for equal shards")
+    if raw and not shard:
+        raise UserError("plan field 'shard_weights' needs 'shard_optimizer': true")
+    return shard, tuple(float(w) for w in raw)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import ethpipe.runtime.stage_optim as stage_optim
 import ethpipe.runtime.train as train_module
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.grad_buckets import GradBuckets
@@ -55,7 +56,7 @@ def _per_sample_loss(real: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 def _break(variant: str) -> None:
     """Patch one bug into this forked rank's runtime (never the test process's)."""
     if variant == "weight-decay-on-norms":
-        train_module.make_optimizer = _decay_everything  # type: ignore[assignment]
+        stage_optim.make_optimizer = _decay_everything  # type: ignore[assignment]
     elif variant == "loss-per-sample":
         train_module.run_stage_step = _per_sample_loss(train_module.run_stage_step)  # type: ignore[assignment]
     elif variant == "block-1-allreduce-skipped":
@@ -75,9 +76,9 @@ VARIANTS = ("correct", "weight-decay-on-norms", "loss-per-sample", "block-1-allr
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    originals = (train_module.make_optimizer, train_module.run_stage_step, GradBuckets._issue)
+    originals = (stage_optim.make_optimizer, train_module.run_stage_step, GradBuckets._issue)
     for variant in VARIANTS:
-        train_module.make_optimizer, train_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
+        stage_optim.make_optimizer, train_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
         _break(variant)
         config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
                              save_final=str(Path(out_dir, f"{variant}.safetensors")))

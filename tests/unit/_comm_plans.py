@@ -19,6 +19,7 @@ from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import stage_sync_units
 from ethpipe.runtime.model import Decoder, state_dict_shapes
 from ethpipe.runtime.tensor_parallel import TPGroup
+from ethpipe.runtime.zero import ShardedBuckets
 from ethpipe.schedule import one_f_one_b
 
 SPEC = ModelSpec(name="replay", num_layers=16, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
@@ -46,12 +47,12 @@ def even_pipeline(depth: int, sizes: Sequence[int], tps: Sequence[int] | None = 
     return [((s * num_layers // depth, (s + 1) * num_layers // depth), tps[s]) for s in range(depth)], list(sizes)
 
 
-def sync_posts(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[str, tuple[int, ...]]]:
-    """The block sync's all-reduces of ``rank`` in the runtime's issue order (``GradBuckets.posts``: those
-    with more than one holder; the runtime skips the rest)."""
+def stage_buckets(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  sharded: bool = False) -> GradBuckets | None:
+    """``rank``'s sync buckets as the runtime builds them, on a meta-device stage (None: nothing to sync)."""
     spec = plan.resolve_model()
     if len(plan.pipelines) == 1 and not spec.tie_embeddings:
-        return []  # one holder per block (building the meta stages is the slow part of these tests)
+        return None  # one holder per block (building the meta stages is the slow part of these tests)
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
@@ -59,15 +60,27 @@ def sync_posts(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) 
         module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
                          tp=TPGroup(None, pos.tp_rank, stage.tp))
     _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), spec.tie_embeddings)
-    buckets = GradBuckets(dict(module.named_parameters()), units, {}, bucket_bytes)
+    params = dict(module.named_parameters())
+    buckets = (ShardedBuckets(params, units, {}, rank, {}, bucket_bytes) if sharded
+               else GradBuckets(params, units, {}, bucket_bytes))
     buckets.remove_hooks()
-    return buckets.posts()
+    return buckets
+
+
+def sync_posts(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[tuple[str, tuple[int, ...]]]:
+    """The block sync's all-reduces of ``rank`` in the runtime's issue order (``GradBuckets.posts``: those
+    with more than one holder; the runtime skips the rest)."""
+    buckets = stage_buckets(plan, rank, bucket_bytes)
+    return buckets.posts() if buckets is not None else []
 
 
 def replay_plan(plan: Plan, *, streams: str = "group", lazy_init: bool = False, warmup: bool = False,
-                overlap_sync: bool = True) -> Outcome:
-    posts = {r: sync_posts(plan, r) for r in range(plan.world_size)}
-    programs = {r: step_program(plan, r, posts[r], warmup=warmup, overlap_sync=overlap_sync)
+                overlap_sync: bool = True, sharded: bool = False) -> Outcome:
+    """``sharded``: the ZeRO-1 runtime's reduces (per shard) and its broadcasts of the updated shards."""
+    buckets = {r: stage_buckets(plan, r, sharded=sharded) for r in range(plan.world_size)}
+    posts = {r: b.posts() if b is not None else [] for r, b in buckets.items()}
+    gathers = {r: b.gather_posts() if isinstance(b, ShardedBuckets) else [] for r, b in buckets.items()}
+    programs = {r: step_program(plan, r, posts[r], warmup=warmup, overlap_sync=overlap_sync, gather_posts=gathers[r])
                 for r in range(plan.world_size)}
     return replay(programs, communicators(plan, posts.__getitem__), streams=streams,  # type: ignore[arg-type]
                   lazy_init=lazy_init)

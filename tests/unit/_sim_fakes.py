@@ -26,6 +26,12 @@ class FakeCost:
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         return self.p2p_time_s
 
+    def block_gather_s(self, plan: Plan) -> list[float]:
+        return [0.0] * len(plan.blocks)
+
+    def tied_gather_s(self, plan: Plan) -> float:
+        return 0.0
+
     def tied_sync_s(self, plan: Plan) -> float:
         return 0.0  # the fakes' models are untied
 

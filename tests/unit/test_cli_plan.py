@@ -41,8 +41,9 @@ def test_compare_writes_results_and_plot(tmp_path: Path) -> None:
                "--out", str(out), "--plot", str(fig))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"eth", "uniform", "layer-balanced"}
+    assert set(data["methods"]) == {"eth", "eth (no ZeRO)", "uniform", "layer-balanced"}
     assert data["methods"]["eth"]["eth_speedup"] == 1.0
+    assert data["methods"]["eth (no ZeRO)"]["eth_speedup"] >= 1.0 - 1e-9  # eth is the faster of the two
     assert fig.read_bytes()[:4] == b"\x89PNG"
 
 

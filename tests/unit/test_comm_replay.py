@@ -18,9 +18,12 @@ import pytest
 
 from ethpipe.comm.program import Peers, p2p_batches, plan_peers, step_program
 from ethpipe.comm.replay import Op, Post, Wait, replay
+from ethpipe.runtime.zero import ShardedBuckets
 from ethpipe.schedule import one_f_one_b
 
-from _comm_plans import SPEC, even_pipeline, make_plan, old_executor_program, pair_groups, replay_plan
+from _comm_plans import (
+    SPEC, even_pipeline, make_plan, old_executor_program, pair_groups, replay_plan, stage_buckets,
+)
 
 SHAPES = list(itertools.product(range(1, 9), range(1, 17)))  # depth x micro-batches
 
@@ -76,6 +79,21 @@ def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int,
         assert outcome.completed and not outcome.errors, (lazy, outcome.describe())
         strict = replay_plan(plan, streams="device", lazy_init=lazy, warmup=lazy, overlap_sync=False)
         assert strict.completed, (lazy, strict.describe())
+
+
+@pytest.mark.parametrize("case", range(len(MIXED)))
+def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int) -> None:
+    """ZeRO-1 (``runtime/zero.py``): one reduce per shard in the sync's order, one broadcast per shard after
+    the optimizer in the reversed order; tied embeddings (the matrix's holders overlap every block's)."""
+    plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=True))
+    outcome = replay_plan(plan, sharded=True, lazy_init=True, warmup=True)
+    assert outcome.completed and not outcome.errors, outcome.describe()
+    assert replay_plan(plan, sharded=True, streams="device", overlap_sync=False).completed
+    rank = plan.pipelines[-1].stages[-1].ranks[0]
+    plain, zero = stage_buckets(plan, rank), stage_buckets(plan, rank, sharded=True)
+    assert plain is not None and isinstance(zero, ShardedBuckets)
+    assert len(zero.posts()) == sum(len(h) for _, h in plain.posts())  # k reduces for each all-reduce
+    assert sorted(zero.gather_posts()) == sorted(zero.posts())
 
 
 def test_the_overlapped_sync_needs_communicators_that_run_side_by_side() -> None:

@@ -137,11 +137,12 @@ def test_idle_devices_validation_errors(changes, needle) -> None:
 
 @pytest.fixture(scope="module")
 def idle_plan() -> Plan:
-    return make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1)
+    return make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1, shard_optimizer=False)  # one pricing
 
 
 def test_eth_leaves_the_slow_nodes_idle_when_faster(idle_plan: Plan) -> None:
-    every = make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+    every = make_plan(cluster_from_dict(SLOW_FIRST), TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False),
+                      shard_optimizer=False)
     assert every.world_size == 8 and every.idle_devices == ()
     assert idle_plan.world_size == 4 and idle_plan.idle_device_indices == (0, 1, 2, 3)
     fast_s, every_s = idle_plan.predicted["iteration_time_s"], every.predicted["iteration_time_s"]

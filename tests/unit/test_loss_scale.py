@@ -34,5 +34,5 @@ def test_grad_stats_flag_nonfinite_and_count_owned_squares_and_unscale_in_one_la
     assert GradStats(params, ["weight"], torch.device("cpu"))().tolist() == [pytest.approx(384.0, rel=4 * u), 1.0]
     module.bias.grad = torch.tensor([float("nan"), 1.0])
     assert GradStats(params, [], torch.device("cpu"))().tolist() == [0.0, 1.0]
-    scale_grads(module, 0.25)
+    scale_grads([p.grad for p in module.parameters()], 0.25)
     assert torch.equal(module.weight.grad, torch.full((2, 3), 2.0)) and torch.isnan(module.bias.grad[0])

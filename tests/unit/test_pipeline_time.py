@@ -28,6 +28,12 @@ class _Table:
     def block_sync_s(self, plan: Plan) -> list[float]:
         return [0.0] * len(plan.blocks)
 
+    def block_gather_s(self, plan: Plan) -> list[float]:
+        return [0.0] * len(plan.blocks)
+
+    def tied_gather_s(self, plan: Plan) -> float:
+        return 0.0
+
     def tied_sync_s(self, plan: Plan) -> float:
         return 0.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -43,3 +44,8 @@ def test_planner_estimate_matches_simulation(seed: int) -> None:
         f"{method} {model_name} on {plan.world_size} ranks, {len(plan.pipelines)} pipelines: "
         f"estimate {estimate:.6f} s, simulated {simulated:.6f} s"
     )
+    if len(plan.pipelines) > 1:  # the sharded optimizer's gather phase too (ZeRO-1: priced after the optimizer)
+        zero = dataclasses.replace(plan, shard_optimizer=not plan.shard_optimizer)
+        zero_cost = CostModel.for_plan(zero)
+        assert simulate(zero, zero_cost).iteration_time_s == pytest.approx(estimate_iteration_s(zero, zero_cost),
+                                                                          rel=TOLERANCE)

@@ -12,6 +12,9 @@ from rich.table import Table
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+
+UNSHARDED = "eth (no ZeRO)"  # compare's row: eth planned with --no-shard-optimizer
 
 ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML or JSON).")]
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, spec YAML, or HF config.json.")]
@@ -97,6 +100,19 @@ def _metrics_line(plan: Any) -> str:
             f"  |  planned in {p['planning_time_s']:.3f} s  (* = recompute)")
 
 
+def sharding_line(plan: Plan) -> str:
+    """Whether the plan shards the optimizer state, and what the planner compared."""
+    record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
+    if plan.shard_optimizer:
+        head = f"optimizer state: AdamW moments sharded over the {len(plan.pipelines)} pipelines (ZeRO-1)"
+        other = record.get("unsharded_iteration_s")
+        return head + (f"; unsharded {other:.3f} s" if other else "; unsharded: does not fit")
+    sharded = record.get("sharded_iteration_s")
+    if not record:
+        return "optimizer state: whole on every rank (--no-shard-optimizer)"
+    return "optimizer state: whole on every rank" + (f" (sharded: {sharded:.3f} s, slower)" if sharded else "")
+
+
 @app.command()
 @user_errors
 def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
@@ -106,6 +122,10 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
          robust: Annotated[bool, typer.Option("--robust", help="eth: of the best few candidates, the one with the "
                                                               "best worst case under +-30% per-type speed "
                                                               "(data re-split allowed).")] = False,
+         shard_optimizer: Annotated[bool, typer.Option(
+             "--shard-optimizer/--no-shard-optimizer",
+             help="eth: also plan with the AdamW state sharded across pipelines (ZeRO-1) and keep it where that "
+                  "is faster; --no-shard-optimizer: every rank keeps its stage's whole state.")] = True,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          ) -> None:
@@ -116,7 +136,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
                        dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
-                       attention=attention)
+                       attention=attention, shard_optimizer=shard_optimizer)
     if out is not None:
         result.save(out)
     if as_json:
@@ -126,6 +146,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
     console.print(_metrics_line(result))
     for line in idle_lines(result):
         console.print(line, highlight=False)
+    console.print(sharding_line(result), highlight=False)
     factors = result.predicted.get("efficiency_factors")
     if factors:
         from ethpipe.planner.efficiency import format_factors
@@ -159,9 +180,13 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
         raise UserError(f"--plot '{plot}' must end in .png, .svg or .pdf")
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     calibration = load_calibration(catalog)
-    plans = {m: make_plan(clu, spec, global_batch, seq_len, m, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                          dtype=dtype, tf32=tf32, calibration=calibration, attention=attention)
-             for m in METHODS}
+    def planned(method: str, **kwargs: Any) -> Plan:
+        return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
+                         dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, **kwargs)
+
+    plans = {m: planned(m) for m in METHODS}
+    plans = {"eth": plans["eth"], UNSHARDED: planned("eth", shard_optimizer=False),
+             **{m: p for m, p in plans.items() if m != "eth"}}  # eth may shard the optimizer; the baselines do not
     worst = {m: robust_record(p, CostModel.for_plan(p, profiles)) for m, p in plans.items()}
     eth_time = plans["eth"].predicted["iteration_time_s"]
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",

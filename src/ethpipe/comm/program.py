@@ -135,10 +135,13 @@ def communicators(plan: Plan, sync_posts: Callable[[int], SyncPosts]) -> dict[st
 
 
 def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool = False, overlap_sync: bool = True,
-                 schedule: Callable[[int, int, int], tuple[Action, ...]] = one_f_one_b) -> list[Item]:
+                 schedule: Callable[[int, int, int], tuple[Action, ...]] = one_f_one_b,
+                 gather_posts: SyncPosts = ()) -> list[Item]:
     """Rank ``rank``'s communication in one training step, in the order the runtime issues it;
     ``warmup``: the first step, after the start-up collective on each pipeline group (``runtime.groups``);
-    ``overlap_sync`` False: the sync's all-reduces only after the step's last sends (``--no-overlap-grad-sync``)."""
+    ``overlap_sync`` False: the sync's all-reduces only after the step's last sends (``--no-overlap-grad-sync``);
+    ``gather_posts``: a sharded optimizer's broadcasts of the updated shards, after the stats (that is,
+    after the optimizer step), waited before the next step (here: at the program's end)."""
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
@@ -177,4 +180,8 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
         post_sync()
     items.extend(Wait(h) for h in pending)
     post(WORLD, (Op("collective", tag="stats"),))
+    gathers = len(items)
+    for label, holders in gather_posts:
+        post(sync_group(holders), (Op("collective", tag=f"gather {label}"),), wait=False)
+    items.extend(Wait(h) for h in pending if h >= gathers)
     return items

@@ -31,12 +31,23 @@ P2P_BUFFERS = 2
 LOSS_TRANSIENT_LOGITS = 2
 
 
-def state_bytes_per_param(dtype_bytes: int) -> int:
+def state_bytes_per_param(dtype_bytes: int, holders: int = 1) -> float:
     """Weights + gradients + AdamW's two moments per parameter, as the runtime keeps them: all in the weights'
     dtype, fp32 under every 16-bit precision (autocast) and in fp32 training (4 + 4 + 8 = 16), fp64 in the
-    exactness mode (32)."""
-    weight = max(dtype_bytes, GRAD_BYTES_PER_PARAM)
-    return 4 * weight
+    exactness mode (32). ``holders`` > 1: the moments are sharded over that many holders of each block (ZeRO-1
+    across pipelines, ``runtime/zero.py``): 8 + 8 / k bytes. Weights and gradients stay whole (the all-gather
+    and the reduce run in place in the persistent buffers: no extra buffer)."""
+    return 2 * weight_bytes(dtype_bytes) + moment_bytes_per_param(dtype_bytes, holders)
+
+
+def weight_bytes(dtype_bytes: int) -> int:
+    """One weight (or gradient) element as the runtime keeps it: fp32 under 16-bit autocast."""
+    return max(dtype_bytes, GRAD_BYTES_PER_PARAM)
+
+
+def moment_bytes_per_param(dtype_bytes: int, holders: int = 1) -> float:
+    """AdamW's exp_avg and exp_avg_sq per parameter on one holder of ``holders`` equal shards."""
+    return 2 * weight_bytes(dtype_bytes) / holders
 
 
 def block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:

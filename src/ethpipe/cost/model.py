@@ -54,6 +54,14 @@ def dtype_bytes(dtype: str) -> int:
         raise UserError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
 
+def sharded_phase_fraction(num_holders: int) -> float:
+    """One phase of the sharded sync (``runtime/zero.py``) as a fraction of the all-reduce of the same bytes.
+    The runtime reduces (and later broadcasts) each of the k shards in turn, so a phase moves the whole
+    buffer once, ~n / bw, where a ring all-reduce moves 2 (k - 1) / k of it: k / (2 (k - 1)) of its time
+    (1 at k = 2: the reduce phase alone costs an all-reduce there; 1/2 as k grows, like a reduce-scatter)."""
+    return num_holders / (2 * (num_holders - 1)) if num_holders > 1 else 1.0
+
+
 @dataclass(frozen=True)
 class CostModel(MemoryPricing):
     cluster: Cluster
@@ -69,6 +77,9 @@ class CostModel(MemoryPricing):
     calibration: Calibration | None = field(default=None, compare=False)  # None = the shipped constants
     # Cross-node p2p NIC sharing of one plan (``cost/p2p.py``; ``with_plan_p2p``); None = every flow alone.
     p2p_flows: P2pFlows | None = field(default=None, compare=False)
+    # ZeRO-1 across pipelines (``runtime/zero.py``): each block's AdamW moments and update are split over this
+    # many holders (the plan's pipelines); 1 = every rank keeps and updates its stage's whole state.
+    optimizer_holders: int = 1
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -102,7 +113,7 @@ class CostModel(MemoryPricing):
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
         object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
         object.__setattr__(self, "_act_bytes", float(m.hidden_size * s * self.dtype_bytes))
-        object.__setattr__(self, "_state_bpp", memory.state_bytes_per_param(self.dtype_bytes))
+        object.__setattr__(self, "_state_bpp", memory.state_bytes_per_param(self.dtype_bytes, self.optimizer_holders))
         speeds = {t: self.achievable_flops(t) for t in gpus}
         fastest = max(speeds.values())
         object.__setattr__(self, "_speeds", {t: v / fastest for t, v in speeds.items()})
@@ -117,7 +128,8 @@ class CostModel(MemoryPricing):
         full = cluster_from_dict(plan.cluster)
         cost = cls(full, plan.resolve_model(), plan.seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles,
                    dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration,
-                   attention_mode=str(plan.extra.get("attention", "auto")))
+                   attention_mode=str(plan.extra.get("attention", "auto")),
+                   optimizer_holders=len(plan.pipelines) if plan.shard_optimizer else 1)
         # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
         return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
 
@@ -125,7 +137,8 @@ class CostModel(MemoryPricing):
         """The same pricing on ``cluster`` (e.g. ``without_devices``); profiles of types it lacks are dropped."""
         profiles = {t: p for t, p in (self.profiles or {}).items() if t in cluster.gpu_types}
         return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
-                         dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode)
+                         dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode,
+                         optimizer_holders=self.optimizer_holders)
 
     # -- device facts ------------------------------------------------------------------
 
@@ -355,8 +368,19 @@ class CostModel(MemoryPricing):
         )
 
     def sync_s(self, shape: SyncShape | None) -> float:
-        """Seconds of one block all-reduce of this shape (``cost/sync.py``)."""
-        return 0.0 if shape is None else sync_shape_s(shape, self.cluster)
+        """Seconds of one block's gradient sync of this shape (``cost/sync.py``): its all-reduce, or sharded
+        (``optimizer_holders`` > 1) the reduce phase, which the gather phase after the optimizer repeats."""
+        if shape is None:
+            return 0.0
+        return sync_shape_s(shape, self.cluster) * (sharded_phase_fraction(shape.num_ranks)
+                                                    if self.optimizer_holders > 1 else 1.0)
+
+    def block_gather_s(self, plan: Plan) -> list[float]:
+        """Seconds of each block's all-gather of the updated shards after the optimizer (0.0 unsharded)."""
+        return self.block_sync_s(plan) if self.optimizer_holders > 1 else [0.0] * len(plan.blocks)
+
+    def tied_gather_s(self, plan: Plan) -> float:
+        return self.tied_sync_s(plan) if self.optimizer_holders > 1 else 0.0
 
     def tied_sync_s(self, plan: Plan) -> float:
         """Seconds of the tied embedding matrix's all-reduce among its copies (0 for an untied model)."""

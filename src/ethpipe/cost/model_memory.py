@@ -58,7 +58,8 @@ class MemoryPricing:
         return m.vocab_size * m.hidden_size * self.grad_bytes if m.tie_embeddings else 0
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp
+        # sharded (``optimizer_holders``): each holder updates its shard only
+        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp / self.optimizer_holders  # type: ignore[attr-defined]
         prof = self.profiles.get(stage.device) if self.profiles else None
         if prof is not None:
             return params * prof.optimizer_s_per_param

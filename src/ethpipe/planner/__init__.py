@@ -27,7 +27,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
               dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
-              robust: bool = False, attention: str = "auto") -> Plan:
+              robust: bool = False, attention: str = "auto", shard_optimizer: bool = True) -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -45,6 +45,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
     eth with ``options.allow_idle`` (the default) may leave the slowest GPU types' nodes idle where
     that is predicted faster (``planner/idle.py``): the plan's ``idle_devices`` lists them.
+    ``shard_optimizer`` (eth only): also plan with the AdamW state sharded across pipelines and keep that where
+    it is predicted faster (``planner/sharding.py``; the plan's ``shard_optimizer`` says which).
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -63,21 +65,30 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     if method == "eth":
         from ethpipe.planner.eth import plan_eth
         from ethpipe.planner.idle import plan_with_idle
+        from ethpipe.planner.sharding import with_sharding
 
-        templates: dict = {}  # shared by the idle search's sub-clusters (same node types)
+        templates: dict = {}  # by optimizer_holders: shared by the idle search's sub-clusters (same node types)
         full = cost
 
         def plan_on(on: CostModel, incumbent_s: float = math.inf) -> Plan | None:
             # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
-                            cache=templates, incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full)
+                            cache=templates.setdefault(on.optimizer_holders, {}), incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full)
 
-        if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
-            plan, cost = plan_with_idle(cost, global_batch_size, plan_on)
-        else:
-            found = plan_on(cost)
+        def plan_eth_on(on: CostModel) -> tuple[Plan, CostModel]:
+            nonlocal full
+            full = on
+            if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
+                return plan_with_idle(on, global_batch_size, plan_on)
+            found = plan_on(on)
             assert found is not None, "with nothing to beat, a plan or Infeasible"
-            plan = found
+            return found, on
+
+        if shard_optimizer:
+            plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
+                                       robust=robust)
+        else:
+            plan, cost = plan_eth_on(cost)
     else:
         from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
 

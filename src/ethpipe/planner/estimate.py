@@ -78,7 +78,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             for h in holders:
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
-    iteration, opt_max, no_sync = 0.0, 0.0, 0.0
+    opt_max, no_sync = 0.0, 0.0
     busy: dict[int, float] = {}
     memory: dict[int, int] = {}
     for p, pipe in enumerate(plan.pipelines):
@@ -89,7 +89,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
             opt_max = max(opt_max, opt)
-            iteration = max(iteration, max(free[(p, s)], float(finish[p][s])) + opt)
+            free[(p, s)] = max(free[(p, s)], float(finish[p][s])) + opt
             no_sync = max(no_sync, float(finish[p][s]) + opt)
             if not detail:
                 continue
@@ -105,7 +105,23 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             for r in stage.ranks:
                 busy[r] = work
                 memory[r] = mem
+    iteration = _after_gathers(plan, cost, free)
     return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory, no_sync)
+
+
+def _after_gathers(plan: Plan, cost: CostModel, free: dict[tuple[int, int], float]) -> float:
+    """The iteration's end: each stage's optimizer end, or, sharded, the all-gathers of the updated shards
+    after it, in the runtime's order (the sync's reversed: the tied matrix, then blocks ascending)."""
+    gathers = [(tied_holder_stages(plan), cost.tied_gather_s(plan))]
+    durations = cost.block_gather_s(plan)
+    holders_of = holder_stages(plan)
+    gathers += [(holders_of[k], durations[k]) for k in reversed(block_sync_order(len(plan.blocks)))]
+    for holders, duration in gathers:
+        if duration > 0.0:
+            start = max(free[h] for h in holders)
+            for h in holders:
+                free[h] = start + duration
+    return max(free.values())
 
 
 def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> float:

@@ -39,9 +39,6 @@ from ethpipe.runtime.ckpt_layout import (
 from ethpipe.runtime.model import state_dict_shapes
 from ethpipe.runtime.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
 
-OptimState = dict[nn.Parameter, dict[str, torch.Tensor]]
-
-
 def _rng_key(kind: str, rank: int) -> str:
     return f"rng.{kind}.rank{rank}"
 
@@ -65,28 +62,39 @@ def _set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> No
             torch.get_device_module(device.type).set_rng_state(state, device)
 
 
-def rank_state(module: nn.Module, optimizer: torch.optim.Optimizer, empty_optimizer: bool = False
-               ) -> tuple[dict[str, torch.Tensor], OptimState]:
-    """Flat global-keyed state of this stage (model + AdamW), and the optimizer state it aliases.
-
-    ``empty_optimizer`` makes fresh zero tensors to load into (before the first step the
-    optimizer has none); otherwise the optimizer's live tensors are used.
-    """
-    flat: dict[str, torch.Tensor] = dict(module.state_dict())
-    optim: OptimState = {}
-    fused = bool(optimizer.defaults.get("fused"))  # its step lives on the device (CUDA's fused AdamW)
+def optimizer_states(module: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's AdamW state by name: torch's AdamW's live tensors, or a sharded optimizer's full states
+    (``sharded_adamw.ShardedAdamW.full_states``: a collective over the holders, on the CPU)."""
+    if hasattr(optimizer, "full_states"):
+        return optimizer.full_states()
+    states = {}
     for name, param in module.named_parameters():  # a tied weight is listed once
-        if empty_optimizer:
-            state = {"step": torch.zeros((), dtype=torch.float32, device=param.device if fused else "cpu"),
-                     "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
-        else:
-            state = optimizer.state[param]
-            assert set(OPTIM_KINDS) <= set(state), f"no AdamW state for {name}: save only after an optimizer step"
-        optim[param] = state
+        state = optimizer.state[param]
+        assert set(OPTIM_KINDS) <= set(state), f"no AdamW state for {name}: save only after an optimizer step"
+        states[name] = state
+    return states
+
+
+def empty_states(module: nn.Module, device: torch.device | None, step_on_param: bool
+                 ) -> dict[str, dict[str, torch.Tensor]]:
+    """Zero AdamW states to load into, on ``device`` (None: each parameter's); ``step_on_param``: the step
+    lives on the parameter's device (CUDA's fused AdamW)."""
+    out = {}
+    for name, param in module.named_parameters():
+        where = param.device if device is None else device
+        out[name] = {"step": torch.zeros((), dtype=torch.float32, device=param.device if step_on_param else "cpu"),
+                     "exp_avg": torch.zeros(param.shape, dtype=param.dtype, device=where),
+                     "exp_avg_sq": torch.zeros(param.shape, dtype=param.dtype, device=where)}
+    return out
+
+
+def rank_state(module: nn.Module, states: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Flat global-keyed state of this stage: the model's tensors and the AdamW ``states`` by parameter name."""
+    flat: dict[str, torch.Tensor] = dict(module.state_dict())
+    for name, _ in module.named_parameters():
         for kind in OPTIM_KINDS:
-            flat[optim_key(kind, name)] = state[kind]
-    return flat, optim
+            flat[optim_key(kind, name)] = states[name][kind]
+    return flat
 
 
 def _sharded(key: str, tp: TPGroup | None) -> bool:
@@ -94,15 +102,19 @@ def _sharded(key: str, tp: TPGroup | None) -> bool:
     return tp is not None and not key.startswith(optim_key("step", "")) and shard_dim(param_of_key(key)) is not None
 
 
-def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None) -> dict[str, torch.Tensor]:
+def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None, device: torch.device
+                    ) -> dict[str, torch.Tensor]:
     """Checkpoints hold global tensors under global names, whatever the TP degree that wrote them:
-    a TP stage gathers its slices (collective over its group, keys in sorted order) and its first
-    rank writes them; the other ranks' replicated tensors are the same and are not written twice."""
+    a TP stage gathers its slices (collective over its group, keys in sorted order, on ``device``: a
+    sharded optimizer's full states are on the CPU) and its first rank writes them; the other ranks'
+    replicated tensors are the same and are not written twice."""
     if tp is None:
         return flat
     out = {}
     for key in sorted(flat):
-        value = gather_full(flat[key], param_of_key(key), tp) if _sharded(key, tp) else flat[key]
+        value = flat[key]
+        if _sharded(key, tp):
+            value = gather_full(value.to(device), param_of_key(key), tp).to(flat[key].device)
         if tp.rank == 0:
             out[key] = value
     return out
@@ -159,7 +171,7 @@ def _root_cause(err: BaseException, directory: Path) -> str:
     return f"{'' if rank is None else f'rank {rank}: '}{type(inner).__name__}: {text}"
 
 
-def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan,
+def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: Any, plan: Plan,
                     spec: ModelSpec, cursor: DataCursor, keep: int, device: torch.device,
                     extra: dict[str, Any] | None = None, group: dist.ProcessGroup | None = None) -> Path:
     """Collective over the world: every rank writes its shard, then rank 0 commits. Returns the checkpoint.
@@ -172,8 +184,7 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
         remove_partial(root)  # leftovers of a killed save; nobody writes into them until the barrier
     dist.barrier(group=group)
     tmp = root / tmp_dir_name(step)
-    flat, _ = rank_state(module, optimizer)
-    flat = _global_tensors(flat, getattr(module, "tp", None))
+    flat = _global_tensors(rank_state(module, optimizer_states(module, optimizer)), getattr(module, "tp", None), device)
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
     try:  # DCP gathers every rank's write outcome, so all ranks fail together
         dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()),  # after .metadata is written
@@ -210,10 +221,13 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: t
     return Path(outcome[0])
 
 
-def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    device: torch.device, group: dist.ProcessGroup | None = None,
+                    state_device: torch.device | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Collective over the world: verify the files (split over ranks), then load this stage's keys
-    (``group`` as in ``save_checkpoint``)."""
+    (``group`` as in ``save_checkpoint``). The model's tensors load in place; the AdamW states go into
+    ``optimizer`` if given, and are returned by parameter name (on ``state_device``, None: each parameter's,
+    e.g. the CPU for a sharded optimizer that keeps only its pieces: ``ShardedAdamW.load_full``)."""
     assert point.step_dir is not None and point.manifest is not None
     step_dir, manifest = point.step_dir, point.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -223,7 +237,9 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     bad = sorted(name for part in parts for name in part)
     if bad:
         raise corrupt_error(step_dir, bad[0])  # every rank raises the same error
-    flat, optim = rank_state(module, optimizer, empty_optimizer=True)
+    fused = optimizer is not None and bool(optimizer.defaults.get("fused"))  # its step lives on the device
+    states = empty_states(module, state_device, fused)
+    flat = rank_state(module, states)
     saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     tp = getattr(module, "tp", None)
     local = flat
@@ -235,9 +251,11 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     for key, value in local.items():
         if _sharded(key, tp):
             value.copy_(local_slice(flat[key], param_of_key(key), tp))
-    for param, state in optim.items():
-        optimizer.state[param] = state
+    if optimizer is not None:
+        for name, param in module.named_parameters():
+            optimizer.state[param] = states[name]
     _set_rng_states(rng, device)
+    return states
 
 
 def export_checkpoint(path: str | Path, out: str | Path) -> Manifest:

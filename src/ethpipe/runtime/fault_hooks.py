@@ -21,8 +21,10 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ethpipe.errors import UserError
@@ -73,14 +75,14 @@ def maybe_hang(rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-def maybe_overflow(module: nn.Module, rank: int, step: int) -> None:
+def maybe_overflow(grads: Sequence[torch.Tensor], rank: int, step: int) -> None:
+    """``grads``: the gradients this rank counts in the non-finite check (a sharded optimizer's: its shards)."""
     text = os.environ.get(OVERFLOW_ENV)
     if not text:
         return
     who, _, at = text.partition("@")
     if int(at) == step and who == str(rank):
-        param = next(p for p in module.parameters() if p.grad is not None)
-        param.grad.view(-1)[0] = float("inf")
+        grads[0].view(-1)[0] = float("inf")
 
 
 class ForwardKill:

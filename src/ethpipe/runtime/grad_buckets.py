@@ -173,9 +173,13 @@ class GradBuckets:
             for t in tensors:
                 t.div_(bucket.divide_by)
         if len(bucket.holders) > 1:
-            group = self.groups[bucket.holders]
-            bucket.works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
+            bucket.works = self._reduce(bucket, tensors)
         bucket.issued = True
+
+    def _reduce(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> list[dist.Work]:
+        """Sum the bucket's tensors over its holders: all-reduces (``zero.ShardedBuckets``: one reduce per shard)."""
+        group = self.groups[bucket.holders]
+        return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
 
     def wait(self, on_done: Callable[[str], None] | None = None) -> None:
         """Wait in issue order and copy split parameters back; ``on_done(label)`` after each (tracing)."""
@@ -191,8 +195,12 @@ class GradBuckets:
                 on_done(bucket.label)
 
     def posts(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(label, holders) of each all-reduce in issue order (``ethpipe.comm.program.step_program``)."""
-        return [(b.label, b.holders) for b in self.buckets if len(b.holders) > 1 for _ in self._tensors(b)]
+        """(label, holders) of each collective in issue order (``ethpipe.comm.program.step_program``)."""
+        return [(b.label, b.holders) for b in self.buckets if len(b.holders) > 1
+                for _ in range(self._num_collectives(b))]
+
+    def _num_collectives(self, bucket: _Bucket) -> int:
+        return len(self._tensors(bucket))
 
     def copied_bytes(self) -> int:
         """The extra gradient memory of copied slices (their flat-buffer space): what the memory model leaves out."""

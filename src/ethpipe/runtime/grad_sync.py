@@ -114,8 +114,8 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
-def scale_grads(module: nn.Module, factor: float) -> None:
-    """Multiply every gradient by ``factor`` (fp16 unscaling and clipping together) in one foreach launch."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
+    """Multiply the gradients by ``factor`` (fp16 unscaling and clipping together) in one foreach launch."""
+    grads = list(grads)
     if grads and factor != 1.0:
         torch._foreach_mul_(grads, factor)

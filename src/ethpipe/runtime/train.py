@@ -30,18 +30,17 @@ from ethpipe.runtime.checks import check_inputs, check_plan_runnable
 from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, AUTOCAST_DTYPES, TrainConfig, lr_at, make_optimizer
+from ethpipe.runtime.stage_optim import build_stage_optimizer
 from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
 from ethpipe.runtime.emulate import Emulator, make_emulator
 from ethpipe.runtime.executor import StageIO, run_stage_step
 from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.grad_buckets import GradBuckets
-from ethpipe.runtime.grad_sync import (
-    GradStats, clip_coefficient, owned_names, scale_grads, stage_sync_units, tied_parameters,
-)
+from ethpipe.runtime.grad_sync import clip_coefficient
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.loss_scale import LossScaler
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
-from ethpipe.runtime.model import PARAM_DTYPES, TIED_WEIGHT, build_stage, compile_blocks, state_dict_shapes
+from ethpipe.runtime.model import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
 from ethpipe.runtime.rebalance import Rebalancer, split_of
 from ethpipe.runtime.tensor_parallel import TPGroup
@@ -107,7 +106,8 @@ def start_banner(plan: Plan, config: TrainConfig, start: ResumePoint, device: to
     else:
         why = f"--dtype; the plan was made for {planned}" if planned and planned != config.dtype else "--dtype"
     steps = f"steps {start.step}..{config.steps}" if start.step else f"{config.steps} steps"
-    return (f"ethpipe train: {plan.world_size} ranks on {device.type}, {len(plan.pipelines)} pipelines, "
+    zero = f", AdamW state sharded over the {len(plan.pipelines)} pipelines" if plan.shard_optimizer else ""
+    return (f"ethpipe train: {plan.world_size} ranks on {device.type}, {len(plan.pipelines)} pipelines{zero}, "
             f"{dtype} ({why}), {steps}")
 
 
@@ -115,7 +115,7 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
     """Every rank must run the same plan (each may have re-planned on its own, e.g. after a restart)."""
     d = plan.to_dict()  # what execution depends on (not e.g. the planner's timing of itself)
     key = json.dumps([d[k] for k in ("model", "global_batch_size", "seq_len", "pipelines", "blocks")] +
-                     [plan.extra.get("device_speeds")], sort_keys=True)
+                     [plan.extra.get("device_speeds"), plan.shard_optimizer, list(plan.shard_weights)], sort_keys=True)
     local = torch.tensor([zlib.crc32(key.encode())], dtype=torch.int64, device=device)
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, local)
@@ -142,15 +142,16 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         load_into(module, config.init_from)
     if config.compile:
         compile_blocks(module)
-    optimizer = make_optimizer(module, config)
+    states = None
     if start.step_dir is not None:
         watchdog.beat(f"loading checkpoint {start.step_dir}")
-        load_checkpoint(start, module, optimizer, device, group=control)
-    blocks, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), tied)
-    params = dict(module.named_parameters())
-    owned = owned_names(plan, rank, blocks, [TIED_WEIGHT] if tied_parameters(module, tied) else [])
-    buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes)
-    norm_parts = GradStats(params, owned, device)
+        # a sharded optimizer keeps only its pieces of the full states: they load on the CPU first
+        states = load_checkpoint(start, module, None, device, group=control,
+                                 state_device=torch.device("cpu") if plan.shard_optimizer else None)
+    stage_opt = build_stage_optimizer(plan, config, rank, module, state_dict_shapes(spec), tied, groups, device,
+                                      states)
+    del states
+    buckets = stage_opt.buckets
     emulator: Emulator | None = (make_emulator(plan, rank, config.slowdowns, mode=config.emulate_mode)
                                  if config.emulate else None)
     autocast_dtype = AUTOCAST_DTYPES.get(dtype)
@@ -177,8 +178,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             first_sample = start.next_sample + (step - start.step) * plan.global_batch_size
             step_start = time.time()
             lr = lr_at(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            stage_opt.set_lr(lr)
+            stage_opt.wait_params()  # sharded: the last step's all-gather (a stream wait on GPUs)
             buckets.zero_grads()
             ids = sample_ids(first_sample, plan.global_batch_size, num_samples, config.shuffle, config.seed)
             batch = _micro_batches(current, data, ids, pos.pipeline, device) if first or last else []
@@ -196,16 +197,15 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                                   before_last_backward=sync.arm if config.overlap_grad_sync else None)
             buckets.wait(sync.traced)
             timeline.sync_done()
-            maybe_overflow(module, rank, step)
-            on_device = torch.cat([(loss.double() / scale).reshape(1), norm_parts()])
+            maybe_overflow(stage_opt.grads(), rank, step)
+            on_device = torch.cat([(loss.double() / scale).reshape(1), stage_opt.norm_parts()])
             stats = gather_stats(plan, on_device, lambda: _timings(timeline), device, control)
             stats = dataclasses.replace(stats, grad_norm=stats.grad_norm / scale)  # of the unscaled gradients
             skipped = scaler is not None and stats.num_nonfinite > 0  # the same world-wide count on every rank
             if not skipped:
                 clip = clip_coefficient(stats.grad_norm, config.clip_grad) if config.clip_grad > 0 else 1.0
-                scale_grads(module, clip / scale)
                 opt_start = time.time()
-                optimizer.step()
+                stage_opt.step(clip / scale)
                 timeline.add("optimizer", opt_start, time.time())
             extra: dict[str, Any] = {"samples": [first_sample, first_sample + plan.global_batch_size],
                                      "split": list(split_of(current)), "restart": restart}
@@ -226,12 +226,14 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             if config.checkpoint_dir is not None and (done == config.steps or
                                                       (config.save_every and done % config.save_every == 0)):
                 save_start = time.time()
+                stage_opt.wait_params()
                 watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
-                save_checkpoint(config.checkpoint_dir, done, module, optimizer, current, spec, cursor, config.keep,
+                save_checkpoint(config.checkpoint_dir, done, module, stage_opt.optimizer, current, spec, cursor, config.keep,
                                 device, extra={"dtype": dtype, **({"loss_scaler": scaler.to_dict()} if scaler else {})},
                                 group=control)
                 timeline.add("checkpoint", save_start, time.time())
+        stage_opt.wait_params()
         watchdog.beat("final save")
         if config.save_final is not None:
             state = gather_consolidated(module, plan, rank, spec, control)

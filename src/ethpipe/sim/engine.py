@@ -22,7 +22,7 @@ from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
 from ethpipe.schedule import pipeline_schedule
-from ethpipe.sim.report import RankStats, SimEvent, SimReport
+from ethpipe.sim.report import EventKind, RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
 
 _NO_EVENT = -1
@@ -116,6 +116,21 @@ def _simulate_pipeline(
     return free, last_event, busy, recv
 
 
+
+def _collectives(plan: Plan, rec: _Recorder, kind: EventKind, items: list[tuple[str, int, list[tuple[int, int]], float]],
+                 free: dict[tuple[int, int], float], tail: dict[tuple[int, int], int]) -> None:
+    """Each collective in order starts when its last holder stage is free and occupies every holder stage
+    (``free`` / ``tail``: each stage's stream end and its last event, updated in place)."""
+    for label, k, holders, dur in items:
+        if dur <= 0.0:
+            continue
+        binding = max(holders, key=lambda key: free[key])
+        start, pred = free[binding], tail[binding]
+        for key in holders:
+            ranks = plan.pipelines[key[0]].stages[key[1]].ranks
+            event = SimEvent(f"{kind} {label}", kind, key[0], key[1], ranks, start, start + dur, block=k)
+            free[key], tail[key] = start + dur, rec.add(event, pred)
+
 def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimReport:
     """Simulate one iteration of ``plan`` priced by ``cost``."""
     with_p2p = getattr(cost, "with_plan_p2p", None)  # the real cost model: the plan's NIC sharing (cost/p2p.py)
@@ -139,16 +154,7 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
     syncs = [(f"block {k}", k, holders_of[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
     tied_s = cost.tied_sync_s(plan)  # the runtime's order: blocks descending, the tied matrix last
     syncs += [("tied", -1, tied_holder_stages(plan), tied_s)] if tied_s > 0 else []
-    for label, k, holders, dur in syncs:
-        if dur <= 0.0:
-            continue
-        binding = max(holders, key=lambda key: comm_free[key])
-        start, pred = comm_free[binding], comm_tail[binding]
-        for key in holders:
-            ranks = plan.pipelines[key[0]].stages[key[1]].ranks
-            event = SimEvent(f"allreduce {label}", "allreduce", key[0], key[1], ranks, start, start + dur, block=k)
-            ev = rec.add(event, pred)
-            comm_free[key], comm_tail[key] = start + dur, ev
+    _collectives(plan, rec, "allreduce", syncs, comm_free, comm_tail)
 
     opt_end: dict[tuple[int, int], float] = {}
     opt_start: dict[tuple[int, int], float] = {}
@@ -165,8 +171,13 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
         opt_event[(p, s)] = rec.add(SimEvent("optimizer", "optimizer", p, s, stage.ranks, start, start + dur), pred)
         no_sync_end = max(no_sync_end, t_flush + dur)
 
-    last_key = max(opt_end, key=lambda key: opt_end[key])
-    iteration_s = opt_end[last_key]
+    end, end_event = dict(opt_end), dict(opt_event)  # sharded: the all-gathers of the updated shards follow
+    gathers = [("tied", -1, tied_holder_stages(plan), cost.tied_gather_s(plan))]
+    gather_s = cost.block_gather_s(plan)
+    gathers += [(f"block {k}", k, holders_of[k], gather_s[k]) for k in reversed(block_sync_order(len(plan.blocks)))]
+    _collectives(plan, rec, "allgather", gathers, end, end_event)
+    last_key = max(end, key=lambda key: end[key])
+    iteration_s = end[last_key]
     stats = []
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
@@ -189,6 +200,6 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
         flat_sync=flat_sync,
         pipeline_flush_s=pipeline_flush,
         ranks=tuple(stats),
-        critical_path=rec.critical_path(opt_event[last_key]),
+        critical_path=rec.critical_path(end_event[last_key]),
         events=tuple(rec.events),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-EventKind = Literal["compute", "p2p", "allreduce", "optimizer"]
+EventKind = Literal["compute", "p2p", "allreduce", "optimizer", "allgather"]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ _COLOURS = {
     "p2p": "#B279A2",
     "allreduce": "#E45756",
     "optimizer": "#54A24B",
+    "allgather": "#72B7B2",
     "other": "#9D9D9D",
 }
 _LABEL_LIMIT = 400  # write micro-batch numbers into bars only when there are few
@@ -49,6 +50,8 @@ def _kind(event: TraceEvent) -> str:
         return "p2p"
     if head.startswith("allreduce") or event.cat == "allreduce":
         return "allreduce"
+    if head.startswith("allgather") or event.cat == "allgather":
+        return "allgather"
     if head.startswith("optim") or event.cat == "optimizer":
         return "optimizer"
     return "other"

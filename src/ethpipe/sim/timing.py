@@ -29,6 +29,13 @@ class TimingModel(Protocol):
         """Seconds of the tied embedding matrix's all-reduce among its copies (0: untied)."""
         ...
 
+    def block_gather_s(self, plan: Plan) -> list[float]:
+        """Seconds of each block's all-gather of updated shards after the optimizer (0: not sharded)."""
+        ...
+
+    def tied_gather_s(self, plan: Plan) -> float:
+        ...
+
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """Seconds of the optimizer step over a stage's parameters."""
         ...

@@ -19,7 +19,7 @@ from ethpipe.errors import UserError
 from ethpipe.plan import Plan, write_text_atomic
 from ethpipe.sim.report import SimReport
 
-CATEGORIES = ("compute", "p2p", "allreduce", "optimizer")
+CATEGORIES = ("compute", "p2p", "allreduce", "optimizer", "allgather")
 _US = 1e6
 
 

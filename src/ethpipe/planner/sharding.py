@@ -1,0 +1,93 @@
+"""Whether to shard the optimizer state across pipelines (ZeRO-1, ``runtime/zero.py``), and the plan that uses it.
+
+Sharding divides each block's AdamW moments (8 of the 16 bytes per parameter) over its holders, one rank
+per pipeline, so a plan's memory depends on its own number of pipelines k, which the search chooses. The
+planner solves that by iteration: plan with the moments priced at 1 / k (k first from the unsharded
+plan, at least 2); a plan with P >= k pipelines is valid (its moments take 1 / P <= 1 / k: the price was
+conservative); P != k re-plans at k = P (P > k: more memory freed may allow a better plan), until P = k, a
+plan priced exactly as it runs (after ``MAX_ROUNDS``, a P > k plan re-priced at its own k). The cheaper of the unsharded plan and the best valid sharded one wins:
+sharding costs time (the sync becomes a reduce and, after the optimizer, an all-gather: ``CostModel.sync_s``)
+and pays where the memory it frees buys fewer stages, less recompute or larger micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from ethpipe.cost.model import CostModel
+from ethpipe.errors import Infeasible
+from ethpipe.plan import Plan
+from ethpipe.planner.estimate import predicted_metrics
+
+MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
+
+PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
+
+
+def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: bool = False) -> tuple[Plan, CostModel]:
+    """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
+    ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans."""
+    started = time.perf_counter()
+    plain: tuple[Plan, CostModel] | None = None
+    error: Infeasible | None = None
+    try:
+        plain = plan_fn(cost)
+    except Infeasible as err:
+        error = err
+    k = max(len(plain[0].pipelines), 2) if plain is not None else 2
+    tried: list[int] = []
+    best: tuple[Plan, CostModel] | None = None
+    for round_ in range(MAX_ROUNDS):
+        if k in tried or k > cost.cluster.num_devices:
+            break
+        tried.append(k)
+        try:
+            plan, on = plan_fn(dataclasses.replace(cost, optimizer_holders=k))
+        except Infeasible:
+            break
+        num_pipelines = len(plan.pipelines)
+        if num_pipelines == k:  # priced exactly as it will run
+            found = (dataclasses.replace(plan, shard_optimizer=True), on)
+        elif num_pipelines > k and round_ == MAX_ROUNDS - 1:  # conservative: re-price at its own k
+            found = _repriced(plan, dataclasses.replace(on, optimizer_holders=num_pipelines), flat_sync, robust)
+        else:
+            found = None
+        if found is not None and (best is None or _score(found[0], robust) < _score(best[0], robust)):
+            best = found
+        if num_pipelines < 2 or num_pipelines == k:
+            break
+        k = num_pipelines
+    if plain is None and best is None:
+        assert error is not None
+        raise error
+    use_best = plain is None or (best is not None and _score(best[0], robust) < _score(plain[0], robust))
+    choice = best if use_best else plain
+    assert choice is not None
+    record = {"chosen": choice[0].shard_optimizer, "holders_tried": tried,
+              "unsharded_iteration_s": _time_s(plain[0]) if plain is not None else None,
+              "sharded_iteration_s": _time_s(best[0]) if best is not None else None,
+              "sharding_search_s": time.perf_counter() - started}
+    search = {**choice[0].extra.get("search", {}), "shard_optimizer": record}
+    predicted = {**choice[0].predicted, "planning_time_s": time.perf_counter() - started}  # both searches
+    plan = dataclasses.replace(choice[0], extra={**choice[0].extra, "search": search}, predicted=predicted)
+    return plan, choice[1]
+
+
+def _repriced(plan: Plan, cost: CostModel, flat_sync: bool, robust: bool) -> tuple[Plan, CostModel]:
+    plan = dataclasses.replace(plan, shard_optimizer=True)
+    predicted = predicted_metrics(plan, cost, plan.predicted.get("planning_time_s", 0.0), flat_sync=flat_sync)
+    if robust:
+        from ethpipe.planner.robust import robust_record
+
+        predicted.update(robust_record(plan, cost))
+    return dataclasses.replace(plan, predicted=predicted), cost
+
+
+def _score(plan: Plan, robust: bool) -> float:
+    return float(plan.predicted["worst_case_time_s"]) if robust else _time_s(plan)
+
+
+def _time_s(plan: Plan) -> float:
+    return float(plan.predicted["iteration_time_s"])

@@ -1,0 +1,83 @@
+"""ZeRO-1 across pipelines, the parts without ranks: shard cuts, the plan fields, the cost model's terms and
+the planner's choice (the runtime itself: tests/dist/test_zero.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ethpipe.cluster import cluster_from_dict
+from ethpipe.cost import memory
+from ethpipe.cost.model import CostModel, sharded_phase_fraction
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import Plan
+from ethpipe.planner import estimate_iteration_s, make_plan
+from ethpipe.runtime.zero import shard_bounds
+from ethpipe.sim import simulate
+
+from test_plan_format import BASE
+
+
+@pytest.mark.parametrize("numel, weights", [(10, [1, 1]), (7, [1, 1, 1]), (100, [3, 1, 2]), (3, [1, 1, 1, 1, 1]),
+                                            (0, [1, 2]), (1000, [0.1, 5.0])])
+def test_shards_tile_the_tensor_in_proportion(numel: int, weights: list[float]) -> None:
+    bounds = shard_bounds(numel, weights)
+    assert len(bounds) == len(weights) and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, no gap, no overlap
+    for (lo, hi), w in zip(bounds, weights):
+        assert abs((hi - lo) - numel * w / sum(weights)) <= 1.0  # rounded cuts: within one element
+
+
+def _with(**fields: object) -> dict:
+    data = copy.deepcopy(BASE)
+    data.update(fields)
+    return data
+
+
+def test_plan_fields_round_trip_and_bad_ones_get_one_line_errors() -> None:
+    plan = Plan.from_dict(_with(shard_optimizer=True, shard_weights=[1, 2, 1, 3]))
+    assert plan.shard_optimizer and plan.shard_weights == (1.0, 2.0, 1.0, 3.0)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert "shard_optimizer" not in Plan.from_dict(copy.deepcopy(BASE)).to_dict()  # old plans read and write alike
+    for fields, needle in [({"shard_optimizer": "yes"}, "true or false"),
+                           ({"shard_optimizer": True, "shard_weights": [1, 2]}, "one per rank"),
+                           ({"shard_optimizer": True, "shard_weights": [1, 0, 1, 1]}, "positive"),
+                           ({"shard_weights": [1, 1, 1, 1]}, "needs 'shard_optimizer'")]:
+        with pytest.raises(ValueError, match=needle) as err:
+            Plan.from_dict(_with(**fields))
+        assert "\n" not in str(err.value)
+
+
+def test_state_bytes_and_sync_phases() -> None:
+    assert memory.state_bytes_per_param(2) == 16 and memory.state_bytes_per_param(2, 16) == 8.5  # the issue's figure
+    assert memory.state_bytes_per_param(8, 4) == 16 + 16 / 4  # the fp64 exactness mode
+    assert sharded_phase_fraction(2) == 1.0 and sharded_phase_fraction(32) == pytest.approx(32 / 62)
+
+
+V100S = cluster_from_dict({"nodes": [{"gpu": "v100_32gb_sxm2", "num_nodes": 4, "gpus_per_node": 8,
+                                      "nic_gbit_s": 100}]})
+
+
+def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
+    """llama2-13b on 32 V100-32: whole AdamW state forces recompute on most stages; sharded over the two
+    pipelines fewer stages recompute and the plan is faster, priced at its own number of holders."""
+    spec = load_model_spec("llama2-13b")
+    plain = make_plan(V100S, spec, 64, 4096, max_tp=1, shard_optimizer=False)
+    plan = make_plan(V100S, spec, 64, 4096, max_tp=1)
+    assert not plain.shard_optimizer and plan.shard_optimizer
+    record = plan.extra["search"]["shard_optimizer"]
+    assert record["chosen"] and record["unsharded_iteration_s"] == pytest.approx(plain.predicted["iteration_time_s"])
+    assert plan.predicted["iteration_time_s"] < plain.predicted["iteration_time_s"]
+
+    def recomputing(p: Plan) -> int:
+        return sum(s.recompute for pipe in p.pipelines for s in pipe.stages)
+
+    assert recomputing(plan) < recomputing(plain)
+    loaded = Plan.from_dict(plan.to_dict())
+    cost = CostModel.for_plan(loaded)
+    assert cost.optimizer_holders == len(plan.pipelines) > 1
+    assert estimate_iteration_s(loaded, cost) == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-9)
+    report = simulate(loaded, cost)
+    assert report.iteration_time_s == pytest.approx(plan.predicted["iteration_time_s"], rel=0.05)
+    assert any(e.kind == "allgather" for e in report.events)  # the gather phase after the optimizer
