@@ -53,7 +53,11 @@ def _run_jobs(sections: dict[str, list[Job]], show: bool) -> dict[str, list[dict
 
 
 def load_results(docs: Path) -> dict[str, dict[str, Any]]:
-    return {name: json.loads((docs / "benchmarks" / f"eval_{name}.json").read_text()) for name in SECTIONS}
+    results = {name: json.loads((docs / "benchmarks" / f"eval_{name}.json").read_text()) for name in SECTIONS}
+    zero = docs / "benchmarks" / "zero_eval.json"  # benchmarks/zero_eval.py: sharding on vs off, same cases
+    if zero.is_file():
+        results["zero"] = json.loads(zero.read_text())
+    return results
 
 
 def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, command: str,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,17 @@ def run(quick: bool) -> dict[str, Any]:
             "rows": rows}
 
 
+def _by_samples(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for spg in sorted({r["samples_per_gpu"] for r in rows}):
+        both = [r for r in rows if r["samples_per_gpu"] == spg and r["speedup"] is not None]
+        sharded = [r for r in both if r["sharding"]["sharded"]]
+        geo = math.exp(sum(math.log(r["speedup"]) for r in both) / len(both)) if both else float("nan")
+        out.append(f"| {spg} | {len(both)} | {len(sharded)} | {sum(1 for r in sharded if r['changed'])} | "
+                   f"{geo:.4f} | {max((r['speedup'] for r in both), default=float('nan')):.4f} |")
+    return out
+
+
 def render(data: dict[str, Any]) -> str:
     meta = data["meta"]
     lines = ["# Optimizer sharding in eth's plans (ZeRO-1 across pipelines)", "",
@@ -108,6 +120,9 @@ def render(data: dict[str, Any]) -> str:
              f"- Cases that fit only with sharding: {len(data['fit_only_sharded'])}"
              + (f" ({'; '.join(data['fit_only_sharded'])})" if data["fit_only_sharded"] else "")
              + f"; fitting neither way: {data['fit_neither']}.", "",
+             "| samples/GPU | cases (both fit) | sharded | shape changed | geo-mean speedup | max speedup |",
+             "|---|---|---|---|---|---|",
+             *_by_samples(data["rows"]), "",
              "| cluster | model | samples/GPU | sharded | changed | pipelines | max depth | recompute stages | "
              "max micro-batch | tokens/s sharded | tokens/s unsharded | speedup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -131,8 +146,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out-dir", type=Path, default=OUT)
+    parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the existing .json")
     args = parser.parse_args()
-    data = run(args.quick)
+    data = json.loads((args.out_dir / "zero_eval.json").read_text()) if args.render_only else run(args.quick)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "zero_eval.json").write_text(json.dumps(data, indent=1) + "\n")
     (args.out_dir / "zero_eval.md").write_text(render(data))

@@ -131,8 +131,33 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def sharding(results: dict[str, dict[str, Any]]) -> list[str]:
+    """eth with optimizer sharding (the default) against the same planner without it (benchmarks/zero_eval.py)."""
+    z = results.get("zero")
+    if z is None:
+        return []
+    lines = ["## Optimizer sharding (ZeRO-1 across pipelines)", "",
+             f"The throughput section's {z['num_cases']} cases planned by eth twice, with sharding allowed (the "
+             "default: the planner keeps the faster of sharded and not) and with `--no-shard-optimizer`, each plan "
+             f"simulated (`{z['meta']['command']}`, {z['meta']['started']}; every plan: "
+             "docs/benchmarks/zero_eval.md). "
+             f"{z['num_sharded']} plans shard the optimizer, {z['num_changed']} of them with another shape "
+             "(pipelines, depth, recompute stages, micro-batch size or idle devices); simulated speedup over the "
+             f"unsharded plan {z['speedup_min']:.3f} to {z['speedup_max']:.3f}; cases that fit only with sharding: "
+             f"{len(z['fit_only_sharded'])}; fitting neither way: {z['fit_neither']}.", ""]
+    body = []
+    for spg in sorted({r["samples_per_gpu"] for r in z["rows"]}):
+        both = [r for r in z["rows"] if r["samples_per_gpu"] == spg and r["speedup"] is not None]
+        sharded = [r for r in both if r["sharding"]["sharded"]]
+        best = max((r["speedup"] for r in both), default=None)
+        body.append([str(spg), str(len(both)), str(len(sharded)), str(sum(1 for r in sharded if r["changed"])),
+                     fmt.x(best) if best is not None else "-"])
+    return lines + fmt.table(["samples/GPU", "cases (both fit)", "sharded", "shape changed", "max speedup"], body,
+                             "rrrrr") + [""]
+
+
 def render(results: dict[str, dict[str, Any]]) -> str:
-    lines = header(results) + headline(results) + throughput(results) + search(results)
+    lines = header(results) + headline(results) + throughput(results) + sharding(results) + search(results)
     lines += ablation(results) + measured(results) + sensitivity(results) + where_eth_loses(results)
     lines += closing_note(results)
     meta = results["summary"]["meta"]

@@ -19,6 +19,11 @@ class UserError(ValueError):
     """Bad input: the message is one line naming the field (or file) and the fix."""
 
 
+class ReportedElsewhere(UserError):
+    """Another rank's input failed the pre-flight check and that rank prints the one line: exit 2 silently, so a
+    multi-node job shows the cause once instead of once per rank (``runtime/preflight.py``)."""
+
+
 class Infeasible(UserError):
     """The input cannot be planned or run as asked (memory does not fit, more pipelines than samples).
 

@@ -78,3 +78,25 @@ def test_console_script_error_path(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "ethpipe", "plan", "--cluster", str(bad), "--model", "tiny",
                           "--global-batch", "4", "--seq-len", "64"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "h900" in res.stderr
+
+
+def test_piped_tables_keep_their_full_width() -> None:
+    """Piped (a SLURM log, `| tee`) nothing is cut at 80 columns: no ellipsis, every table row on one line."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    for args in (["catalog"], ["compare", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24",
+                               "--seq-len", "128", "--max-tp", "1", "--dtype", "fp32"]):
+        out = subprocess.run([sys.executable, "-m", "ethpipe", *args], capture_output=True, text=True, env=env,
+                             check=True).stdout
+        rows = [line for line in out.splitlines() if line.startswith("│")]
+        assert rows and "…" not in out, args
+        assert all(line.endswith("│") for line in rows), args  # a wrapped cell would end a line early
+        blocks: list[set[int]] = [set()]  # each table's rows have one width
+        for line in out.splitlines():
+            if line.startswith("│"):
+                blocks[-1].add(len(line))
+            elif blocks[-1]:
+                blocks.append(set())
+        assert all(len(widths) <= 1 for widths in blocks), args
+        assert max(len(line) for line in out.splitlines()) > 80, args  # wider than rich's piped default

@@ -97,3 +97,16 @@ def test_the_shuffled_order_is_numpys_seeded_permutation_made_once() -> None:
     from ethpipe.runtime.data import _permutation
 
     assert _permutation(50, 7) is _permutation(50, 7)  # computed once, not every step
+
+
+def test_raw_text_passed_as_tokens_is_refused_with_the_command_that_tokenizes_it(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\nNaïve café, déjà vu.\n" * 50)  # odd length too
+    with pytest.raises(ValueError, match=r"is text, not tokens: .*ethpipe data prepare --text .*corpus.txt") as err:
+        open_tokens(text, 50257)
+    assert "\n" not in str(err.value)
+    gpt2_like = _write(tmp_path / "ids.bin", np.random.default_rng(0).integers(0, 50257, 4096, dtype=np.uint16))
+    assert open_tokens(gpt2_like, 50257).num_tokens == 4096  # real token ids are not text
+    printable = _write(tmp_path / "bytes.bin", np.frombuffer(b"ab" * 64, dtype=np.uint16).copy())
+    (tmp_path / "bytes.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 50257}))
+    assert open_tokens(printable, 50257).num_tokens == 64  # a sidecar says it is tokens: trusted

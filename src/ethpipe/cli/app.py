@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ethpipe.errors import UserError, write_crash_report
+from ethpipe.errors import ReportedElsewhere, UserError, write_crash_report
 
 app = typer.Typer(
     name="ethpipe",
@@ -21,8 +22,17 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+# Piped (SLURM logs, `| tee`, CI) rich would cut tables at 80 columns; there every line keeps its full width
+# (COLUMNS, where set, still decides). A terminal keeps rich's own width and wrapping.
+PIPED_WIDTH = 100_000
+
+
+def _width(stream: Any) -> int | None:
+    return None if os.environ.get("COLUMNS") or stream.isatty() else PIPED_WIDTH
+
+
+console = Console(width=_width(sys.stdout))
+err_console = Console(stderr=True, width=_width(sys.stderr))
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,10 +57,12 @@ def user_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        console.width, err_console.width = _width(sys.stdout), _width(sys.stderr)  # COLUMNS may be set now
         try:
             return func(*args, **kwargs)
         except UserError as err:
-            print_error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+            if not isinstance(err, ReportedElsewhere):
+                print_error(str(err).splitlines()[0] if str(err) else type(err).__name__)
             sys.exit(2)
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # typer's own control flow and usage errors

@@ -73,6 +73,10 @@ def inspect(
     head.add_row("size on disk", f"{format_bytes(info['size_bytes'])} in {info['num_files']} files")
     head.add_row("saved", f"{info['saved_at']} (torch {info['torch_version']})")
     head.add_row("checkpoints here", ", ".join(str(s) for s in info["checkpoints"]))
+    if info["settings"]:
+        head.add_row("settings", ", ".join(f"{k} {v}" for k, v in info["settings"].items()))
+    if info["shard_optimizer"]:
+        head.add_row("optimizer", "AdamW state sharded across pipelines (saved whole, loads under any plan)")
     console.print(head)
     pipes = Table(title="plan that wrote it")
     for column in ("pipeline", "depth", "devices", "layers per stage", "micro-batches"):

@@ -3,6 +3,7 @@
 from ethpipe.cli import calibrate_cmds  # noqa: F401
 from ethpipe.cli import ckpt_cmds  # noqa: F401
 from ethpipe.cli import demo_cmd  # noqa: F401
+from ethpipe.cli import launch_cmds  # noqa: F401
 from ethpipe.cli import plan_cmds  # noqa: F401
 from ethpipe.cli import replan_cmds  # noqa: F401
 from ethpipe.cli import sim_cmds  # noqa: F401

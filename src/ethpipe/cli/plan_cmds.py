@@ -100,6 +100,15 @@ def _metrics_line(plan: Any) -> str:
             f"  |  planned in {p['planning_time_s']:.3f} s  (* = recompute)")
 
 
+def nodes_line(plan: Plan) -> str:
+    """Which ranks each node of the cluster file hosts (what `ethpipe launch` starts where)."""
+    from ethpipe.cluster_launch import node_ranks
+
+    parts = [f"node {n.cluster_node} ({n.num_ranks} x {n.gpu}): ranks {n.ranks.start}-{n.ranks.stop - 1}"
+             for n in node_ranks(plan)]
+    return "nodes: " + "; ".join(parts)
+
+
 def sharding_line(plan: Plan) -> str:
     """Whether the plan shards the optimizer state, and what the planner compared."""
     record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
@@ -147,6 +156,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
     for line in idle_lines(result):
         console.print(line, highlight=False)
     console.print(sharding_line(result), highlight=False)
+    console.print(nodes_line(result), highlight=False)
     factors = result.predicted.get("efficiency_factors")
     if factors:
         from ethpipe.planner.efficiency import format_factors

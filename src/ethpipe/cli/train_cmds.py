@@ -57,6 +57,10 @@ def train(
     resume: bool = typer.Option(False, "--resume",
                                 help="Continue from the newest complete checkpoint in --checkpoint-dir, "
                                      "under this plan (any shape) with the same sample stream."),
+    strict_resume: bool = typer.Option(False, "--strict-resume",
+                                       help="Refuse a resume that changes a setting the checkpoint recorded (lr, "
+                                            "schedule, warm-up, weight decay, clipping, seed, shuffle, dtype, "
+                                            "data file); without it each change is printed old -> new."),
     auto_resume: bool = typer.Option(False, "--auto-resume",
                                      help="Resume if --checkpoint-dir holds a complete checkpoint, else start fresh "
                                           "(for torchrun --max-restarts: every attempt runs the same command)."),
@@ -113,7 +117,7 @@ def train(
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
         timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
-        resume=resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
+        resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
         overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks,
     )

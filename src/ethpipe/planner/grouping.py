@@ -178,7 +178,15 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
             start = max(free[k] for k in keys)
             for k in keys:
                 free[k] = start + duration
-    return max(max(free[k], finish[k]) + opts[k] for k in finish)
+    end = {k: max(free[k], finish[k]) + opts[k] for k in finish}
+    if cost.optimizer_holders > 1:  # sharded: the gathers after the optimizer, in the sync's reversed order
+        for keys, shape in reversed(syncs):
+            duration = cost.sync_s(shape)
+            if duration > 0.0:
+                start = max(end[k] for k in keys)
+                for k in keys:
+                    end[k] = start + duration
+    return max(end.values())
 
 
 def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,

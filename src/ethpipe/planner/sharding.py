@@ -4,8 +4,8 @@ Sharding divides each block's AdamW moments (8 of the 16 bytes per parameter) ov
 per pipeline, so a plan's memory depends on its own number of pipelines k, which the search chooses. The
 planner solves that by iteration: plan with the moments priced at 1 / k (k first from the unsharded
 plan, at least 2); a plan with P >= k pipelines is valid (its moments take 1 / P <= 1 / k: the price was
-conservative); P != k re-plans at k = P (P > k: more memory freed may allow a better plan), until P = k, a
-plan priced exactly as it runs (after ``MAX_ROUNDS``, a P > k plan re-priced at its own k). The cheaper of the unsharded plan and the best valid sharded one wins:
+conservative) and is kept, re-priced at its own k = P; P != k re-plans at k = P (P > k: more memory freed
+may allow a better plan) until P = k or ``MAX_ROUNDS``. The cheaper of the unsharded plan and the best valid sharded one wins:
 sharding costs time (the sync becomes a reduce and, after the optimizer, an all-gather: ``CostModel.sync_s``)
 and pays where the memory it frees buys fewer stages, less recompute or larger micro-batches.
 """
@@ -39,7 +39,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     k = max(len(plain[0].pipelines), 2) if plain is not None else 2
     tried: list[int] = []
     best: tuple[Plan, CostModel] | None = None
-    for round_ in range(MAX_ROUNDS):
+    for _ in range(MAX_ROUNDS):
         if k in tried or k > cost.cluster.num_devices:
             break
         tried.append(k)
@@ -50,7 +50,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
         num_pipelines = len(plan.pipelines)
         if num_pipelines == k:  # priced exactly as it will run
             found = (dataclasses.replace(plan, shard_optimizer=True), on)
-        elif num_pipelines > k and round_ == MAX_ROUNDS - 1:  # conservative: re-price at its own k
+        elif num_pipelines > k:  # valid (its moments take less than priced): re-priced at its own k
             found = _repriced(plan, dataclasses.replace(on, optimizer_holders=num_pipelines), flat_sync, robust)
         else:
             found = None

@@ -11,7 +11,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
-from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus
+from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus, train_dtype
 from ethpipe.runtime.checkpoint import check_checkpoint
 from ethpipe.runtime.ckpt_layout import (
     ResumePoint,
@@ -22,15 +22,26 @@ from ethpipe.runtime.ckpt_layout import (
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
 from ethpipe.runtime.emulate import check_emulation
+from ethpipe.runtime.run_settings import check_strict_resume
+
+
+def _launch_fix(plan: Plan) -> str:
+    """How to start the plan's world: per node where the plan knows its nodes."""
+    if plan.cluster is None:
+        return f"launch {plan.world_size} processes (or run `ethpipe train` without torchrun)"
+    from ethpipe.cluster_launch import node_ranks
+
+    nodes = node_ranks(plan)
+    if len(nodes) == 1:
+        return f"launch with --nproc-per-node {plan.world_size} on one node (or run `ethpipe train` without torchrun)"
+    counts = ", ".join(f"node {k}: --nproc-per-node {n.num_ranks}" for k, n in enumerate(nodes))
+    return f"start {len(nodes)} nodes in the cluster file's order ({counts}); `ethpipe launch` prints the commands"
 
 
 def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
     """Plan-level checks that need no processes (also run by the launcher before spawning)."""
     if world_size != plan.world_size:
-        raise UserError(
-            f"the plan needs {plan.world_size} ranks but the world has {world_size}: "
-            f"launch with --nproc-per-node {plan.world_size} (or run `ethpipe train` without torchrun)"
-        )
+        raise UserError(f"the plan needs {plan.world_size} ranks but the world has {world_size}: {_launch_fix(plan)}")
     spec = plan.resolve_model()
     check_one_world(plan_gpus(plan), "the plan")
     check_tp(plan.pipelines, spec)
@@ -57,6 +68,8 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
                             "train; raise --steps")
     elif config.checkpoint_dir is not None:
         check_fresh_dir(config.checkpoint_dir)
+    if config.strict_resume and start.manifest is not None:
+        check_strict_resume(start.manifest, config, train_dtype(plan, config.dtype))
     if start.step == 0:
         validate_data(data, plan.seq_len, plan.global_batch_size, config.steps, config.shuffle, spec.vocab_size)
     else:

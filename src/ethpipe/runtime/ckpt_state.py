@@ -307,4 +307,6 @@ def checkpoint_summary(path: str | Path) -> dict[str, Any]:
         "seq_len": plan.get("seq_len"), "world_size": sum(len(r) for p in pipelines for r in p["ranks"]),
         "pipelines": pipelines,
         "checkpoints": [step for step, _ in complete_checkpoints(step_dir.parent)],
+        "settings": manifest.extra.get("settings") or {},  # what the run trained with (runtime/run_settings.py)
+        "shard_optimizer": bool(plan.get("shard_optimizer", False)),
     }

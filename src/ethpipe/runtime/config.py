@@ -55,6 +55,7 @@ class TrainConfig:
     save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
     keep: int = 3  # newest checkpoints kept
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
+    strict_resume: bool = False  # refuse a resume that changes a recorded setting (runtime/run_settings.py)
     auto_resume: bool = False  # resume if checkpoint_dir holds a complete checkpoint, else start fresh (restarts)
     rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
     watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off

@@ -56,6 +56,9 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
     dtype = token_dtype(vocab_size)
     side = sidecar_path(path)
     meta = json.loads(side.read_text()) if side.is_file() else {}
+    if not meta and _looks_like_text(path):
+        raise UserError(f"data file '{path}' is text, not tokens: tokenize it first with "
+                        f"`ethpipe data prepare --text {path} --out {path.with_suffix('.bin')}` and pass that file")
     if meta:
         dtype = np.dtype(meta["dtype"])
     if path.stat().st_size % dtype.itemsize:
@@ -67,6 +70,21 @@ def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
     if meta.get("num_tokens") != tokens.shape[0]:  # a sidecar of another (or a rewritten) file: scan instead
         max_id = None
     return TokenFile(path, tokens, int(max_id) if max_id is not None else None)
+
+
+def _looks_like_text(path: Path, probe_bytes: int = 4096) -> bool:
+    """A file without a sidecar whose first bytes are UTF-8 text of printable characters and whitespace (token
+    ids as uint16/uint32 have NUL and control bytes within the first few tokens of any real corpus)."""
+    with open(path, "rb") as f:
+        head = f.read(probe_bytes)
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:  # a multi-byte character cut at the probe's end is still text
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return bool(text) and all(c.isprintable() or c in "\n\r\t" for c in text)
 
 
 @lru_cache(maxsize=2)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint import CheckpointException
 
-from ethpipe.errors import UserError, write_crash_report
+from ethpipe.errors import ReportedElsewhere, UserError, write_crash_report
 from ethpipe.plan import Plan
 from ethpipe.runtime.matmul_mode import apply_kernel_modes
 from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
@@ -194,7 +194,14 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    check_plan_runnable(plan, world_size)
+    try:  # the same outcome on every rank (the plan against this world): rank 0 says it, the others exit 2
+        check_plan_runnable(plan, world_size)
+    except UserError as err:
+        if rank != 0:
+            raise ReportedElsewhere(str(err)) from None
+        raise
+    # Input problems that differ per node (a data file missing on one) are settled world-wide inside ``train``
+    # (runtime/preflight.py): the cause prints once, every rank exits 2 within seconds.
     if uses_accelerator(config):
         set_gpu_environment()
     device = pick_device(config, local_rank, local_world)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +92,24 @@ def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: in
     }
 
 
+LOG_EVERY_S = 10.0  # piped runs: one console line at least this often (and after the last step)
+
+
+def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | None) -> str:
+    """One step as a plain console line: what a log file of a long run needs to be watched."""
+    parts = [f"step {record['step'] + 1}/{num_steps}"]
+    if record.get("loss") is not None:
+        parts.append(f"loss {record['loss']:.4f}")
+    parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    step = f"step {record['iteration_time_s']:.3f} s"
+    if predicted_step_s:
+        step += f" (plan predicted {predicted_step_s:.3f} s)"
+    parts.append(step)
+    if record.get("loss_scale") is not None:
+        parts.append(f"loss scale {record['loss_scale']:g}" + (" (skipped)" if record.get("skipped") else ""))
+    return "  ".join(parts)
+
+
 class MetricsWriter:
     """Rank 0's sink: JSON lines file (flushed per step) and an optional rich progress bar.
 
@@ -98,14 +118,23 @@ class MetricsWriter:
     it; the later line is the one whose update the final weights contain.
     """
 
-    def __init__(self, path: str | None, num_steps: int, progress: bool, append: bool = False) -> None:
+    def __init__(self, path: str | None, num_steps: int, progress: bool, append: bool = False,
+                 log_every_s: float = LOG_EVERY_S, predicted_step_s: float | None = None,
+                 interactive: bool | None = None, out: IO[str] | None = None, total_steps: int | None = None) -> None:
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a" if append else "w")  # noqa: SIM115 - closed in close()
         self._progress = None
-        if progress:
+        self._out = out if out is not None else sys.stdout
+        interactive = self._out.isatty() if interactive is None else interactive
+        # Piped (SLURM logs, `| tee`) a bar shows nothing until the end: one plain line every ``log_every_s``.
+        self._lines = progress and not interactive
+        self._num_steps, self._log_every_s, self._predicted_s = num_steps, log_every_s, predicted_step_s
+        self._total = total_steps if total_steps is not None else num_steps  # a resumed run counts from its start
+        self._last_line = -math.inf
+        if progress and interactive:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
@@ -121,6 +150,11 @@ class MetricsWriter:
         if self._progress is not None:
             info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
             self._progress.update(self._task, advance=1, info=info)
+        now = time.monotonic()
+        done = len(self.records) == self._num_steps
+        if self._lines and (now - self._last_line >= self._log_every_s or done):
+            self._last_line = now
+            print(log_line(record, self._total, self._predicted_s), file=self._out, flush=True)
 
     def close(self) -> None:
         if self._file is not None:

@@ -30,6 +30,7 @@ from ethpipe.runtime.checks import check_inputs, check_plan_runnable
 from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, AUTOCAST_DTYPES, TrainConfig, lr_at, make_optimizer
+from ethpipe.runtime.run_settings import resume_line, run_settings
 from ethpipe.runtime.stage_optim import build_stage_optimizer
 from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
 from ethpipe.runtime.emulate import Emulator, make_emulator
@@ -42,6 +43,8 @@ from ethpipe.runtime.loss_scale import LossScaler
 from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
 from ethpipe.runtime.model import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
+from ethpipe.runtime.preflight import settle
+from ethpipe.cluster_launch import check_node
 from ethpipe.runtime.rebalance import Rebalancer, split_of
 from ethpipe.runtime.tensor_parallel import TPGroup
 from ethpipe.runtime.timing import Timeline
@@ -71,24 +74,42 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     Initialises the default process group if none exists (and tears it down afterwards);
     otherwise reuses it and only creates (and destroys) the plan's own groups.
     """
-    spec, data, start = check_inputs(plan, config, world_size)
+    problem: UserError | None = None
+    try:
+        spec, data, start = check_inputs(plan, config, world_size)
+    except UserError as err:  # settled with every rank's outcome once the world is up (runtime/preflight.py)
+        problem = err
+    try:
+        check_node(plan, rank)  # under `ethpipe launch`: this rank is on its planned node
+    except UserError as err:
+        problem = problem or err
     device = device if device is not None else torch.device("cpu")
     owns_world = not dist.is_initialized()
+    if problem is not None and owns_world and world_size == 1:
+        raise problem  # nobody waits for this rank
     if owns_world:
         backend = dist.get_default_backend_for_device(device)
         # device_id binds the world to this rank's GPU: NCCL communicators are then created eagerly (new_group
         # splits them at creation) instead of at their first use, which for batched p2p involves the whole group.
-        dist.init_process_group(backend, init_method=None if store is not None else init_method, store=store,
-                                rank=rank, world_size=world_size, timeout=config.timeout,
-                                device_id=device if device.type != "cpu" else None)
+        try:
+            dist.init_process_group(backend, init_method=None if store is not None else init_method, store=store,
+                                    rank=rank, world_size=world_size, timeout=config.timeout,
+                                    device_id=device if device.type != "cpu" else None)
+        except Exception:
+            if problem is not None:  # no world to settle with (e.g. not under a launcher): this rank's own line
+                raise problem from None
+            raise
     control: dist.ProcessGroup | None = None
     try:
-        _check_same_plan(plan, device)
         control = control_group(config.timeout)
+        settle(problem, control)
+        _check_same_plan(plan, device)
         if not config.emulate:  # emulated device types run on CPUs
             gather_and_check(plan, device, control)
         if rank == 0:
             print(start_banner(plan, config, start, device), flush=True)
+            if start.manifest is not None:
+                print(resume_line(start.manifest, plan, config, train_dtype(plan, config.dtype)), flush=True)
         with Watchdog(rank, config.watchdog_limit_s) as watchdog:
             return _train_on_world(plan, config, spec, data, start, rank, device, watchdog, control)
     finally:
@@ -161,7 +182,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     scaler = _initial_scaler(start) if dtype == "fp16" else None
     timeline = Timeline(device, synchronous=device.type == "cpu" or emulator is not None,
                         record=config.trace is not None)
-    writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0)
+    writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0,
+                            predicted_step_s=(plan.predicted or {}).get("iteration_time_s"), total_steps=config.steps)
               if rank == 0 else None)
     num_samples = data.num_samples(plan.seq_len)
     rebalancer = Rebalancer(plan, config.rebalance) if config.rebalance is not None else None
@@ -230,7 +252,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 watchdog.beat(f"checkpoint save of step {done}")
                 cursor = DataCursor(first_sample + plan.global_batch_size, config.shuffle, config.seed, num_samples)
                 save_checkpoint(config.checkpoint_dir, done, module, stage_opt.optimizer, current, spec, cursor, config.keep,
-                                device, extra={"dtype": dtype, **({"loss_scaler": scaler.to_dict()} if scaler else {})},
+                                device, extra={"dtype": dtype, "settings": run_settings(config, dtype),
+                                       **({"loss_scaler": scaler.to_dict()} if scaler else {})},
                                 group=control)
                 timeline.add("checkpoint", save_start, time.time())
         stage_opt.wait_params()

@@ -104,6 +104,10 @@ class ShardedBuckets(GradBuckets):
     def _bounds(self, bucket: _Bucket, numel: int) -> list[tuple[int, int]]:
         return shard_bounds(numel, [self.weights.get(h, 1.0) for h in bucket.holders])
 
+    def _shards(self, bucket: _Bucket, numel: int) -> list[tuple[int, int, int]]:
+        """(owner, start, end) of each non-empty shard (an empty one is skipped alike on every holder)."""
+        return [(h, a, b) for h, (a, b) in zip(bucket.holders, self._bounds(bucket, numel)) if b > a]
+
     def _pieces(self, k: int) -> list[Piece]:
         bucket, grad, param, segments = self.tensors[k]
         start, end = self._bounds(bucket, grad.numel())[bucket.holders.index(self.rank)]
@@ -122,16 +126,21 @@ class ShardedBuckets(GradBuckets):
         assert not wrong, f"sync layout does not cover {wrong[:3]} exactly once"
 
     def _num_collectives(self, bucket: _Bucket) -> int:
-        return sum(len(bucket.holders) for b, *_ in self.tensors if b is bucket)
+        return sum(len(self._shards(bucket, t.numel())) for b, t, *_ in self.tensors if b is bucket)
 
     def _reduce(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> list[dist.Work]:
         group = self.groups[bucket.holders]
         works = []
         for t in tensors:
             flat = t.reshape(-1)  # a contiguous buffer or region: a view
-            for holder, (a, b) in zip(bucket.holders, self._bounds(bucket, flat.numel())):
+            for holder, a, b in self._shards(bucket, flat.numel()):
                 works.append(dist.reduce(flat[a:b], dst=holder, op=dist.ReduceOp.SUM, group=group, async_op=True))
         return works
+
+    def copied_bytes(self) -> int:
+        """Beyond ``GradBuckets.copied_bytes`` (the copied gradients), the weight mirror of those slices: a
+        copied slice's parameter keeps its own storage beside its place in the flat parameter buffer."""
+        return 2 * super().copied_bytes()
 
     def owned_grads(self) -> list[torch.Tensor]:
         """This rank's shards of the summed gradients: every element of the world's counts once."""
@@ -144,12 +153,13 @@ class ShardedBuckets(GradBuckets):
             if len(bucket.holders) < 2:
                 continue
             group = self.groups[bucket.holders]
-            for holder, (a, b) in zip(bucket.holders, self._bounds(bucket, param.numel())):
+            for holder, a, b in self._shards(bucket, param.numel()):
                 self._gathers.append(dist.broadcast(param[a:b], src=holder, group=group, async_op=True))
 
     def gather_posts(self) -> list[tuple[str, tuple[int, ...]]]:
         """(label, holders) of each broadcast ``gather_params`` issues, in order (``comm.program.step_program``)."""
-        return [(b.label, b.holders) for b, *_ in reversed(self.tensors) if len(b.holders) > 1 for _ in b.holders]
+        return [(b.label, b.holders) for b, t, *_ in reversed(self.tensors) if len(b.holders) > 1
+                for _ in self._shards(b, t.numel())]
 
     def wait_params(self) -> None:
         for work in self._gathers:
@@ -176,7 +186,7 @@ class ShardedBuckets(GradBuckets):
                 buf[a:b].copy_(values[i])
             if len(bucket.holders) > 1:
                 group = self.groups[bucket.holders]
-                for holder, (a, b) in zip(bucket.holders, self._bounds(bucket, buf.numel())):
+                for holder, a, b in self._shards(bucket, buf.numel()):
                     dist.broadcast(buf[a:b], src=holder, group=group)
             for lo, hi, sl in segments:
                 region = _region(out[sl.name], sl)

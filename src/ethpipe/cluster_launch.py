@@ -1,0 +1,122 @@
+"""From a plan to the per-node commands that run it: which ranks each node hosts, and the torchrun lines.
+
+Ranks are the plan's active devices in cluster-file order (docs/plan-format.md, "Idle devices"), so node
+``k`` of the cluster file hosts a contiguous range of ranks, and the torchrun world must number its nodes
+in that order. torchrun's c10d rendezvous numbers nodes by the order they join (the first agent to arrive
+gets ranks 0..); the static rendezvous with ``--node-rank`` in the plan's node order is the one that puts
+every rank on the node it was planned for. Nodes whose devices are all idle run nothing; a node with idle
+devices hides them with ``CUDA_VISIBLE_DEVICES``. Every command sets ``ETHPIPE_NODE_RANK``, which
+``ethpipe train`` checks against the plan (``check_node``) so a node started with the wrong rank ends the
+job in seconds with one line instead of training a stage on the wrong GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+
+NODE_RANK_ENV = "ETHPIPE_NODE_RANK"
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """One node of the torchrun world: its node index in the cluster file, its ranks, its local devices."""
+
+    cluster_node: int
+    gpu: str
+    first_rank: int
+    num_ranks: int
+    local_devices: tuple[int, ...]  # indices on the node of the devices its ranks use (CUDA_VISIBLE_DEVICES)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.num_ranks)
+
+
+def node_ranks(plan: Plan) -> list[NodeRanks]:
+    """The plan's nodes that run ranks, in rank order (= cluster-file order)."""
+    active = plan.active_cluster()
+    out: list[NodeRanks] = []
+    full_local = {i: d.local_rank for i, d in enumerate(_full_devices(plan))}
+    for rank, (device, index) in enumerate(zip(active.devices, active.device_indices)):
+        if out and out[-1].cluster_node == device.node:
+            last = out[-1]
+            out[-1] = NodeRanks(last.cluster_node, last.gpu, last.first_rank, last.num_ranks + 1,
+                                last.local_devices + (full_local[index],))
+        else:
+            out.append(NodeRanks(device.node, device.gpu.id, rank, 1, (full_local[index],)))
+    return out
+
+
+def _full_devices(plan: Plan) -> tuple:
+    from ethpipe.cluster import cluster_from_dict
+
+    assert plan.cluster is not None
+    return cluster_from_dict(plan.cluster).devices
+
+
+def read_hosts(path: str | Path, nodes: list[NodeRanks]) -> list[str]:
+    """One host per line (``#`` comments, blank lines ignored), one per node that runs ranks, in plan order."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"hostfile '{path}' not found: write one host name per line, in the cluster file's node order")
+    hosts = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    hosts = [h for h in hosts if h]
+    if len(hosts) != len(nodes):
+        want = ", ".join(f"node {n.cluster_node}: {n.num_ranks} x {n.gpu}" for n in nodes)
+        raise UserError(f"hostfile '{path}' lists {len(hosts)} hosts but the plan runs on {len(nodes)} nodes ({want}): "
+                        "give one host per node, in the cluster file's node order")
+    return hosts
+
+
+def node_command(plan_path: str, node_rank: int, node: NodeRanks, num_nodes: int, master: str, port: int,
+                 train_args: list[str]) -> str:
+    """The shell line that starts one node's ranks."""
+    env = f"{NODE_RANK_ENV}={node_rank} CUDA_VISIBLE_DEVICES={','.join(map(str, node.local_devices))}"
+    torchrun = (f"torchrun --nnodes {num_nodes} --node-rank {node_rank} --nproc-per-node {node.num_ranks} "
+                f"--master-addr {shlex.quote(master)} --master-port {port}")
+    train = " ".join(["-m", "ethpipe", "train", "--plan", shlex.quote(plan_path), *map(shlex.quote, train_args)])
+    return f"{env} {torchrun} {train}"
+
+
+def commands(plan: Plan, plan_path: str, hosts: list[str], train_args: list[str], port: int = DEFAULT_PORT
+             ) -> list[tuple[str, NodeRanks, str]]:
+    """(host, node, command) per node, in node-rank order."""
+    nodes = node_ranks(plan)
+    assert len(hosts) == len(nodes)
+    return [(host, node, node_command(plan_path, k, node, len(nodes), hosts[0], port, train_args))
+            for k, (host, node) in enumerate(zip(hosts, nodes))]
+
+
+def slurm_script(plan: Plan, plan_path: str, hosts: list[str], train_args: list[str], port: int = DEFAULT_PORT,
+                 job_name: str = "ethpipe") -> str:
+    """An sbatch script: one task per node, each node's command picked by its SLURM node name (SLURM orders
+    ``SLURM_NODEID`` its own way, so the node rank comes from the plan's host order, not from it)."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={len(hosts)}",
+             "#SBATCH --ntasks-per-node=1", f"#SBATCH --nodelist={','.join(hosts)}", "set -euo pipefail",
+             "# generated by `ethpipe launch --scheduler slurm`: node ranks follow the plan's node order", "",
+             "srun --kill-on-bad-exit=1 bash -c '", 'case "${SLURMD_NODENAME:-$(hostname -s)}" in']
+    for host, node, command in commands(plan, plan_path, hosts, train_args, port):
+        lines.append(f"  {host}) exec env {command.replace(chr(39), chr(39) + chr(92) + chr(39) + chr(39))} ;;  "
+                     f"# ranks {node.ranks.start}-{node.ranks.stop - 1}")
+    lines += ['  *) echo "ethpipe launch: node $(hostname -s) is not in the plan" >&2; exit 2 ;;', "esac'", ""]
+    return "\n".join(lines)
+
+
+def check_node(plan: Plan, rank: int) -> None:
+    """Under ``ethpipe launch`` (``ETHPIPE_NODE_RANK`` set): this rank runs on the node the plan put it on."""
+    text = os.environ.get(NODE_RANK_ENV)
+    if text is None or plan.cluster is None:
+        return
+    nodes = node_ranks(plan)
+    planned = next(k for k, n in enumerate(nodes) if rank in n.ranks)
+    if int(text) != planned:
+        raise UserError(f"rank {rank} runs on the node started with {NODE_RANK_ENV}={text} but the plan puts it on "
+                        f"node rank {planned} ({nodes[planned].num_ranks} x {nodes[planned].gpu}): start every node "
+                        "with the command `ethpipe launch` printed for it")

@@ -1,0 +1,33 @@
+"""The pre-flight exchange: every rank's input checks, settled world-wide before any long wait.
+
+Each rank checks its inputs on its own node (the data file, the checkpoint, the plan against the world).
+Raising straight away would leave the ranks whose checks passed waiting for it in the first collective
+until ``--timeout-s`` (310 s by default) and dying with a store time-out that names nothing. Instead each
+rank joins the world, and one object all-gather over the gloo control group tells every rank every
+outcome within seconds: the lowest failing rank raises its own one-line error (naming the rank and its
+host), every other rank ends with ``ReportedElsewhere`` (exit 2, nothing printed), so the cause shows once.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+from ethpipe.errors import ReportedElsewhere, UserError
+
+
+def settle(problem: UserError | None, group: dist.ProcessGroup | None) -> None:
+    """Collective over the world: raise the first failing rank's error there, ``ReportedElsewhere`` elsewhere."""
+    mine = None if problem is None else (socket.gethostname(), str(problem).splitlines()[0])
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine, group=group)
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    if not failed:
+        return
+    first, (host, message) = failed[0]
+    if dist.get_rank() == first:
+        others = f" ({len(failed) - 1} more ranks failed their checks too)" if len(failed) > 1 else ""
+        raise UserError(f"rank {first} on {host}: {message}{others}")
+    raise ReportedElsewhere(f"rank {first} on {host}: {message}")

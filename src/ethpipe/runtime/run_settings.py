@@ -1,0 +1,53 @@
+"""The training settings a checkpoint records, and what a resume changes (runs that can be audited).
+
+Every checkpoint's manifest carries the settings that shape the optimisation (``extra["settings"]``); a
+resume prints where it continues from and every setting it changes, old -> new, and ``--strict-resume``
+refuses any change. A plan change is reported, never refused: checkpoints load under any plan.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+from ethpipe.runtime.ckpt_layout import Manifest
+from ethpipe.runtime.config import TrainConfig
+
+SETTINGS = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_grad", "seed", "shuffle")
+
+
+def run_settings(config: TrainConfig, dtype: str) -> dict[str, Any]:
+    """What a checkpoint records: the optimisation settings, the precision and the data file's name."""
+    return {**{k: getattr(config, k) for k in SETTINGS}, "dtype": dtype, "data": os.path.basename(config.data)}
+
+
+def changed_settings(manifest: Manifest, config: TrainConfig, dtype: str) -> list[str]:
+    """``name old -> new`` for every recorded setting this run changes (none recorded: an older checkpoint)."""
+    saved = manifest.extra.get("settings") or {}
+    now = run_settings(config, dtype)
+    return [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+
+
+def _plan_change(old: dict[str, Any], plan: Plan) -> str:
+    new = plan.to_dict()
+    if [old.get(k) for k in ("pipelines", "global_batch_size")] == [new.get(k) for k in ("pipelines", "global_batch_size")]:
+        return "same plan"
+    ranks = sum(len(s["ranks"]) for p in old.get("pipelines", []) for s in p["stages"])
+    return (f"plan changed: {ranks} -> {plan.world_size} ranks, {len(old.get('pipelines', []))} -> "
+            f"{len(plan.pipelines)} pipelines, batch {old.get('global_batch_size')} -> {plan.global_batch_size}")
+
+
+def resume_line(manifest: Manifest, plan: Plan, config: TrainConfig, dtype: str) -> str:
+    """One line: the step resumed from, the plan change, the settings changed."""
+    changes = changed_settings(manifest, config, dtype)
+    return (f"resumed from step {manifest.step} ({_plan_change(manifest.plan, plan)}); "
+            + (f"settings changed: {', '.join(changes)}" if changes else "settings unchanged"))
+
+
+def check_strict_resume(manifest: Manifest, config: TrainConfig, dtype: str) -> None:
+    changes = changed_settings(manifest, config, dtype)
+    if changes:
+        raise UserError(f"--strict-resume: this run changes {', '.join(changes)} from the checkpoint at step "
+                        f"{manifest.step}: pass the checkpoint's values, or drop --strict-resume")

@@ -1,0 +1,91 @@
+"""`ethpipe launch` prints per-node commands that, run as printed, train the plan with every rank on its node.
+
+The demo cluster (3 nodes of 2 types, 6 ranks) on local processes: three torchrun agents on 127.0.0.1, one
+per printed line, train a plan for 3 steps. The SLURM script passes `bash -n`; a hostfile with the wrong
+number of hosts gets one line; a rank started on the wrong node is refused by `ethpipe train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ethpipe.cli import commands  # noqa: F401  (registers the commands)
+from ethpipe.cli.app import app
+from ethpipe.cluster_launch import NODE_RANK_ENV, check_node
+from ethpipe.errors import UserError
+from ethpipe.plan import Plan
+from ethpipe.runtime.data import prepare_tokens
+
+pytestmark = [pytest.mark.dist]
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = str(REPO / "examples" / "clusters" / "cpu_demo.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _plan(tmp: Path) -> Path:
+    out = tmp / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24",
+                                   "--seq-len", "128", "--max-tp", "1", "--dtype", "fp32", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "nodes: node 0 (2 x fast): ranks 0-1; node 1 (2 x slow): ranks 2-3; node 2 (2 x slow): ranks 4-5" in res.output
+    return out
+
+
+def test_the_printed_commands_train_the_plan_on_local_processes(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)
+    assert Plan.load(plan).world_size == 6
+    data = tmp_path / "tokens.bin"
+    prepare_tokens([" ".join(np.random.default_rng(1).choice(["node", "rank", "host", "."], size=12000))], str(data))
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# the cluster file's node order\n127.0.0.1\n127.0.0.1\n127.0.0.1\n")
+    runner = CliRunner()
+    res = runner.invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts), "--port", str(_free_port()), "--",
+                              "--data", str(data), "--steps", "3", "--device", "cpu", "--no-progress",
+                              "--timeout-s", "60", "--metrics", str(tmp_path / "m.jsonl")])
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.output.splitlines() if line and not line.startswith("#")]
+    assert [line.split(f"{NODE_RANK_ENV}=")[1][0] for line in lines] == ["0", "1", "2"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(line, shell=True, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for line in lines]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[:3000] for o in outputs)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+
+    script = runner.invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts), "--scheduler", "slurm", "--",
+                                 "--data", "tokens.bin", "--steps", "3"])
+    assert script.exit_code == 0 and "#SBATCH --nodes=3" in script.output
+    subprocess.run(["bash", "-n"], input=script.output, text=True, check=True)
+
+    hosts.write_text("a\nb\n")
+    bad = runner.invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts)])
+    assert bad.exit_code == 2
+    assert "lists 2 hosts but the plan runs on 3 nodes" in bad.output and len(bad.output.strip().splitlines()) == 1
+
+
+def test_a_rank_on_the_wrong_node_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = Plan.load(_plan(tmp_path))
+    monkeypatch.setenv(NODE_RANK_ENV, "1")
+    check_node(plan, 2)  # ranks 2-3 are node 1
+    with pytest.raises(UserError, match=f"rank 0 runs on the node started with {NODE_RANK_ENV}=1 but the plan puts "
+                                        "it on node rank 0"):
+        check_node(plan, 0)

@@ -1,0 +1,39 @@
+"""Piped runs (SLURM logs, `| tee`) get a plain console line at least every LOG_EVERY_S, not a silent bar."""
+
+from __future__ import annotations
+
+import io
+
+import ethpipe.runtime.metrics as metrics
+from ethpipe.runtime.metrics import LOG_EVERY_S, MetricsWriter
+
+
+def _record(step: int, **extra: object) -> dict:
+    return {"step": step, "loss": 3.0 - 0.1 * step, "tokens_per_s": 12345.6, "iteration_time_s": 0.5, **extra}
+
+
+def test_piped_runs_print_a_line_at_least_every_ten_seconds(monkeypatch) -> None:
+    clock = iter(4.0 * k for k in range(100))  # every step takes 4 s
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    out = io.StringIO()
+    writer = MetricsWriter(None, 9, progress=True, interactive=False, out=out, predicted_step_s=0.48, total_steps=12)
+    for step in range(3, 12):  # a resumed run: steps 3..11 of 12
+        writer.write(_record(step, loss_scale=65536.0, skipped=step == 5))
+    writer.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["4/12", "7/12", "10/12", "12/12"]  # 12 s apart, and the last
+    assert LOG_EVERY_S == 10.0
+    assert lines[0] == ("step 4/12  loss 2.7000  12,346 tok/s  step 0.500 s (plan predicted 0.480 s)  "
+                        "loss scale 65536")
+
+
+def test_a_terminal_gets_the_bar_and_no_lines() -> None:
+    out = io.StringIO()
+    writer = MetricsWriter(None, 2, progress=True, interactive=True, out=out)
+    writer.write(_record(0))
+    writer.close()
+    assert out.getvalue() == ""
+    quiet = io.StringIO()
+    writer = MetricsWriter(None, 1, progress=False, interactive=False, out=quiet)  # --no-progress: nothing
+    writer.write(_record(0))
+    assert quiet.getvalue() == ""
