@@ -74,43 +74,38 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 
 def attribute(changed: list[dict[str, Any]], old: dict[str, Any]) -> None:
-    """Re-plan each changed eth case with this release's new cost terms reverted one at a time; the cause is
-    the revert that brings the old plan back (``cause`` added to each eth entry)."""
+    """Re-plan each changed eth case with this release's new planner term reverted; the cause is the revert
+    that brings the old plan back (``cause`` added to each eth entry). This release's: optimizer sharding
+    (re-planned with ``shard_optimizer=False``); what no revert explains is put down to the other changes
+    since the previous run, named in ``OTHER``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from eval.common import layout_signature
 
     from ethpipe.cluster import load_cluster
-    from ethpipe.cost import memory
     from ethpipe.model_spec import load_model_spec
     from ethpipe.planner import make_plan
 
     files = {c["label"]: c["file"] for c in old["clusters"]}
     rows = {(r["cluster_label"], r["model"], r["samples_per_gpu"]): r for r in old["rows"]}
-    saved = (memory.GRAD_BYTES_PER_PARAM, memory.P2P_BUFFERS, memory.LOSS_TRANSIENT_LOGITS, memory.stashed_input_bytes)
-
-    def revert(grad: bool, mem: bool) -> None:
-        memory.GRAD_BYTES_PER_PARAM = 2 if grad else saved[0]
-        memory.P2P_BUFFERS, memory.LOSS_TRANSIENT_LOGITS = (0, 0) if mem else saved[1:3]
-        memory.stashed_input_bytes = (lambda *_: 0.0) if mem else saved[3]  # type: ignore[assignment]
-
     for c in changed:
         if c["method"] != "eth":
             continue
         row = rows[(c["cluster"], c["model"], c["samples_per_gpu"])]
         cluster, spec = load_cluster(REPO / files[c["cluster"]]), load_model_spec(c["model"])
-        c["cause"] = "other: the re-counted activation inventory or the TP embedding/loss all-reduces"
-        for grad, mem, cause in ((True, False, "gradient sync priced at fp32"),
-                                 (False, True, "the boundary buffers and the loss's transient logits"),
-                                 (True, True, "both")):
-            revert(grad, mem)
+        c["cause"] = OTHER
+        for cause, kwargs in REVERTS:
             try:
-                again = layout_signature(make_plan(cluster, spec, row["global_batch"], row["seq_len"]))["plan"]
+                again = layout_signature(make_plan(cluster, spec, row["global_batch"], row["seq_len"], **kwargs))["plan"]
             except ValueError:
                 again = None
             if again == c["old_plan"]:
                 c["cause"] = cause
                 break
-        revert(False, False)
+
+
+REVERTS: tuple[tuple[str, dict[str, Any]], ...] = (("optimizer sharding (ZeRO-1)", {"shard_optimizer": False}),)
+OTHER = ("other: the sync priced in the runtime's order (blocks descending, the tied matrix's one all-reduce) or the "
+         "recompute stages' fp32 residual (55d8f78)")
 
 
 def _plan(p: dict[str, int] | None) -> str:
@@ -128,7 +123,7 @@ def render(result: dict[str, Any], old_label: str, new_label: str, why: str) -> 
              f"`benchmarks/eval_diff.py` between {old_label} and {new_label}: {len(changed)} of {result['cases']} "
              f"case x method plans changed. Where the plan stayed, its simulated tokens/s changed by "
              f"{lo:.3f}x to {hi:.3f}x.", "", f"Why: {why}", "",
-             "eth's changed plans by cause (re-planned with one new cost term reverted at a time; the cause is the "
+             "eth's changed plans by cause (re-planned with this release's new planner term reverted; the cause is the "
              "revert that brings the old plan back): " + "; ".join(f"{n} {k}" for k, n in result["eth_causes"].items())
              + ".", "",
              "| method: what changed | cases |", "|---|---|"]

@@ -108,6 +108,11 @@ def train(
 
         world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else the_plan.world_size
         the_plan = plan_for_world(the_plan, replan_cluster, world)
+        if os.environ.get("RANK", "0") == "0":  # the new plan, said once (every rank planned alike)
+            predicted = (the_plan.predicted or {}).get("iteration_time_s")
+            console.print(f"--replan-cluster: planned for {the_plan.world_size} ranks: {len(the_plan.pipelines)} "
+                          f"pipelines of depths {sorted({p.depth for p in the_plan.pipelines})}"
+                          + (f", predicted {predicted:.3f} s/step" if predicted else ""), highlight=False)
     config = TrainConfig(
         data=str(data), steps=steps, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, seed=seed,
         shuffle=shuffle, dtype=dtype, recompute=recompute,  # type: ignore[arg-type]

@@ -85,8 +85,13 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             return found, on
 
         if shard_optimizer:
+            def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
+                return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
+                                robust=robust, cache=templates.setdefault(on.optimizer_holders, {}),
+                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices))
+
             plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
-                                       robust=robust)
+                                       robust=robust, refine_fn=refine_on)
         else:
             plan, cost = plan_eth_on(cost)
     else:

@@ -13,6 +13,7 @@ and pays where the memory it frees buys fewer stages, less recompute or larger m
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
@@ -24,11 +25,17 @@ from ethpipe.planner.estimate import predicted_metrics
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
 
 PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
+RefineFn = Callable[[CostModel, float], "Plan | None"]
 
 
-def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: bool = False) -> tuple[Plan, CostModel]:
+def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: bool = False,
+                  refine_fn: RefineFn | None = None) -> tuple[Plan, CostModel]:
     """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
-    ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans."""
+    ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans.
+    ``refine_fn(cost, incumbent_s)``: one search on ``cost``'s devices that returns None unless it beats
+    ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose (its idle
+    choice stands) and prune against its time, which keeps planning time near one search where sharding
+    does not pay. Without it (or where nothing fits unsharded) each round is a whole ``plan_fn``."""
     started = time.perf_counter()
     plain: tuple[Plan, CostModel] | None = None
     error: Infeasible | None = None
@@ -44,7 +51,15 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
             break
         tried.append(k)
         try:
-            plan, on = plan_fn(dataclasses.replace(cost, optimizer_holders=k))
+            if plain is not None and refine_fn is not None:
+                on = dataclasses.replace(plain[1], optimizer_holders=k)
+                bar = _score(best[0] if best is not None else plain[0], robust)
+                found_plan = refine_fn(on, math.inf if robust else bar)
+                if found_plan is None:
+                    break  # nothing sharded beats the best so far at this k
+                plan = _with_idle_record(found_plan, plain[0])
+            else:
+                plan, on = plan_fn(dataclasses.replace(cost, optimizer_holders=k))
         except Infeasible:
             break
         num_pipelines = len(plan.pipelines)
@@ -73,6 +88,15 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     predicted = {**choice[0].predicted, "planning_time_s": time.perf_counter() - started}  # both searches
     plan = dataclasses.replace(choice[0], extra={**choice[0].extra, "search": search}, predicted=predicted)
     return plan, choice[1]
+
+
+def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
+    """A plan searched on the unsharded plan's devices carries that plan's idle devices and their reasons."""
+    if not plain.idle_devices:
+        return plan
+    search = {**plan.extra.get("search", {}), **({"idle": plain.extra["search"]["idle"]}
+                                                 if "idle" in plain.extra.get("search", {}) else {})}
+    return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
 
 
 def _repriced(plan: Plan, cost: CostModel, flat_sync: bool, robust: bool) -> tuple[Plan, CostModel]:
