@@ -21,7 +21,7 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,14 +75,15 @@ def maybe_hang(rank: int, step: int) -> None:
             time.sleep(3600)
 
 
-def maybe_overflow(grads: Sequence[torch.Tensor], rank: int, step: int) -> None:
-    """``grads``: the gradients this rank counts in the non-finite check (a sharded optimizer's: its shards)."""
+def maybe_overflow(grads: Callable[[], Sequence[torch.Tensor]], rank: int, step: int) -> None:
+    """``grads()``: the gradients this rank counts in the non-finite check (a sharded optimizer's: its shards),
+    asked for only when the hook is armed (it runs every step)."""
     text = os.environ.get(OVERFLOW_ENV)
     if not text:
         return
     who, _, at = text.partition("@")
     if int(at) == step and who == str(rank):
-        grads[0].view(-1)[0] = float("inf")
+        grads()[0].view(-1)[0] = float("inf")
 
 
 class ForwardKill:

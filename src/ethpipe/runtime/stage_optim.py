@@ -33,10 +33,6 @@ class StageOptimizer:
     optimizer: Any  # torch.optim.AdamW, or ShardedAdamW (what checkpoints save)
     _stats: Any = field(repr=False)
 
-    @property
-    def sharded(self) -> bool:
-        return isinstance(self.buckets, ShardedBuckets)
-
     def grads(self) -> list[torch.Tensor]:
         """The gradients this rank scales and counts: all of them, or (sharded) its shards of the summed ones."""
         if isinstance(self.buckets, ShardedBuckets):

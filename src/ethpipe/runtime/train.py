@@ -219,7 +219,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                                   before_last_backward=sync.arm if config.overlap_grad_sync else None)
             buckets.wait(sync.traced)
             timeline.sync_done()
-            maybe_overflow(stage_opt.grads(), rank, step)
+            maybe_overflow(stage_opt.grads, rank, step)
             on_device = torch.cat([(loss.double() / scale).reshape(1), stage_opt.norm_parts()])
             stats = gather_stats(plan, on_device, lambda: _timings(timeline), device, control)
             stats = dataclasses.replace(stats, grad_norm=stats.grad_norm / scale)  # of the unscaled gradients

@@ -70,6 +70,7 @@ class ShardedBuckets(GradBuckets):
         super().__init__(params, units, groups, bucket_bytes)
         # Bucket tensors in order, each with its parameter twin and the parameter segments it holds.
         self.tensors: list[tuple[_Bucket, torch.Tensor, torch.Tensor, list[Segment]]] = []
+        self._param_flats: dict[int, torch.Tensor] = {}  # each bucket's flat parameter buffer, by id(bucket)
         for bucket in self.buckets:
             self._layout_params(bucket)
         self.pieces: list[Piece] = [p for k in range(len(self.tensors)) for p in self._pieces(k)]
@@ -92,7 +93,7 @@ class ShardedBuckets(GradBuckets):
             if mode == "view":
                 param.data = region.view(param.shape)
             segments.append((offset, offset + n, sl))
-        bucket.param_flat = flat_params  # type: ignore[attr-defined]  (read back by wait_params)
+        self._param_flats[id(bucket)] = flat_params  # read back by wait_params (copied slices)
         if bucket.flat.numel():
             self.tensors.append((bucket, bucket.flat, flat_params, segments))
         for sl, mode in zip(bucket.slices, bucket.modes):
@@ -170,7 +171,7 @@ class ShardedBuckets(GradBuckets):
                 for sl, mode, offset in zip(bucket.slices, bucket.modes, bucket.offsets):
                     if mode == "copy":
                         region = _region(self.params[sl.name].data, sl)
-                        region.copy_(bucket.param_flat[offset:offset + region.numel()].view(region.shape))  # type: ignore[attr-defined]
+                        region.copy_(self._param_flats[id(bucket)][offset:offset + region.numel()].view(region.shape))
 
     def gather_full(self, values: Mapping[int, torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
         """Fill ``out`` (full local tensors, e.g. on the CPU, by parameter name) from every holder's pieces:
