@@ -1,17 +1,22 @@
-"""Calibration evidence: the per-kernel compute model against Sailor's measured GPU profiles.
+"""Calibration evidence: the per-kernel compute model against measured GPU profiles.
 
     python benchmarks/calibration.py [--write-shipped] [--global-batch 512]
 
-Reads ``../shared/reference/measured/sailor`` (Sailor artifact, eth-easl/sailor commit cf2c8e3c,
-Megatron-DeepSpeed fp32 profiles) and writes docs/benchmarks/calibration.{md,json}: in-sample and
-leave-one-model-out errors of block / embedding / head times, pairwise GPU speed ratios,
-activation memory, and re-planned clusters. ``--write-shipped`` also refits
-src/ethpipe/data/calibration.yaml on all the data (the constants ethpipe ships).
+Reads ``../shared/reference/measured``: ``sailor`` (Sailor artifact, eth-easl/sailor commit cf2c8e3c,
+Megatron-DeepSpeed fp32 layer profiles), ``sailor-aceso`` (the same artifact's Aceso per-op profiles,
+fp16 and fp32; benchmarks/aceso_data.py) and ``vidur`` (microsoft/vidur commit 7d475133, fp16 forward
+per-op profiles; benchmarks/vidur_data.py), and writes docs/benchmarks/calibration.{md,json}: the
+16-bit tensor-core efficiencies the per-op profiles fit, in-sample and leave-one-model-out errors per
+family and precision (op timings) and of block / embedding / head times (layer passes), pairwise GPU
+speed ratios, activation memory, and re-planned clusters. ``--write-shipped`` also refits
+src/ethpipe/data/calibration.yaml on all the data (the constants ethpipe ships). Without the per-op
+folders the fit is the layer passes' alone (as before they were added).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -22,6 +27,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import aceso_data  # noqa: E402
+import vidur_data  # noqa: E402
+from aceso_data import OpObservation  # noqa: E402
 from sailor_data import GPU_IDS, MODELS, SEQ_LEN, SOURCE, all_profiles, sailor_root  # noqa: E402
 
 from ethpipe.catalog import get_gpu  # noqa: E402
@@ -29,7 +37,7 @@ from ethpipe.cluster import cluster_from_dict  # noqa: E402
 from ethpipe.cost import calibrate as cal  # noqa: E402
 from ethpipe.cost import links  # noqa: E402
 from ethpipe.cost import memory  # noqa: E402
-from ethpipe.cost.hardware import Calibration, shipped_calibration  # noqa: E402
+from ethpipe.cost.hardware import DEFAULT_CONSTANTS, Calibration, shipped_calibration  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks"
@@ -103,6 +111,41 @@ def training_set(obs, exclude_model: str | None = None) -> list[cal.Observation]
             for o in v if o.kind != "embedding"]
 
 
+def op_observations(repo: Path = REPO) -> tuple[OpObservation, ...]:
+    """The per-op profiles' observations (Aceso fp16 + fp32, vidur fp16); empty where the folders are absent."""
+    out: list[OpObservation] = []
+    if (root := aceso_data.aceso_root(repo)) is not None:
+        out += aceso_data.observations(root)
+    if (root := vidur_data.vidur_root(repo)) is not None:
+        out += vidur_data.observations(root)
+    return tuple(out)
+
+
+def sources(op_obs: tuple[OpObservation, ...]) -> str:
+    names = {o.source for o in op_obs}
+    return "; ".join([SOURCE, *([aceso_data.SOURCE] if "aceso" in names else []),
+                      *([vidur_data.SOURCE] if "vidur" in names else [])])
+
+
+def combined_training_set(obs, exclude_model: str | None = None,
+                          op_obs: tuple[OpObservation, ...] | None = None) -> list[cal.Observation]:
+    """The layer passes of ``training_set`` and every per-op observation, without the held-out model's (one name
+    per model across the sources: Sailor's LLAMA-3-8 and vidur's Meta-Llama-3-8B are held out together)."""
+    op_obs = op_observations() if op_obs is None else op_obs
+    return training_set(obs, exclude_model) + [o.obs for o in op_obs if o.model != exclude_model]
+
+
+def model_names(op_obs: tuple[OpObservation, ...]) -> list[str]:
+    """Every model leave-one-model-out holds out: Sailor's three and the per-op profiles' others."""
+    return [*MODELS, *sorted({o.model for o in op_obs} - set(MODELS))]
+
+
+def lomo_fits(obs, op_obs: tuple[OpObservation, ...], select=None) -> dict[str, Calibration]:
+    """Constants fitted without each model in turn (``select`` filters the per-op observations used)."""
+    ops_used = op_obs if select is None else tuple(o for o in op_obs if select(o))
+    return {m: cal.fit(combined_training_set(obs, m, ops_used)) for m in model_names(op_obs)}
+
+
 def _row(o: cal.Observation, model: str, gpu: str, calibration: Calibration) -> dict:
     pred = o.predict_s(calibration.constants(o.arch)[0])
     return {"model": model, "gpu": gpu, "tp": o.tp, "mbs": o.micro_batch, "kind": o.kind,
@@ -110,12 +153,144 @@ def _row(o: cal.Observation, model: str, gpu: str, calibration: Calibration) -> 
             "error": (pred - o.measured_s) / o.measured_s}
 
 
-def error_rows(obs, lomo: bool) -> list[dict]:
+def error_rows(obs, lomo: bool, fits: dict[str, Calibration] | None = None) -> list[dict]:
+    """Layer-pass errors of every Sailor profile: constants fitted on everything (``lomo`` False) or without
+    the row's model (per-op profiles of it included)."""
+    if fits is None:
+        op_obs = op_observations()
+        if lomo:
+            fits = {m: cal.fit(combined_training_set(obs, m, op_obs)) for m in MODELS}
+        else:
+            fits = dict.fromkeys(MODELS, cal.fit(combined_training_set(obs, None, op_obs)))
     rows = []
-    fits = {m: cal.fit(training_set(obs, m if lomo else None)) for m in MODELS}
     for (m, g, _), group in sorted(obs.items()):
         rows += [_row(o, m, g, fits[m]) for o in group]
     return rows
+
+
+def op_error_rows(op_obs: tuple[OpObservation, ...], fits: dict[str, Calibration] | Calibration) -> list[dict]:
+    """Each op timing against its prediction (``fits``: one calibration, or one per held-out model); 16-bit
+    GEMMs also at the 70% default (the same constants, tensor_eff replaced)."""
+    rows = []
+    for o in op_obs:
+        calibration = fits if isinstance(fits, Calibration) else fits[o.model]
+        c = calibration.constants(o.obs.arch)[0]
+        pred = o.obs.predict_s(c)
+        row = {"source": o.source, "gpu": o.gpu_name, "family": o.obs.arch, "model": o.model, "dtype": o.dtype,
+               "op": o.op, "role": o.role, "pass": "bwd" if o.backward else "fwd", "size": o.size, "tp": o.tp,
+               "measured_us": 1e6 * o.obs.measured_s, "predicted_us": 1e6 * pred, "weight": o.obs.weight,
+               "error": pred / o.obs.measured_s - 1}
+        if o.dtype == "fp16" and o.role == "gemm":
+            default = dataclasses.replace(c, tensor_eff=DEFAULT_CONSTANTS.tensor_eff)
+            row["error_at_default"] = o.obs.predict_s(default) / o.obs.measured_s - 1
+        rows.append(row)
+    return rows
+
+
+def _wrms(rows: list[dict], key: str = "error") -> float:
+    """Weighted root-mean-square relative error, each row weighted as in the fit."""
+    w = sum(r["weight"] ** 2 for r in rows)
+    return math.sqrt(sum(r["weight"] ** 2 * r[key] ** 2 for r in rows) / w) if w else float("nan")
+
+
+def op_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per family, precision and kind of op (GEMM / elementwise): n, median and worst abs error, weighted RMS."""
+    out = {}
+    for key in sorted({(r["family"], r["dtype"], r["role"]) for r in rows}):
+        sel = [r for r in rows if (r["family"], r["dtype"], r["role"]) == key]
+        errs = [abs(r["error"]) for r in sel]
+        worst = max(sel, key=lambda r: abs(r["error"]))
+        out[" ".join(key)] = {"n": len(sel), "median": statistics.median(errs), "worst": max(errs), "wrms": _wrms(sel),
+                              "worst_at": f"{worst['source']} {worst['gpu']} {worst['model']} {worst['op']} "
+                                          f"{worst['pass']} {worst['size']} tp{worst['tp']}"}
+    return out
+
+
+def tensor_vs_default(rows: list[dict]) -> dict[str, dict]:
+    """16-bit GEMM op errors with the fitted constants and with tensor_eff at the 70% default, per family and per
+    (source, GPU) within it."""
+    out = {}
+    gemm = [r for r in rows if "error_at_default" in r]
+    for fam in sorted({r["family"] for r in gemm}):
+        sel = [r for r in gemm if r["family"] == fam]
+        cells = {}
+        for cell in sorted({(r["source"], r["gpu"]) for r in sel}):
+            mine = [r for r in sel if (r["source"], r["gpu"]) == cell]
+            cells[" ".join(cell)] = {
+                "n": len(mine), "signed": statistics.median(r["error"] for r in mine),
+                "median": statistics.median(abs(r["error"]) for r in mine),
+                "signed_default": statistics.median(r["error_at_default"] for r in mine),
+                "median_default": statistics.median(abs(r["error_at_default"]) for r in mine)}
+        out[fam] = {"n": len(sel), "median": statistics.median(abs(r["error"]) for r in sel),
+                    "median_default": statistics.median(abs(r["error_at_default"]) for r in sel),
+                    "wrms": _wrms(sel), "wrms_default": _wrms(sel, "error_at_default"),
+                    "gpu_balanced": statistics.mean(c["median"] for c in cells.values()),
+                    "gpu_balanced_default": statistics.mean(c["median_default"] for c in cells.values()),
+                    "cells": cells}
+    return out
+
+
+LARGE_GEMM_S = 500e-6  # ideal time of a GEMM op big enough to be compute-bound on every GPU here
+
+
+def large_gemm_efficiency(op_obs: tuple[OpObservation, ...]) -> list[dict]:
+    """What each GPU's large GEMM ops reach of the catalog's peak (FLOPs at peak / measured time), per source and
+    precision: the spread a family's one constant has to span."""
+    out = []
+    keys = sorted({(o.obs.arch, o.source, o.gpu_name, o.dtype) for o in op_obs})
+    for fam, source, gpu, dtype in keys:
+        effs = [sum(c for _, c, _ in o.obs.terms) / o.obs.measured_s for o in op_obs
+                if (o.obs.arch, o.source, o.gpu_name, o.dtype) == (fam, source, gpu, dtype) and o.role == "gemm"
+                and all(c > 0 for _, c, _ in o.obs.terms) and sum(c for _, c, _ in o.obs.terms) >= LARGE_GEMM_S]
+        if effs:
+            out.append({"family": fam, "source": source, "gpu": gpu, "dtype": dtype, "n": len(effs),
+                        "median": statistics.median(effs), "low": min(effs), "high": max(effs)})
+    return out
+
+
+def block_lomo(obs, fits: dict[str, Calibration]) -> dict[str, tuple[float, float]]:
+    """Median and worst abs error of Sailor's TP-1 block passes, each model predicted without its data."""
+    out = {}
+    for backward in (False, True):
+        errs = [abs(o.predict_s(fits[m].constants(o.arch)[0]) / o.measured_s - 1)
+                for (m, _, tp), group in obs.items() if tp == 1 for o in group
+                if o.kind == "block" and o.backward == backward]
+        out["bwd" if backward else "fwd"] = (statistics.median(errs), max(errs))
+    return out
+
+
+def variant_rows(obs, op_obs: tuple[OpObservation, ...], shipped: dict[str, Calibration],
+                 shipped_full: Calibration) -> list[dict]:
+    """The fit with less (or other) per-op data than the shipped one: what each choice does."""
+    tiny: tuple[OpObservation, ...] = ()
+    if (root := aceso_data.aceso_root(REPO)) is not None:
+        tiny = tuple(o for o in aceso_data.observations(root, 0.0, 0.0, True))
+    with_tiny = tuple(o for o in op_obs if o.source != "aceso") + tiny
+    variants = [
+        ("Sailor layer passes only (the previous release)", op_obs, lambda o: False),
+        ("+ 16-bit GEMM ops", op_obs, lambda o: o.dtype == "fp16" and o.role == "gemm"),
+        ("+ 16-bit ops (GEMM and elementwise)", op_obs, lambda o: o.dtype == "fp16"),
+        ("+ 16-bit and fp32 ops (shipped)", op_obs, None),
+        ("shipped, with Aceso's host-bound ops and the launch floor on its ops", with_tiny, None),
+    ]
+    out = []
+    for label, pool, select in variants:
+        if select is None and pool is op_obs:
+            fits, full = shipped, shipped_full
+        else:
+            used = pool if select is None else tuple(o for o in pool if select(o))
+            full = cal.fit(combined_training_set(obs, None, used))
+            fits = {m: cal.fit(combined_training_set(obs, m, used)) for m in model_names(op_obs)}
+        rows = op_error_rows(op_obs, fits)
+        fp16 = [r for r in rows if r["dtype"] == "fp16" and r["role"] == "gemm"]
+        fp32 = [r for r in rows if r["dtype"] == "fp32" and r["role"] == "gemm"]
+        amp = full.architectures["ampere"]
+        out.append({"variant": label, "tensor_eff": {a: c.tensor_eff for a, c in sorted(full.architectures.items())},
+                    "ampere": {"tf32_eff": amp.tf32_eff, "mem_eff": amp.mem_eff, "launch_s": amp.launch_s,
+                               "layer_s": amp.layer_s},
+                    "block_lomo": block_lomo(obs, fits), "fp16_gemm_lomo_wrms": _wrms(fp16),
+                    "fp32_gemm_lomo_wrms": _wrms(fp32)})
+    return out
 
 
 def summarise(rows: list[dict]) -> dict[str, dict]:
@@ -216,23 +391,157 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
 
+def _pm(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _ops_report(data: dict) -> list[str]:
+    ops_data = data["ops"]
+    before, after = data["constants_before"], data["constants"]
+    lines = [
+        "## 16-bit tensor-core efficiency from per-op profiles", "",
+        f"Sources: {aceso_data.SOURCE}; {vidur_data.SOURCE}. Each profiled op is priced as the kernel(s)",
+        "`cost/ops.py` has for it (benchmarks/aceso_data.py, benchmarks/vidur_data.py: norms, the QKV, output",
+        "projection and MLP GEMMs, activation, RoPE, residual add; Aceso's QKV op with the q/k/v split copies",
+        "Megatron makes) on the catalog GPU (Aceso's GPUs as in the Sailor profiles; vidur's `a100` =",
+        "a100_80gb_sxm, `h100` = h100_sxm, `a40` = a40), and each op timing is one more equation of the same fit",
+        "as the layer passes: its kernels' rooflines `max(compute, memory)`, without the launch floor or the",
+        "per-layer overhead. Only device-bound timings are used: Aceso's ops whose ideal time (every kernel at",
+        f"100% of its roofline) is at least {1e6 * aceso_data.FWD_MIN_IDEAL_S:.0f} us forward / "
+        f"{1e6 * aceso_data.BWD_MIN_IDEAL_S:.0f} us backward, above the",
+        "profiler's host time per op (it issues 40 runs, then synchronises), at TP 1 (TP > 1 ops include their",
+        "all-reduces), the lower of the two partition variants; vidur's device-timed ops of at least",
+        f"{vidur_data.MIN_TOKENS} tokens (powers of two) and {1e6 * vidur_data.MIN_IDEAL_S:.0f} us ideal. "
+        "Each op is weighted 1/sqrt(n) among the n ops of its",
+        "measured pass, so that one pass of ops weighs as one layer pass. The fp16 GEMM ops fit `tensor_eff`;",
+        "the fp32 ones (Aceso: TF32 on Ampere/Hopper, CUDA cores on Volta/Turing) join Sailor's layer passes in",
+        "fitting `tf32_eff` / `simd_eff`, and the elementwise ones in `mem_eff`; `launch_s` and `layer_s` stay",
+        "the layer passes' (the last row of \"What each choice does\" shows the alternative). 16-bit = fp16 here; bf16",
+        "runs at the same tensor-core rate on Ampere and Hopper and is priced with the same constant.", "",
+        "**Aceso's backward is the input gradient only** (`torch.autograd.grad(..., inputs=<the op's input",
+        "activations>)`): a linear layer's backward there is its dgrad GEMM, without the weight-gradient GEMM a",
+        "training backward also runs. So a backward op is priced as ethpipe's `.dgrad` kernel alone, never as",
+        "the training backward; only backward GEMMs are used (one op's input gradient does not pay the",
+        "elementwise backward traffic `BWD_ELEMENTWISE_FACTOR` prices in a whole block's backward); and a",
+        "training backward's wgrad GEMM is priced at the efficiency the forward and dgrad GEMMs fit, since",
+        "nothing here measures it. vidur is forward only (inference). Neither source times a fused attention",
+        "kernel (vidur's attention.csv is not in the shared copy; Aceso's attention is materialised and not",
+        "used): flash / memory-efficient attention is priced with the fitted `tensor_eff`, unmeasured.", "",
+        "Leave-one-model-out (held out): each model is predicted by constants fitted without any source's data",
+        "of it: " + ", ".join(model_names(())) + " (Sailor, and Aceso for the OPTs; LLAMA-3-8 held out with",
+        "vidur's Meta-Llama-3-8B), " + ", ".join(m for m in data["ops"]["models"] if m not in MODELS) + " (vidur).",
+        "", "### Fitted constants: layer passes only (before) and with the per-op profiles (shipped)", "",
+        "`before` is today's fit of the layer passes alone (the previous release shipped these to within 0.2%).", "",
+        "| family | 16-bit tensor eff | tf32 eff | simd eff | mem eff | launch us | layer us | fitted now |",
+        "|---|---|---|---|---|---|---|---|"]
+    fams = list(after["architectures"])
+    for fam in [*fams, "fallback"]:
+        b = before["fallback"] if fam == "fallback" else before["architectures"][fam]
+        a = after["fallback"] if fam == "fallback" else after["architectures"][fam]
+        cell = [f"{b[k]:.3f} -> {a[k]:.3f}" for k in ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff")]
+        cell += [f"{1e6 * b[k]:.1f} -> {1e6 * a[k]:.1f}" for k in ("launch_s", "layer_s")]
+        label = "fallback (centre: families nobody measured)" if fam == "fallback" else fam
+        lines.append(f"| {label} | {' | '.join(cell)} | {', '.join(a['fitted'])} |")
+    tvd_in, tvd = ops_data["tensor_vs_default_in_sample"], ops_data["tensor_vs_default_lomo"]
+    lines += ["", "### 16-bit GEMM ops: the fitted tensor_eff against the 70% default", "",
+              "Errors of the fp16 GEMM op timings with the fitted constants and with the same constants at",
+              "`tensor_eff` = 0.70 (the value shipped before); held out: each model's ops predicted by the fit",
+              "without it. `GPU-balanced` = the mean over the family's (source, GPU) of their median abs error",
+              "(each GPU counts once, however many shapes it was timed at); `weighted RMS` weighs each op as the fit",
+              "does (the fit's own loss).", "",
+              "| family | tensor_eff (all data) | held-out fits | n | in-sample median: fitted / 70% | held-out median: "
+              "fitted / 70% | held-out GPU-balanced: fitted / 70% | held-out weighted RMS: fitted / 70% |",
+              "|---|---|---|---|---|---|---|---|"]
+    for fam, v in tvd.items():
+        lo, hi = ops_data["lomo_tensor_eff"][fam]
+        i = tvd_in[fam]
+        lines.append(f"| {fam} | {after['architectures'][fam]['tensor_eff']:.3f} | {lo:.3f}-{hi:.3f} | {v['n']} | "
+                     f"{_pm(i['median'])} / {_pm(i['median_default'])} | {_pm(v['median'])} / {_pm(v['median_default'])} "
+                     f"| {_pm(v['gpu_balanced'])} / {_pm(v['gpu_balanced_default'])} | {_pm(v['wrms'])} / "
+                     f"{_pm(v['wrms_default'])} |")
+    wins = [f for f, v in tvd.items() if v["wrms"] < v["wrms_default"] and v["gpu_balanced"] < v["gpu_balanced_default"]]
+    losses = [f for f in tvd if f not in wins]
+    pooled = ops_data["lomo_fp16_gemm_pooled"]
+    lines += ["", f"Held out, the fitted constants beat the 70% default on {', '.join(wins) or 'no family'} (both "
+              f"GPU-balanced and weighted RMS){'' if not losses else '; not on ' + ', '.join(losses)}. Over every "
+              f"held-out 16-bit GEMM op of every family: weighted RMS {_pm(pooled['wrms'])} fitted against "
+              f"{_pm(pooled['wrms_default'])} at 70%, median {_pm(pooled['median'])} against "
+              f"{_pm(pooled['median_default'])}. Why a family's one constant misses: its GPUs, and one GPU at "
+              "different shapes, reach different fractions of the catalog's peak (large GEMM ops, ideal time >= "
+              f"{1e6 * LARGE_GEMM_S:.0f} us):", "",
+              "| family | source | GPU | precision | large GEMM ops | of catalog peak: median (range) | "
+              "held-out signed median: fitted / 70% | held-out abs median: fitted / 70% |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in ops_data["large_gemm_efficiency"]:
+        cell = tvd.get(r["family"], {}).get("cells", {}).get(f"{r['source']} {r['gpu']}") if r["dtype"] == "fp16" \
+            else None
+        tail = (f"{_pct(cell['signed'])} / {_pct(cell['signed_default'])} | {_pm(cell['median'])} / "
+                f"{_pm(cell['median_default'])}") if cell else " | "
+        lines.append(f"| {r['family']} | {r['source']} | {r['gpu']} | {r['dtype']} | {r['n']} | {r['median']:.2f} "
+                     f"({r['low']:.2f}-{r['high']:.2f}) | {tail} |")
+    lines += ["", "The GeForce cards (RTX 3090, RTX 2080 Ti) run their GEMMs above the catalog's peak, whose",
+              "fp32-accumulate figures assume the datasheet boost clock (they boost higher), so no efficiency up to",
+              "1 reaches them; within a GPU, smaller GEMMs (OPT-350's, vidur's TP 8 shards) reach less than large",
+              "ones, which a roofline with one efficiency per unit does not model. Held out, the fitted constant of a",
+              "family measured on two models (Volta, Turing: OPT-350 and OPT-30 only) is the other model's, small",
+              "GEMMs' for large ones and the reverse.", "",
+              "### Op timings per family and precision", "",
+              "| family | precision | ops | n | in-sample median / worst | held-out median / worst | held-out weighted "
+              "RMS | held-out worst at |", "|---|---|---|---|---|---|---|---|"]
+    ins, out = ops_data["summary_in_sample"], ops_data["summary_lomo"]
+    for k, v in out.items():
+        fam, dtype, role = k.split()
+        i = ins[k]
+        lines.append(f"| {fam} | {dtype} | {'GEMM' if role == 'gemm' else 'elementwise'} | {v['n']} | "
+                     f"{_pm(i['median'])} / {_pm(i['worst'])} | {_pm(v['median'])} / {_pm(v['worst'])} | {_pm(v['wrms'])} "
+                     f"| {v['worst_at']} |")
+    lines += ["", "Elementwise ops miss by more than GEMMs: one memory efficiency per family prices every streaming",
+              "kernel, and these range from ~0.3 (vidur's RMSNorm) to ~0.9 (its residual add) of the bandwidth.", "",
+              "### What each choice of per-op data does", "",
+              "Each row is a fit on Sailor's layer passes plus the per-op observations named; block columns: Sailor's",
+              "TP-1 block passes held out (median / worst); GEMM columns: the per-op timings held out (weighted RMS).",
+              "", "| fit | tensor_eff ampere / hopper / turing / volta | Ampere tf32 / mem eff, launch / layer us | "
+              "block fwd | block bwd | fp16 GEMM ops | fp32 GEMM ops |", "|---|---|---|---|---|---|---|"]
+    for r in ops_data["variants"]:
+        t = " / ".join(f"{r['tensor_eff'].get(f, float('nan')):.3f}" for f in ("ampere", "hopper", "turing", "volta"))
+        a = r["ampere"]
+        bf, bb = r["block_lomo"]["fwd"], r["block_lomo"]["bwd"]
+        lines.append(f"| {r['variant']} | {t} | {a['tf32_eff']:.3f} / {a['mem_eff']:.3f}, {1e6 * a['launch_s']:.0f} / "
+                     f"{1e6 * a['layer_s']:.0f} | {_pm(bf[0])} / {_pm(bf[1])} | {_pm(bb[0])} / {_pm(bb[1])} | "
+                     f"{_pm(r['fp16_gemm_lomo_wrms'])} | {_pm(r['fp32_gemm_lomo_wrms'])} |")
+    lines += ["", "The fp32 op timings are kept: they improve the held-out fp32 GEMMs and Sailor's held-out blocks",
+              "(median), so `tf32_eff` and `simd_eff` are now fitted on Sailor's layer passes and Aceso's fp32 ops",
+              "together. Aceso's host-bound ops (ideal time below the floors above), fitted with the launch floor,",
+              "pull `launch_s` towards the profiler's per-op host time and the per-layer overhead up with it (last",
+              "row) for no gain on the GEMMs: that host time belongs to one profiled op called alone, not to a",
+              "kernel of a layer pass, so they are left out.", ""]
+    return lines
+
+
 def write_report(data: dict, path: Path) -> None:
     lines = [
         "# Compute model vs measured GPU profiles (generated)",
         "",
-        f"Source: {SOURCE}. Generated by `python benchmarks/calibration.py` from the shared copy of the artifact",
-        "(no measured numbers are stored in the repository except the ones below). Times are one layer pass",
-        "for one micro-batch on one TP rank; `error` = predicted / measured - 1. The model: each kernel of the",
-        "layer (`cost/ops.py`, Megatron's unfused fp32 attention, as measured) takes max(compute, memory,",
-        "launch) on the GPU's datasheet peaks times its family's constants, plus a per-layer overhead",
-        "(`cost/hardware.py`); the constants are a maximum a posteriori fit of every family at once, each near",
-        "a common centre that prices families nobody measured (`cost/calibrate.py`). Fits use block and head",
-        "passes at the lowest TP degree measured per (model, GPU); embeddings (DeepSpeed's first pipeline",
-        "module, mostly non-kernel work) are reported, not fitted. TP > 1 rows add Megatron's all-reduces",
-        "priced on Sailor's intra-node NCCL curves through the cost model's own code path (`cost/links.py`,",
-        "shipped `data/link_curves.yaml`; the script checks each TP > 1 block row against",
-        "`CostModel.tp_allreduce_s`). OPT-30 and LLaMA on A100-40 are treated as TF32 off and V100-16 as the",
-        "SXM2 part (see benchmarks/sailor_data.py).",
+        f"Sources: {data['source']}. Generated by `python benchmarks/calibration.py` from the shared copies of",
+        "the artifacts (no measured numbers are stored in the repository except the ones below). The model: each",
+        "kernel of a layer or op (`cost/ops.py`) takes max(compute, memory, launch) on the GPU's datasheet peaks",
+        "times its family's constants, plus a per-layer overhead (`cost/hardware.py`); the constants are a",
+        "maximum a posteriori fit of every family at once, each near a common centre that prices families",
+        "nobody measured (`cost/calibrate.py`), to Sailor's layer passes and the per-op profiles together.",
+        "`error` = predicted / measured - 1.",
+        "",
+    ]
+    if data.get("ops"):
+        lines += _ops_report(data)
+    lines += [
+        "## Layer passes (Sailor, fp32)", "",
+        "Times are one layer pass for one micro-batch on one TP rank, the layer's kernels priced as Megatron's",
+        "unfused fp32 attention (as measured). Fits use block and head passes at the lowest TP degree measured",
+        "per (model, GPU); embeddings (DeepSpeed's first pipeline module, mostly non-kernel work) are reported,",
+        "not fitted. TP > 1 rows add Megatron's all-reduces priced on Sailor's intra-node NCCL curves through the",
+        "cost model's own code path (`cost/links.py`, shipped `data/link_curves.yaml`; the script checks each",
+        "TP > 1 block row against `CostModel.tp_allreduce_s`). OPT-30 and LLaMA on A100-40 are treated as TF32",
+        "off and V100-16 as the SXM2 part (see benchmarks/sailor_data.py).",
         "",
     ]
     for title, key in (("In-sample (fitted on all models)", "in_sample"),
@@ -256,10 +565,10 @@ def write_report(data: dict, path: Path) -> None:
     in_within = sum(abs(r["error"]) <= 0.10 for r in data["in_sample"]["ratios"])
     lines += ["", f"## Speed ratios between GPU types (block fwd+bwd, TP 1, leave-one-model-out): {within} of "
               f"{len(ratios)} within 10%", "",
-              f"In-sample (constants fitted on all three models) {in_within} of {len(data['in_sample']['ratios'])} "
+              f"In-sample (constants fitted on all the data) {in_within} of {len(data['in_sample']['ratios'])} "
               f"are within 10%. Of the {len(missed)} held-out misses, {blind} involve a GPU that the fit predicting "
-              "them had no measurement of (`unmeasured`: its only profiles are of the held-out model, so it is "
-              "priced by its family's or the centre's constants).", "",
+              "them had no measurement of (`unmeasured`: its only profiles, layer or op, are of the held-out model, so "
+              "it is priced by its family's or the centre's constants).", "",
               "| model | mbs | pair | measured | predicted | error | unmeasured in the fit |",
               "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['mbs']} | {r['pair']} | {r['measured']:.2f} | {r['predicted']:.2f} | {_pct(r['error'])} "
@@ -307,32 +616,65 @@ def main() -> None:
         links.shipped_link_curves.cache_clear()
     check_shipped_curves(root)
     obs = observations(root)
-    constants = cal.fit(training_set(obs), source=SOURCE)
+    op_obs = op_observations()
+    if args.write_shipped and {o.source for o in op_obs} != {"aceso", "vidur"}:
+        raise SystemExit("--write-shipped fits the per-op profiles too: ../shared/reference/measured/sailor-aceso "
+                         "and .../vidur not found")
+    source = sources(op_obs)
+    before = cal.fit(training_set(obs), source=SOURCE)  # the layer passes alone: what shipped before
+    constants = cal.fit(combined_training_set(obs, None, op_obs), source=source)
     if args.write_shipped:
-        header = ("# Compute-model constants per GPU architecture family, fitted by benchmarks/calibration.py\n"
-                  f"# Source: {SOURCE} (profiles/*/*/profile.json; TP 1, or the lowest TP measured).\n"
+        header = ("# Compute-model constants per GPU architecture family, fitted by benchmarks/calibration.py --write-shipped\n"
+                  f"# Sources: {SOURCE} (profiles/*/*/profile.json; TP 1, or the lowest TP measured: layer passes);\n"
+                  f"# {aceso_data.SOURCE};\n# {vidur_data.SOURCE}.\n"
+                  "# Derived figures only: the measured files stay in the shared copies (docs/benchmarks/calibration.md).\n"
                   "# tensor_eff / tf32_eff / simd_eff: fraction of the datasheet bf16-fp16 / TF32 / CUDA-core fp32 peak\n"
-                  "# that large GEMMs reach (the profiles are fp32: no family's tensor_eff is measured, it stays at the\n"
-                  "# physical default); mem_eff: fraction of datasheet memory bandwidth; launch_s: least time of a kernel;\n"
-                  "# layer_s per layer pass (cost/hardware.py: a kernel takes max(compute, memory, launch)). A family's\n"
-                  "# `fitted` lists the constants its data inform (the others sit at the fit's centre); `fallback` is\n"
-                  "# that centre, which prices families nobody measured (ada, pascal, cdna, ...; `ethpipe plan` says so).\n")
+                  "# that large GEMMs reach: tensor_eff fitted to the fp16 GEMM ops (Aceso forward and input-gradient\n"
+                  "# dgrad GEMMs, vidur forward), tf32_eff / simd_eff to the fp32 layer passes and Aceso's fp32 ops;\n"
+                  "# mem_eff: fraction of datasheet memory bandwidth (layer passes and elementwise ops); launch_s: least\n"
+                  "# time of a kernel and layer_s per layer pass (layer passes only; cost/hardware.py: a kernel takes\n"
+                  "# max(compute, memory, launch)). A family's `fitted` lists the constants its data inform (the others\n"
+                  "# sit at the fit's centre); `fallback` is that centre, which prices families nobody measured (ada,\n"
+                  "# pascal, cdna, ...; `ethpipe plan` says so).\n")
         (REPO / "src/ethpipe/data/calibration.yaml").write_text(header + yaml.safe_dump(constants.to_dict(), sort_keys=False))
         shipped_calibration.cache_clear()
     check_tp_code_path(root)
-    in_rows, lomo_rows = error_rows(obs, lomo=False), error_rows(obs, lomo=True)
-    seen = {m: {o.gpu for o in training_set(obs, m)} for m in MODELS}
+    fits = lomo_fits(obs, op_obs)
+    in_rows = error_rows(obs, False, dict.fromkeys(MODELS, constants))
+    lomo_rows = error_rows(obs, True, {m: fits[m] for m in MODELS})
+    seen = {m: {o.gpu for o in combined_training_set(obs, m, op_obs)} for m in MODELS}
     seen = {m: {name for name, gid in GPU_IDS.items() if gid in ids} for m, ids in seen.items()}
-    data = {"source": SOURCE, "constants": constants.to_dict(),
+    data = {"source": source, "constants": constants.to_dict(), "constants_before": before.to_dict(),
             "in_sample": {"summary": summarise(in_rows), "rows": in_rows, "ratios": ratio_rows(in_rows)},
             "lomo": {"summary": summarise(lomo_rows), "rows": lomo_rows, "ratios": ratio_rows(lomo_rows, seen)},
             "memory": memory_rows(root), "replan": replan_rows(root, constants, args.global_batch)}
+    if op_obs:
+        op_in, op_lomo = op_error_rows(op_obs, constants), op_error_rows(op_obs, fits)
+        lomo_gemm = [r for r in op_lomo if "error_at_default" in r]
+        data["ops"] = {
+            "models": model_names(op_obs),
+            "summary_in_sample": op_summary(op_in), "summary_lomo": op_summary(op_lomo),
+            "tensor_vs_default_in_sample": tensor_vs_default(op_in), "tensor_vs_default_lomo": tensor_vs_default(op_lomo),
+            "lomo_fp16_gemm_pooled": {
+                "n": len(lomo_gemm), "wrms": _wrms(lomo_gemm), "wrms_default": _wrms(lomo_gemm, "error_at_default"),
+                "median": statistics.median(abs(r["error"]) for r in lomo_gemm),
+                "median_default": statistics.median(abs(r["error_at_default"]) for r in lomo_gemm)},
+            "lomo_tensor_eff": {f: (min(c.architectures[f].tensor_eff for c in fits.values() if f in c.architectures),
+                                    max(c.architectures[f].tensor_eff for c in fits.values() if f in c.architectures))
+                                for f in constants.architectures},
+            "large_gemm_efficiency": large_gemm_efficiency(op_obs),
+            "variants": variant_rows(obs, op_obs, fits, constants)}
     OUT.mkdir(parents=True, exist_ok=True)
     derived = {**data, "in_sample": {"summary": data["in_sample"]["summary"],  # figures we derive, not the data
                                      "ratios": data["in_sample"]["ratios"]},
                "lomo": {"summary": data["lomo"]["summary"], "ratios": data["lomo"]["ratios"]}}
     (OUT / "calibration.json").write_text(json.dumps(derived, indent=1) + "\n")
     write_report(data, OUT / "calibration.md")
+    for fam, c in constants.architectures.items():
+        print(f"{fam}: tensor_eff {c.tensor_eff:.3f} (before {before.architectures[fam].tensor_eff:.3f}), "
+              f"tf32 {c.tf32_eff:.3f}, simd {c.simd_eff:.3f}, mem {c.mem_eff:.3f}")
+    for k, v in data.get("ops", {}).get("summary_lomo", {}).items():
+        print(f"LOMO ops {k}: n {v['n']} median {100 * v['median']:.1f}% worst {100 * v['worst']:.1f}%")
     for k, v in data["lomo"]["summary"].items():
         print(f"LOMO {k}: median {100 * v['median']:.1f}% worst {100 * v['worst']:.1f}%")
     for r in data["replan"]:

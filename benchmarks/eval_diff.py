@@ -7,7 +7,7 @@ numbers that explain it: the exposed gradient-sync time, the tightest stage's me
 tokens/s. The change classes are read from the signatures and numbers, not assumed.
 
     .venv/bin/python benchmarks/eval_diff.py OLD_eval_throughput.json docs/benchmarks/eval_throughput.json \\
-        --why "the cost model now prices ..."
+        --why "the cost model now prices ..." [--revert-calibration OLD_calibration.yaml]
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
             "same_plan_speed_ratio": [min(same_plan_speed), max(same_plan_speed)] if same_plan_speed else None}
 
 
-def attribute(changed: list[dict[str, Any]], old: dict[str, Any]) -> None:
-    """Re-plan each changed eth case with this release's new planner term reverted; the cause is the revert
-    that brings the old plan back (``cause`` added to each eth entry). This release's: optimizer sharding
-    (re-planned with ``shard_optimizer=False``); what no revert explains is put down to the other changes
-    since the previous run, named in ``OTHER``."""
+def attribute(changed: list[dict[str, Any]], old: dict[str, Any],
+              reverts: tuple[tuple[str, dict[str, Any]], ...]) -> None:
+    """Re-plan each changed eth case with this release's change reverted; the cause is the revert that brings the
+    old plan back (``cause`` added to each eth entry). This release's: the compute constants (re-planned with the
+    previous release's calibration file, ``--revert-calibration``); what no revert explains is put down to the
+    other changes since the previous run, named in ``OTHER``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from eval.common import layout_signature
 
@@ -93,7 +94,7 @@ def attribute(changed: list[dict[str, Any]], old: dict[str, Any]) -> None:
         row = rows[(c["cluster"], c["model"], c["samples_per_gpu"])]
         cluster, spec = load_cluster(REPO / files[c["cluster"]]), load_model_spec(c["model"])
         c["cause"] = OTHER
-        for cause, kwargs in REVERTS:
+        for cause, kwargs in reverts:
             try:
                 again = layout_signature(make_plan(cluster, spec, row["global_batch"], row["seq_len"], **kwargs))["plan"]
             except ValueError:
@@ -103,9 +104,20 @@ def attribute(changed: list[dict[str, Any]], old: dict[str, Any]) -> None:
                 break
 
 
-REVERTS: tuple[tuple[str, dict[str, Any]], ...] = (("optimizer sharding (ZeRO-1)", {"shard_optimizer": False}),)
-OTHER = ("other: the sync priced in the runtime's order (blocks descending, the tied matrix's one all-reduce) or the "
-         "recompute stages' fp32 residual (55d8f78)")
+OTHER = ("other: re-planning with the previous constants does not bring the old plan back (another change since "
+         "the previous run, or a near-tie the search now breaks otherwise)")
+
+
+def calibration_reverts(path: Path | None) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """Re-plan with the previous release's compute constants (a calibration.yaml, e.g. from `git show`)."""
+    if path is None:
+        return ()
+    import yaml
+
+    from ethpipe.cost.hardware import calibration_from_dict
+
+    return (("the compute constants (16-bit / TF32 / CUDA-core efficiencies fitted to the per-op data)",
+             {"calibration": calibration_from_dict(yaml.safe_load(path.read_text()), str(path))}),)
 
 
 def _plan(p: dict[str, int] | None) -> str:
@@ -148,10 +160,13 @@ def main() -> None:
     parser.add_argument("--old-label", default="the previous run")
     parser.add_argument("--new-label", default="this run")
     parser.add_argument("--why", required=True, help="the change of the cost model or planner between the runs")
+    parser.add_argument("--revert-calibration", type=Path, default=None,
+                        help="the previous release's data/calibration.yaml: changed eth plans it brings back are put "
+                             "down to the constants")
     args = parser.parse_args()
     old = json.loads(args.old.read_text())
     result = diff(old, json.loads(args.new.read_text()))
-    attribute(result["changed"], old)
+    attribute(result["changed"], old, calibration_reverts(args.revert_calibration))
     causes = Counter(c["cause"] for c in result["changed"] if "cause" in c)
     result["eth_causes"] = dict(causes.most_common())
     (OUT / "eval_changes.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ethpipe.catalog import GpuSpec, get_gpu
 from ethpipe.errors import UserError
@@ -44,6 +44,15 @@ class NodeGroup(BaseModel):
     nic_rail_gbit_s: float | None = Field(default=None, gt=0)
     intra_node_gbps: float | None = Field(default=None, gt=0)  # override, per-direction GB/s
     efficiency: float | None = Field(default=None, gt=0, le=1)  # override achievable fraction of peak
+    # The node's host name (`ethpipe cluster detect` writes it): names one node, so only with num_nodes: 1.
+    hostname: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _hostname_names_one_node(self) -> NodeGroup:
+        if self.hostname is not None and self.num_nodes != 1:
+            raise ValueError(f"hostname '{self.hostname}' names one node, but num_nodes is {self.num_nodes}: "
+                             "give each named node its own entry with num_nodes: 1")
+        return self
 
 
 class ClusterModel(BaseModel):

@@ -75,6 +75,23 @@ def read_hosts(path: str | Path, nodes: list[NodeRanks]) -> list[str]:
     return hosts
 
 
+def recorded_hosts(plan: Plan, nodes: list[NodeRanks]) -> list[str]:
+    """The hosts the cluster file names (``hostname:``, as `ethpipe cluster detect` writes), in plan order."""
+    names: list[str | None] = []
+    for group in (plan.cluster or {}).get("nodes", []):
+        names += [group.get("hostname")] * int(group.get("num_nodes", 1))
+    missing = [n.cluster_node for n in nodes if names[n.cluster_node] is None]
+    named = [names[n.cluster_node] for n in nodes if names[n.cluster_node] is not None]
+    twice = sorted({h for h in named if named.count(h) > 1})
+    if twice:
+        raise UserError(f"host '{twice[0]}' names several node entries of the cluster file (a node with two GPU types): "
+                        "give --hosts FILE, and start that node's GPU types as separate nodes")
+    if missing:
+        raise UserError(f"the plan's cluster file names no host for node {missing[0]}: give --hosts FILE (one host "
+                        "per node, in the cluster file's order) or a 'hostname:' on every node entry")
+    return [str(names[n.cluster_node]) for n in nodes]
+
+
 def node_command(plan_path: str, node_rank: int, node: NodeRanks, num_nodes: int, master: str, port: int,
                  train_args: list[str]) -> str:
     """The shell line that starts one node's ranks."""

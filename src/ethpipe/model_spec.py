@@ -29,9 +29,13 @@ class ModelSpec:
     vocab_size: int
     max_seq_len: int
     head_dim: int = 0  # 0 means hidden_size // num_heads
-    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "swiglu"  # gelu_tanh: GPT-2's tanh approximation
+    # gelu_tanh: GPT-2's tanh approximation; relu: OPT's (like GELU, an up and a down matrix)
+    activation: Literal["gelu", "gelu_tanh", "relu", "swiglu"] = "swiglu"
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     position: Literal["learned", "rope"] = "rope"
+    # Learned positions only: token i reads row i + position_offset of a table of max_seq_len + offset rows
+    # (OPT's OPTLearnedPositionalEmbedding: 2, its first two rows unused).
+    position_offset: int = 0
     tie_embeddings: bool = False
     attention_bias: bool = False  # biases on q, k, v and output projections (GPT-3)
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2.5)
@@ -70,8 +74,15 @@ class ModelSpec:
             )
         if self.position == "rope" and self.head_dim_resolved % 2:
             raise UserError(f"model spec field 'head_dim' must be even for RoPE, got {self.head_dim_resolved}")
-        if self.activation not in ("gelu", "gelu_tanh", "swiglu"):
-            raise UserError(f"model spec field 'activation' must be gelu, gelu_tanh or swiglu, got {self.activation!r}")
+        if self.activation not in ("gelu", "gelu_tanh", "relu", "swiglu"):
+            raise UserError(f"model spec field 'activation' must be gelu, gelu_tanh, relu or swiglu, "
+                            f"got {self.activation!r}")
+        if not isinstance(self.position_offset, int) or self.position_offset < 0:
+            raise UserError(f"model spec field 'position_offset' must be a non-negative integer, "
+                            f"got {self.position_offset!r}")
+        if self.position_offset and self.position != "learned":
+            raise UserError("model spec field 'position_offset' needs position: learned (it offsets the learned "
+                            f"position table), got position {self.position!r}")
         if self.rope_scaling not in ("none", "linear", "llama3"):
             raise UserError(f"model spec field 'rope_scaling' must be none, linear or llama3, got {self.rope_scaling!r}")
 
@@ -107,7 +118,7 @@ class ModelSpec:
 
     def embedding_params(self) -> int:
         """Token embedding (+ learned positions): lives on a pipeline's first stage."""
-        pos = self.max_seq_len * self.hidden_size if self.position == "learned" else 0
+        pos = (self.max_seq_len + self.position_offset) * self.hidden_size if self.position == "learned" else 0
         return self.vocab_size * self.hidden_size + pos
 
     def head_params(self) -> int:
@@ -252,7 +263,7 @@ def published_param_counts() -> dict[str, float]:
 
 
 def spec_from_hf_config(config: dict[str, Any], name: str = "hf") -> ModelSpec:
-    """Map a Hugging Face ``config.json`` (Llama/Mistral/Qwen2 or GPT-2) to a spec (see ``ethpipe.hf.config``)."""
+    """Map a Hugging Face ``config.json`` (Llama/Mistral/Qwen2, GPT-2 or OPT) to a spec (see ``ethpipe.hf.config``)."""
     from ethpipe.hf.config import spec_from_hf
 
     return spec_from_hf(config, name=name)

@@ -132,3 +132,39 @@ def test_torchrun_launch_trains_in_the_plans_bf16(files: dict[str, Path]) -> Non
     assert proc.stdout.count("ethpipe train: 2 ranks on cpu, 1 pipelines, bf16 (the plan's), 2 steps") == 1, proc.stdout
     losses = [json.loads(x)["loss"] for x in (d / "m.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(losses)) and abs(losses[0] - np.log(256)) < 0.5
+
+
+def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: dict[str, Path]) -> None:
+    """A piped run with --log-every, --tensorboard and --wandb (offline) writes run.toml beside its checkpoints;
+    `train --config ckpt/run.toml` with other outputs repeats it: the same losses, bit for bit."""
+    d = files["dir"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_DIR": str(d), "WANDB_SILENT": "true"}
+    env.pop("WANDB_MODE", None)
+    first = [sys.executable, "-m", "ethpipe", "train", "--plan", str(files["plan"]), "--data", str(files["data"]),
+             "--steps", "3", "--lr", "2e-3", "--clip-grad", "1.0", "--shuffle", "--metrics", str(d / "a.jsonl"),
+             "--checkpoint-dir", str(d / "ckpt"), "--log-every", "1", "--tensorboard", str(d / "tb"),
+             "--wandb", "ethpipe-test"]
+    proc = subprocess.run(first, capture_output=True, text=True, timeout=120, env=env)  # piped: not a terminal
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
+    config = (d / "ckpt" / "run.toml").read_text()
+    assert 'lr = 0.002' in config and "shuffle = true" in config and "log-every = 1" in config
+    again = [sys.executable, "-m", "ethpipe", "train", "--config", str(d / "ckpt" / "run.toml"),
+             "--metrics", str(d / "b.jsonl"), "--checkpoint-dir", str(d / "ckpt2"), "--tensorboard", str(d / "tb2")]
+    proc = subprocess.run(again, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    runs = [[json.loads(x) for x in (d / name).read_text().splitlines()] for name in ("a.jsonl", "b.jsonl")]
+    assert [r["loss"] for r in runs[0]] == [r["loss"] for r in runs[1]] and len(runs[0]) == 3
+    assert [r["grad_norm"] for r in runs[0]] == [r["grad_norm"] for r in runs[1]]
+    assert all(len(r["peak_memory_bytes"]) == 2 and min(r["peak_memory_bytes"]) > 0 for r in runs[0])
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(d / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    logged = acc.Scalars("train/loss")
+    assert [e.step for e in logged] == [r["step"] for r in runs[0]]
+    assert [e.value for e in logged] == pytest.approx([r["loss"] for r in runs[0]], rel=1e-6)  # kept as float32
+    assert {"train/tokens_per_s", "train/grad_norm", "pipeline/0/idle_s", "sync/exposed_s",
+            "memory/rank_1/peak_gib"} <= set(acc.Tags()["scalars"])
+    assert len(list((d / "wandb").glob("offline-run-*/run-*.wandb"))) == 2  # run.toml carries --wandb too

@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -89,3 +90,36 @@ def test_a_rank_on_the_wrong_node_is_refused(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(UserError, match=f"rank 0 runs on the node started with {NODE_RANK_ENV}=1 but the plan puts "
                                         "it on node rank 0"):
         check_node(plan, 0)
+
+
+def test_torchrun_agents_with_the_data_missing_on_one_node_all_end_within_30_s_with_one_cause(
+        tmp_path: Path) -> None:
+    """The launch lines run as printed, node 1 started where the token file is not: every agent ends within 30 s
+    (not --timeout-s), the cause is printed once, by the rank that has it."""
+    plan = _plan(tmp_path)
+    shared, bare = tmp_path / "shared", tmp_path / "bare"
+    shared.mkdir()
+    bare.mkdir()
+    prepare_tokens([" ".join(np.random.default_rng(1).choice(["node", "rank", "."], size=12000))],
+                   str(shared / "tokens.bin"))
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.1\n127.0.0.1\n")
+    res = CliRunner().invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts), "--port", str(_free_port()),
+                                   "--", "--data", "tokens.bin", "--steps", "3", "--device", "cpu", "--no-progress",
+                                   "--timeout-s", "300"])
+    assert res.exit_code == 0, res.output
+    lines = [line for line in res.output.splitlines() if line and not line.startswith("#")]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    procs = [subprocess.Popen(line, shell=True, cwd=bare if node == 1 else shared, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node, line in enumerate(lines)]
+    try:
+        outputs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < 30.0 and all(p.returncode != 0 for p in procs), (elapsed_s, outputs)
+    causes = [line for out in outputs for line in out.splitlines() if line.startswith("error:")]
+    assert len(causes) == 1 and "rank 2 on " in causes[0] and "tokens.bin' not found" in causes[0], outputs
+    assert causes[0] in outputs[1]  # printed on the node that lacks the file

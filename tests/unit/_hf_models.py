@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,15 @@ def save_model(model: Any, out: Path, sharded: bool = False) -> Path:
 def hf_logits(model: Any, tokens: Any) -> Any:
     with torch.no_grad():
         return model(tokens).logits
+
+
+def load_clean(path, capsys, caplog):  # type: ignore[no-untyped-def]
+    """from_pretrained, asserting that no key was missing, unexpected or mismatched, and nothing warned."""
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    printed = capsys.readouterr()
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    said = (printed.out + printed.err + caplog.text).lower()
+    assert "missing" not in said and "unexpected" not in said and "newly initialized" not in said, said
+    return model.eval()

@@ -23,9 +23,10 @@ from ethpipe.runtime.model import build_stage
 def _spec(family: str, hidden: int, head_dim: int, ffn: int) -> ModelSpec:
     spec = ModelSpec(name=family, num_layers=3, hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                      ffn_hidden_size=ffn, vocab_size=200, max_seq_len=64)
-    if family == "gpt":
-        spec = dataclasses.replace(spec, num_kv_heads=4, activation="gelu", norm="layernorm", position="learned",
-                                   attention_bias=True, mlp_bias=True)
+    if family in ("gpt", "opt"):
+        spec = dataclasses.replace(spec, num_kv_heads=4, activation="gelu" if family == "gpt" else "relu",
+                                   norm="layernorm", position="learned", attention_bias=True, mlp_bias=True,
+                                   position_offset=2 if family == "opt" else 0)
     return spec
 
 
@@ -53,7 +54,7 @@ def _saved_bytes(spec: ModelSpec, last: bool, autocast: bool, seq_len: int, batc
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("family,autocast", list(itertools.product(("llama", "gpt"), (False, True))))
+@pytest.mark.parametrize("family,autocast", list(itertools.product(("llama", "gpt", "opt"), (False, True))))
 def test_runtime_inventory_is_exact(family: str, autocast: bool) -> None:
     s, b, d = 16, 2, 2 if autocast else 4
     for hidden, head_dim, ffn in ((64, 16, 96), (96, 32, 160)):

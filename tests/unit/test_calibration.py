@@ -326,7 +326,7 @@ def test_lomo_block_forward_meets_targets(lomo_rows: list[dict]) -> None:
 @needs_shared
 def test_lomo_block_forward_within_what_is_reported(lomo_rows: list[dict]) -> None:
     median, worst = _median_worst(lomo_rows, "block", "fwd")
-    assert median < 0.10 and worst < 0.35  # docs/benchmarks/calibration.md: 5.8% / 31.8%
+    assert median < 0.10 and worst < 0.37  # docs/benchmarks/calibration.md: 3.0% / 35.5% (with the per-op fit)
 
 
 @needs_shared
@@ -463,19 +463,31 @@ def test_plans_recording_constants_of_the_earlier_model_are_priced_with_the_ship
 
 
 def test_plan_says_which_gemm_efficiency_no_measurement_informs() -> None:
-    """The shipped profiles are fp32: a bf16 plan says its 16-bit GEMM efficiency is assumed, an fp32 one does not,
-    and fp32 measurements do not move what bf16 GEMMs are priced at."""
+    """The shipped constants measure 16-bit GEMMs (per-op fp16 profiles) on the families the data cover: a bf16 plan
+    there assumes nothing. Constants whose fit saw fp32 profiles only (a user's fp32 calibration) say their 16-bit
+    GEMM efficiency is assumed; an fp32 plan prices TF32 with its own efficiency either way."""
+    import dataclasses
+
     from ethpipe.planner import make_plan
 
     clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})
     spec = load_model_spec("gpt3-125m")
-    bf16 = make_plan(clu, spec, 16, 512, max_tp=1, dtype="bf16").extra["compute_model"]["devices"]["a100_80gb_sxm"]
-    fp32 = make_plan(clu, spec, 16, 512, max_tp=1, dtype="fp32").extra["compute_model"]["devices"]["a100_80gb_sxm"]
-    assert bf16.startswith("a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s (no 16-bit tensor-core GEMM "
-                           "measured: 70% of that peak assumed)")
+
+    def described(dtype: str, calibration: Calibration | None = None) -> str:
+        plan = make_plan(clu, spec, 16, 512, max_tp=1, dtype=dtype, calibration=calibration)
+        return plan.extra["compute_model"]["devices"]["a100_80gb_sxm"]
+
+    bf16, fp32 = described("bf16"), described("fp32")
+    assert bf16.startswith("a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s, flash attention")
+    assert "assumed" not in bf16
     assert fp32.startswith("a100_80gb_sxm calibrated: tf32 156 TFLOP/s, 2039 GB/s,")
     shipped = calibrate_shipped().constants("ampere")[0]
-    assert shipped.tensor_eff == pytest.approx(DEFAULT_CONSTANTS.tensor_eff) != shipped.tf32_eff
+    assert "tensor_eff" in shipped.fitted and shipped.tensor_eff != pytest.approx(shipped.tf32_eff)
+    fp32_fit = dataclasses.replace(shipped, tensor_eff=DEFAULT_CONSTANTS.tensor_eff,
+                                   fitted=tuple(n for n in shipped.fitted if n != "tensor_eff"))
+    assert described("bf16", Calibration({"ampere": fp32_fit})).startswith(
+        "a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s (no 16-bit tensor-core GEMM measured: 70% of that "
+        "peak assumed)")
 
 
 def test_replan_keeps_the_recorded_fallback() -> None:
@@ -508,3 +520,129 @@ def test_a_users_bf16_fit_keeps_the_familys_measured_tf32_efficiency() -> None:
     # A family the base never measured is taken whole.
     assert base.merged(Calibration({"ada": user.architectures["ampere"]})).constants("ada")[0] == \
         user.architectures["ampere"]
+
+
+# -- per-op observations (Aceso's and vidur's profiles: single ops, no layer overhead) ------------------------
+
+
+def test_an_op_observation_prices_its_kernels_alone_and_fits_the_efficiencies() -> None:
+    """An op timing (layer_passes=0, launch_floor=False) is its kernels' rooflines, nothing else; fitted, such
+    timings of GEMMs and of a streaming kernel recover tensor_eff and mem_eff and leave launch_s / layer_s to the
+    centre. A layer-pass observation (the defaults) is priced exactly as before."""
+    import dataclasses
+
+    from ethpipe.cost.hardware import pass_s
+
+    truth = ArchConstants(0.81, 0.7, 0.9, 0.6, 40e-6, 30e-6, "truth", CONSTANT_NAMES)
+    dev = DeviceCompute.build(A100, Calibration({}), "fp16", True)
+    kernels = [[ops.gemm("g", n, n, n, 2)] for n in (2048, 4096, 8192)] + [[ops.mem("m", b)] for b in (1e8, 4e8)]
+    obs = []
+    for ks in kernels:
+        terms = tuple(dev.kernel_terms(ks))
+        measured = sum(max(c / truth.tensor_eff, m / truth.mem_eff) for _, c, m in terms)
+        obs.append(calibrate.Observation("ampere", A100.id, "m", "op", False, 1, 1, measured, terms, 0.0,
+                                         layer_passes=0.0, launch_floor=False, weight=0.5))
+    assert all(o.predict_s(truth) == pytest.approx(o.measured_s, rel=1e-12) for o in obs)
+    fitted = calibrate.fit(obs).architectures["ampere"]
+    assert fitted.tensor_eff == pytest.approx(0.81, rel=0.01) and fitted.mem_eff == pytest.approx(0.6, rel=0.01)
+    assert set(fitted.fitted) == {"tensor_eff", "mem_eff"}
+    assert "op timings" in fitted.source
+    layer = dataclasses.replace(obs[0], layer_passes=1.0, launch_floor=True, weight=1.0)
+    assert layer.predict_s(truth) == pass_s(truth, layer.terms)
+
+
+aceso_data = pytest.importorskip("aceso_data")
+vidur_data = pytest.importorskip("vidur_data")
+ACESO, VIDUR = aceso_data.aceso_root(REPO), vidur_data.vidur_root(REPO)
+needs_per_op = pytest.mark.skipif(ROOT is None or ACESO is None or VIDUR is None,
+                                  reason="shared per-op profiles not found at ../shared/reference/measured/"
+                                         "{sailor,sailor-aceso,vidur} (CI keeps a copy beside the clone)")
+
+
+@needs_per_op
+def test_per_op_loaders_cover_every_gpu_and_precision_present() -> None:
+    import collections
+
+    aceso, vidur = aceso_data.observations(ACESO), vidur_data.observations(VIDUR)
+    present = {(d.parent.name, d.name) for d in ACESO.glob("*/fp*") if any(d.glob("OPT-*_tp1_*.csv"))}
+    assert present and {(o.gpu_name, o.dtype) for o in aceso} == present
+    for gpu, dtype in present:
+        mine = [o for o in aceso if (o.gpu_name, o.dtype) == (gpu, dtype)]
+        assert {o.model for o in mine} == {"OPT-350", "OPT-30"}, (gpu, dtype)
+        assert {o.role for o in mine if not o.backward} == {"gemm", "mem"}, (gpu, dtype)
+        assert any(o.backward for o in mine), (gpu, dtype)
+    files = {(p.parts[-4], vidur_data.MODEL_NAMES[p.parts[-2]]) for p in (VIDUR / "compute").glob("*/*/*/mlp.csv")
+             if p.parts[-4] in vidur_data.GPU_IDS and p.parts[-2] in vidur_data.MODEL_NAMES}
+    assert files and {(o.gpu_name, o.model) for o in vidur} == files
+    assert {o.dtype for o in vidur} == {"fp16"} and not any(o.backward for o in vidur)
+    # Single ops: no layer overhead, no launch floor; each measured pass's ops weigh as one layer pass.
+    groups: dict[tuple, float] = collections.defaultdict(float)
+    for o in (*aceso, *vidur):
+        assert o.obs.layer_passes == 0.0 and not o.obs.launch_floor and o.obs.measured_s > 0
+        groups[(o.source, o.gpu_name, o.model, o.dtype, o.backward, o.size, o.tp)] += o.obs.weight ** 2
+    assert all(w == pytest.approx(1.0) for w in groups.values())
+
+
+@needs_per_op
+def test_aceso_backward_is_the_input_gradient_gemm_alone() -> None:
+    """The artifact's backward computes input gradients only: a linear op's backward is priced as its dgrad GEMM (the
+    forward's FLOPs), never with the weight gradient a training backward adds."""
+    spec = aceso_data.MODELS["OPT-30"]
+    for op in ("enc-MLP-GEMM-1", "enc-MLP-GEMM-2", "enc-attention-dense"):
+        fwd, bwd = aceso_data.op_kernels(spec, op, 4, 2, False), aceso_data.op_kernels(spec, op, 4, 2, True)
+        assert [k.name for k in bwd] == [fwd[0].name + ".dgrad"] and bwd[0].flops == fwd[0].flops
+    backward = [o for o in aceso_data.observations(ACESO) if o.backward]
+    assert backward and {o.op for o in backward} <= set(aceso_data.GEMM_OPS)
+
+
+@pytest.fixture(scope="module")
+def per_op() -> dict:
+    import calibration as bench
+
+    obs, op_obs = bench.observations(ROOT), bench.op_observations(REPO)
+    fits = bench.lomo_fits(obs, op_obs)
+    full = bench.cal.fit(bench.combined_training_set(obs, None, op_obs))
+    return {"bench": bench, "full": full, "fits": fits, "in": bench.op_error_rows(op_obs, full),
+            "lomo": bench.op_error_rows(op_obs, fits)}
+
+
+@needs_per_op
+def test_fitted_16bit_constants_are_physical_shipped_and_beat_the_default_held_out(per_op: dict) -> None:
+    """tensor_eff is fitted on every family the per-op profiles cover, inside (0.5, 1], and is what ships. Held
+    out (each model predicted without its data), the fitted constants beat the 70% default over all 16-bit GEMM ops
+    and on Hopper and Turing, and are at most a few points worse on Ampere and Volta, whose GPUs (and shapes) the
+    one family constant spans (docs/benchmarks/calibration.md says so, with the per-GPU numbers)."""
+    bench = per_op["bench"]
+    shipped = calibrate_shipped()
+    for family in ("ampere", "hopper", "turing", "volta"):
+        fitted = per_op["full"].architectures[family]
+        assert "tensor_eff" in fitted.fitted and 0.5 < fitted.tensor_eff <= 1.0, family
+        assert shipped.architectures[family].tensor_eff == pytest.approx(fitted.tensor_eff, rel=1e-6), family
+        assert "tensor_eff" in shipped.architectures[family].fitted
+    held_out = bench.tensor_vs_default(per_op["lomo"])
+    gemm = [r for r in per_op["lomo"] if "error_at_default" in r]
+    assert bench._wrms(gemm) < 0.9 * bench._wrms(gemm, "error_at_default")  # report: 21.2% against 25.0%
+    for family in ("hopper", "turing"):
+        assert held_out[family]["wrms"] < held_out[family]["wrms_default"], family
+        assert held_out[family]["gpu_balanced"] < held_out[family]["gpu_balanced_default"], family
+    for family in ("ampere", "volta"):
+        assert held_out[family]["wrms"] < held_out[family]["wrms_default"] + 0.05, family
+    # In-sample the fit is the least-squares optimum: no worse than 70% in its own loss on any family.
+    in_sample = bench.tensor_vs_default(per_op["in"])
+    assert all(v["wrms"] <= v["wrms_default"] + 1e-3 for v in in_sample.values())
+
+
+# docs/benchmarks/calibration.md, "Op timings per family and precision": held-out medians (fp16 / fp32 GEMMs).
+REPORTED_LOMO_GEMM_MEDIAN = {("ampere", "fp16"): 0.153, ("hopper", "fp16"): 0.119, ("turing", "fp16"): 0.179,
+                             ("volta", "fp16"): 0.097, ("ampere", "fp32"): 0.127, ("hopper", "fp32"): 0.119,
+                             ("turing", "fp32"): 0.095, ("volta", "fp32"): 0.059}
+
+
+@needs_per_op
+def test_lomo_op_errors_within_what_is_reported(per_op: dict) -> None:
+    summary = per_op["bench"].op_summary(per_op["lomo"])
+    for (family, dtype), reported in REPORTED_LOMO_GEMM_MEDIAN.items():
+        assert summary[f"{family} {dtype} gemm"]["median"] < reported + 0.03, (family, dtype)
+        assert summary[f"{family} {dtype} gemm"]["worst"] < 0.65, (family, dtype)
+    elementwise = [v["median"] for k, v in summary.items() if k.endswith(" mem")]
+    assert elementwise and max(elementwise) < 0.45  # report: 18-40%

@@ -100,3 +100,17 @@ def test_piped_tables_keep_their_full_width() -> None:
                 blocks.append(set())
         assert all(len(widths) <= 1 for widths in blocks), args
         assert max(len(line) for line in out.splitlines()) > 80, args  # wider than rich's piped default
+
+
+def test_a_plan_priced_partly_from_profiles_says_so_and_fully_profiled_does_not(tmp_path: Path) -> None:
+    from tests.unit.test_demo import _profile
+
+    _profile().save(tmp_path / "cpu.json")
+    args = ("plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24", "--seq-len", "64", "--max-tp", "1")
+    part = _run(*args, "--profile", str(tmp_path / "cpu.json"), "--profile-as", "fast")
+    assert part.exit_code == 0, part.output
+    assert "note: fast priced from --profile, slow from the analytic model" in part.output
+    assert "--profile FILE --profile-as slow" in part.output
+    both = _run(*args, "--profile", str(tmp_path / "cpu.json"), "--profile-as", "fast",
+                "--profile", str(tmp_path / "cpu.json"), "--profile-as", "slow")
+    assert both.exit_code == 0 and "note:" not in both.output

@@ -6,11 +6,10 @@ Tolerance 1e-5 on fp32 logits, for the reason given in test_hf_import.py (measur
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
-from _hf_models import hf_logits, make_model, save_model
+from _hf_models import hf_logits, load_clean, make_model, save_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -25,16 +24,6 @@ from ethpipe.runtime.model import build_full_model  # noqa: E402
 TOL = 1e-5
 
 
-def load_clean(path, capsys, caplog):  # type: ignore[no-untyped-def]
-    """from_pretrained, asserting that no key was missing, unexpected or mismatched, and nothing warned."""
-    capsys.readouterr()
-    with caplog.at_level(logging.WARNING):
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
-    printed = capsys.readouterr()
-    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    said = (printed.out + printed.err + caplog.text).lower()
-    assert "missing" not in said and "unexpected" not in said and "newly initialized" not in said, said
-    return model.eval()
 
 
 def _logits(model, tokens):  # type: ignore[no-untyped-def]

@@ -23,3 +23,29 @@ def test_gpu_settings_are_set_unless_the_user_set_them() -> None:
 def test_accelerator_ranks_are_spawned_never_forked() -> None:
     assert default_start_method(accelerator=True) == "spawn"
     assert default_start_method(accelerator=False) == ("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+def test_launch_takes_the_hosts_the_cluster_file_names(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from ethpipe.cli import commands  # noqa: F401
+    from ethpipe.cli.app import app
+
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("nodes:\n"
+                       "  - {hostname: gpu-a, gpu: a100_80gb_sxm, num_nodes: 1, gpus_per_node: 2, nic_gbit_s: 100}\n"
+                       "  - {hostname: gpu-b, gpu: a100_80gb_sxm, num_nodes: 1, gpus_per_node: 2, nic_gbit_s: 100}\n")
+    runner = CliRunner()
+    made = runner.invoke(app, ["plan", "--cluster", str(cluster), "--model", "gpt3-1.3b", "--global-batch", "64",
+                               "--seq-len", "1024", "--out", str(tmp_path / "p.json")])
+    assert made.exit_code == 0, made.output
+    res = runner.invoke(app, ["launch", "--plan", str(tmp_path / "p.json"), "--", "--data", "t.bin"])
+    assert res.exit_code == 0, res.output
+    ons = [line for line in res.output.splitlines() if line.startswith("# on ")]
+    assert [line.split()[2].rstrip(":") for line in ons] == ["gpu-a", "gpu-b"]
+    assert "--master-addr gpu-a" in res.output
+    cluster.write_text(cluster.read_text().replace("hostname: gpu-b, ", ""))
+    runner.invoke(app, ["plan", "--cluster", str(cluster), "--model", "gpt3-1.3b", "--global-batch", "64",
+                        "--seq-len", "1024", "--out", str(tmp_path / "p.json")])
+    bad = runner.invoke(app, ["launch", "--plan", str(tmp_path / "p.json")])
+    assert bad.exit_code == 2 and "names no host for node 1" in bad.output

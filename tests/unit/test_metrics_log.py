@@ -37,3 +37,26 @@ def test_a_terminal_gets_the_bar_and_no_lines() -> None:
     writer = MetricsWriter(None, 1, progress=False, interactive=False, out=quiet)  # --no-progress: nothing
     writer.write(_record(0))
     assert quiet.getvalue() == ""
+
+
+def test_log_every_steps_prints_every_nth_step_and_the_last_with_mfu_from_the_prediction() -> None:
+    out = io.StringIO()
+    writer = MetricsWriter(None, 5, progress=True, interactive=False, out=out, predicted_step_s=0.25,
+                           predicted_mfu=0.4, log_every_steps=2)
+    for step in range(5):
+        writer.write(_record(step))
+    writer.close()
+    assert [line.split()[1] for line in out.getvalue().splitlines()] == ["2/5", "4/5", "5/5"]
+    record = writer.records[0]
+    assert record["predicted_step_s"] == 0.25
+    assert abs(record["mfu"] - 0.4 * 0.25 / 0.5) < 1e-12  # same FLOPs and peak: MFU scales with 1 / step time
+
+
+def test_log_every_steps_prints_on_a_terminal_too() -> None:
+    out = io.StringIO()
+    writer = MetricsWriter(None, 2, progress=True, interactive=True, out=out, log_every_steps=1)
+    writer._progress.console.file = out  # the bar's console: where the lines go above the bar
+    writer.write(_record(0))
+    writer.write(_record(1))
+    writer.close()
+    assert "step 1/2" in out.getvalue() and "step 2/2" in out.getvalue()

@@ -47,6 +47,7 @@ def test_simulate_writes_trace_timeline_and_json(plan_file: Path, tmp_path: Path
 def test_simulate_table_and_flat_sync(plan_file: Path) -> None:
     blockwise = _run("simulate", str(plan_file))
     assert blockwise.exit_code == 0 and "iteration time" in blockwise.stdout and "block-wise" in blockwise.stdout
+    assert "nodes: node 0 (2 x a100_80gb_sxm): ranks 0-1; node 1 (1 x h100_sxm): ranks 2-2" in blockwise.stdout
     flat = _run("simulate", str(plan_file), "--flat-sync", "--json")
     block = _run("simulate", str(plan_file), "--json")
     assert json.loads(flat.stdout)["iteration_time_s"] >= json.loads(block.stdout)["iteration_time_s"]

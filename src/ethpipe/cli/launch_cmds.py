@@ -16,15 +16,16 @@ from ethpipe.errors import UserError
 def launch(
     ctx: typer.Context,
     plan: Path = typer.Option(..., "--plan", help="The plan to run (ethpipe plan --out)."),
-    hosts: Path = typer.Option(..., "--hosts", help="Hostfile: one host per node of the plan, in the cluster "
-                                                     "file's node order (the first is the rendezvous host)."),
+    hosts: Optional[Path] = typer.Option(None, "--hosts", help="Hostfile: one host per node of the plan, in the "
+                                         "cluster file's node order (the first is the rendezvous host). Default: the "
+                                         "cluster file's 'hostname:' entries (`ethpipe cluster detect` writes them)."),
     scheduler: str = typer.Option("none", "--scheduler", help="none (one command per node) | slurm (an sbatch "
                                                               "script)."),
     port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the commands (or the script) here."),
 ) -> None:
     """Print the commands that start a plan on its nodes; arguments after `--` go to `ethpipe train`."""
-    from ethpipe.cluster_launch import commands, node_ranks, read_hosts, slurm_script
+    from ethpipe.cluster_launch import commands, node_ranks, read_hosts, recorded_hosts, slurm_script
     from ethpipe.plan import Plan, write_text_atomic
 
     if scheduler not in ("none", "slurm"):
@@ -32,7 +33,8 @@ def launch(
     the_plan = Plan.load(plan)
     if the_plan.cluster is None:
         raise UserError(f"plan '{plan}' has no 'cluster' field: re-make it with `ethpipe plan`")
-    host_list = read_hosts(hosts, node_ranks(the_plan))
+    nodes = node_ranks(the_plan)
+    host_list = read_hosts(hosts, nodes) if hosts is not None else recorded_hosts(the_plan, nodes)
     train_args = list(ctx.args)
     if scheduler == "slurm":
         text = slurm_script(the_plan, str(plan), host_list, train_args, port)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cli.run_config import config_option
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 
@@ -20,7 +21,8 @@ ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML 
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, spec YAML, or HF config.json.")]
 BatchOpt = Annotated[int, typer.Option("--global-batch", help="Samples per iteration.")]
 SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
-TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree (1 = what the runtime runs).")]
+TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree the planner may choose (within a "
+                                                     "node; 1: pipelines and data parallelism only).")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: auto (bf16 where "
                                                    "every device the plan runs on has it, else fp16) | bf16 | fp16 | fp32 "
@@ -100,6 +102,20 @@ def _metrics_line(plan: Any) -> str:
             f"  |  planned in {p['planning_time_s']:.3f} s  (* = recompute)")
 
 
+def partly_profiled_line(cluster: Any, profiles: dict[str, Any] | None) -> str | None:
+    """Profiles for some device types and the analytic model for the others are two different yardsticks: a
+    CPU profile beside analytic GPUs makes the profiled type look slow and leaves it idle. Say so."""
+    if not profiles:
+        return None
+    rest = [t for t in cluster.gpu_types if t not in profiles]
+    if not rest:
+        return None
+    return (f"note: {', '.join(sorted(profiles))} priced from --profile, {', '.join(rest)} from the analytic model: "
+            f"their speeds are compared across two yardsticks; profile {'it' if len(rest) == 1 else 'each'} on its "
+            f"device (`ethpipe profile --device cuda ...`) and pass --profile FILE --profile-as "
+            f"{rest[0]}{' (one pair per type)' if len(rest) > 1 else ''}")
+
+
 def nodes_line(plan: Plan) -> str:
     """Which ranks each node of the cluster file hosts (what `ethpipe launch` starts where)."""
     from ethpipe.cluster_launch import node_ranks
@@ -124,7 +140,7 @@ def sharding_line(plan: Plan) -> str:
 
 @app.command()
 @user_errors
-def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
+def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt,
          method: Annotated[str, typer.Option("--method", help="eth | uniform | layer-balanced.")] = "eth",
          max_tp: TpOpt = 8, recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
          dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None, attention: AttentionOpt = "auto",
@@ -137,6 +153,7 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
                   "is faster; --no-shard-optimizer: every rank keeps its stage's whole state.")] = True,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
+         config_file: Annotated[Optional[Path], config_option(annotated=True)] = None,
          ) -> None:
     """Plan a training iteration and print (or write) the plan."""
     from ethpipe.cost.hardware import load_calibration
@@ -167,6 +184,9 @@ def plan(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: 
                       "data re-split allowed)", highlight=False)
     for note in (result.extra.get("compute_model") or {}).get("devices", {}).values():
         console.print(f"compute model: {note}", highlight=False)
+    note = partly_profiled_line(clu, profiles)
+    if note:
+        console.print(note, highlight=False)
     if out is not None:
         console.print(f"plan written to {out}")
 

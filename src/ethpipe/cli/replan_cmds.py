@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import typer
@@ -19,17 +20,20 @@ from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
 from ethpipe.cost import hardware
 from ethpipe.cost.hardware import Calibration, shipped_calibration
+from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import AUTO, plan_dtype, without_bf16
 
 
-def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
+def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration: Calibration | None = None,
+           profiles: Mapping[str, MeasuredProfile] | None = None) -> Plan:
     """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs), with
     its dtype, TF32 setting, attention kernels and compute constants, so the new plan is priced as the old
     one was.
 
-    ``allow_idle=False`` when the world is already running on every device of ``cluster``."""
+    ``allow_idle=False`` when the world is already running on every device of ``cluster``; ``calibration``
+    replaces the plan's own constants (a fit of the run: `ethpipe replan --catalog`, `train --replan-after`)."""
     from ethpipe.planner import METHODS, PlannerOptions, make_plan
 
     method = old.method if old.method in METHODS else "eth"
@@ -41,11 +45,15 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True) -> Plan:
         dtype = plan_dtype(dtype, cluster, source="the plan's dtype bf16 on the new cluster",
                            fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
     new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
+                    profiles=profiles,
                     options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
-                    calibration=recorded_calibration(old), attention=str(old.extra.get("attention", "auto")))
+                    calibration=calibration or recorded_calibration(old),
+                    attention=str(old.extra.get("attention", "auto")))
     emulation = old.extra.get("emulation")
-    if emulation is not None and "emulation" not in new.extra:  # keep a pinned emulation time scale
-        new = dataclasses.replace(new, extra={**new.extra, "emulation": emulation})
+    if emulation is not None and "emulation" not in new.extra:  # the same emulated devices: time scale, profiles
+        from ethpipe.runtime.emulate import pinned_emulation
+
+        new = dataclasses.replace(new, extra={**new.extra, "emulation": pinned_emulation(old)})
     return new
 
 
@@ -58,7 +66,7 @@ def recorded_calibration(plan: Plan) -> Calibration | None:
     if recorded is None:
         return None
     merged = shipped_calibration().merged(recorded)
-    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback)
+    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback, recorded.devices)
 
 
 def first_devices(cluster: Cluster, world_size: int) -> Cluster:
@@ -122,18 +130,37 @@ def describe_changes(old: Plan, new: Plan) -> list[str]:
 @user_errors
 def replan_cmd(
     plan: Path = typer.Option(..., "--plan", help="The plan the job ran with (model, batch and seq_len are kept)."),
-    cluster: Path = typer.Option(..., "--cluster", help="The changed cluster (YAML or JSON)."),
+    cluster: Optional[Path] = typer.Option(None, "--cluster", help="The changed cluster (YAML or JSON); default: "
+                                           "the plan's own devices (with --catalog: re-plan for measured speeds)."),
+    catalog: Optional[Path] = typer.Option(None, "--catalog", help="Constants to price with instead of the plan's "
+                                           "(`ethpipe calibrate --from-run ... --out FITTED.yaml`)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the new plan here."),
 ) -> None:
     """Re-plan a job for a changed cluster and print what changed; resume with
     `ethpipe train --plan NEW --checkpoint-dir DIR --resume` (checkpoints load under any plan)."""
     old = Plan.load(plan)
-    clu = load_cluster(cluster)
+    if cluster is None and catalog is None:
+        raise UserError("give --cluster (a changed cluster) or --catalog (measured constants), or both")
+    if cluster is None and old.cluster is None:
+        raise UserError(f"plan '{plan}' has no 'cluster' field: give --cluster")
+    clu = load_cluster(cluster) if cluster is not None else old.active_cluster()
+    calibration = None
+    if catalog is not None:
+        from ethpipe.cost.hardware import load_calibration
+
+        calibration = (recorded_calibration(old) or shipped_calibration()).merged(load_calibration(catalog))
     start = time.perf_counter()
-    new = replan(old, clu)
+    from ethpipe.runtime.emulate import emulation_profiles
+
+    new = replan(old, clu, allow_idle=cluster is not None, calibration=calibration, profiles=emulation_profiles(old))
     took_s = time.perf_counter() - start
     if out is not None:
         new.save(out)
     for line in describe_changes(old, new):
         console.print(line, highlight=False)
+    if calibration is not None:
+        from ethpipe.cli.learn import priced_with
+
+        console.print(f"the old plan priced with --catalog: {priced_with(old, calibration):.4f} s (the same constants "
+                      "as the new plan's prediction)", highlight=False)
     console.print(f"planned in {took_s:.3f} s" + (f"; written to {out}" if out is not None else ""), highlight=False)

@@ -89,6 +89,10 @@ def _print_report(plan: object, report: object) -> None:
     if plan.idle_devices:
         console.print(f"{len(plan.idle_devices)} cluster devices idle (no rank, not simulated): "
                       f"{plan.idle_devices[0].reason}", highlight=False)
+    if plan.cluster is not None:  # where each rank runs (what `ethpipe launch` starts on which node)
+        from ethpipe.cli.plan_cmds import nodes_line
+
+        console.print(nodes_line(plan), highlight=False)
     pipes = Table("pipeline", "depth", "micro-batches", "samples", "flush (ms)", title="pipelines")
     for p, pipe in enumerate(plan.pipelines):
         pipes.add_row(str(p), str(pipe.depth), str(pipe.num_microbatches), str(pipe.num_samples),

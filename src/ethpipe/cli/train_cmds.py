@@ -10,7 +10,9 @@ from typing import Optional
 import typer
 
 from ethpipe.cli.app import app, console, err_console, user_errors
+from ethpipe.cli.run_config import config_option, config_text
 from ethpipe.errors import UserError
+from ethpipe.cli.learn import DEFAULT_MIN_GAIN
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
 
 data_app = typer.Typer(help="Make token files for `ethpipe train`.", no_args_is_help=True)
@@ -20,6 +22,8 @@ app.add_typer(data_app, name="data")
 @app.command()
 @user_errors
 def train(
+    ctx: typer.Context,
+    config_file: Optional[Path] = config_option(),
     plan: Path = typer.Option(..., "--plan", help="Plan JSON (from `ethpipe plan` or hand-written)."),
     data: Path = typer.Option(..., "--data", help="Token file (.bin, uint16/uint32, nanoGPT layout)."),
     steps: int = typer.Option(..., "--steps", help="Optimizer steps; step k uses global samples [k*B, (k+1)*B)."),
@@ -49,7 +53,14 @@ def train(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
     device: str = typer.Option("auto", "--device", help="auto (accelerator if present) or cpu."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Fail any collective that waits longer."),
-    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (and no console lines)."),
+    log_every: int = typer.Option(0, "--log-every", help="A console line (step, loss, tokens/s, measured vs "
+                                  "predicted step time, loss scale) every N steps; 0: every 10 s when the output is "
+                                  "not a terminal (SLURM logs, | tee), else the progress bar only."),
+    tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help="Write TensorBoard event files here "
+                                               "(needs the tensorboard package: ethpipe[tensorboard])."),
+    wandb: Optional[str] = typer.Option(None, "--wandb", help="Log to this Weights & Biases project, offline (a run "
+                                        "directory for `wandb sync`) unless WANDB_MODE is set; needs ethpipe[wandb]."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Save training checkpoints here (plan-independent; see `ethpipe inspect`)."),
     save_every: int = typer.Option(0, "--save-every", help="Checkpoint every K steps (0: only after the last)."),
@@ -80,6 +91,13 @@ def train(
                                         "steps pay the compilation; not with tensor-parallel stages)."),
     bucket_mib: float = typer.Option(DEFAULT_BUCKET_BYTES / 2**20, "--bucket-mib", help="Gradient-sync bucket size "
                                      "in MiB (0: one all-reduce per sync unit: a block, or its slice under mixed TP)."),
+    replan_after: int = typer.Option(
+        0, "--replan-after", help="After N steps: fit the device types' measured compute, re-plan on the same "
+                                  "devices, and switch (checkpoint, reload, continue) if the new plan is predicted "
+                                  "faster by --replan-min-gain; needs --checkpoint-dir (0: never)."),
+    replan_min_gain: float = typer.Option(
+        DEFAULT_MIN_GAIN, "--replan-min-gain", help="Least predicted gain (fraction of the step time) that makes "
+                                                    "--replan-after switch plans."),
     no_overlap_grad_sync: bool = typer.Option(
         False, "--no-overlap-grad-sync", help="Start the gradient all-reduces after the last backward's sends "
                                               "instead of from its hooks (for NCCL setups that serialise "
@@ -125,9 +143,23 @@ def train(
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
         overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks,
+        log_every=log_every, tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb,
+        run_config=config_text(ctx) if checkpoint_dir else None,
     )
+    replanner = None
+    if replan_after:
+        from ethpipe.runtime.replan_step import MIN_STEPS_BEFORE_REPLAN
+
+        if not MIN_STEPS_BEFORE_REPLAN <= replan_after < steps or checkpoint_dir is None:
+            raise UserError(f"--replan-after must be between {MIN_STEPS_BEFORE_REPLAN} (the first step is warm-up) and "
+                            f"--steps - 1 and needs --checkpoint-dir (the switch goes through a checkpoint), got "
+                            f"{replan_after}")
+        from ethpipe.cli.learn import RunReplanner
+
+        replanner = RunReplanner(replan_after, replan_min_gain, dtype=dtype, emulate=emulate)
     try:
-        records = run_torchrun(the_plan, config) if in_torchrun() else run_local(the_plan, config)
+        records = (run_torchrun(the_plan, config, replanner) if in_torchrun()
+                   else run_local(the_plan, config, replanner=replanner))
     except TrainingFailed as err:  # a rank died or crashed: one line (naming the kept traceback of a crash)
         err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(1)

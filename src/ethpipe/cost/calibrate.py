@@ -16,6 +16,13 @@ So a constant a family's data cannot pin (no TF32 GEMM measured, no launch-bound
 centre's value rather than an arbitrary one, and the centre itself becomes the ``fallback`` that
 prices families nobody measured. Profiles of several GPU types and models combine; any model
 works because the kernel inventory, not the layer, is what is fitted.
+
+An observation may also be a single op's timing rather than a layer pass (per-op profilers such as
+Aceso's or vidur's): ``layer_passes=0`` leaves the per-layer overhead out of it, ``launch_floor=False``
+drops the launch floor where the timing is the device's alone (CUDA events around a kernel whose host
+launch overlapped earlier work), and ``weight`` scales its residual (so that a layer's dozen op timings
+weigh about as much as one layer pass). The defaults are a layer pass as above: layer-pass
+observations are priced and fitted exactly as they always were.
 """
 
 from __future__ import annotations
@@ -80,9 +87,18 @@ class Observation:
     measured_s: float
     terms: tuple[tuple[int, float, float], ...]  # per kernel: DeviceCompute.kernel_terms
     comm_s: float  # TP all-reduces, priced on the link (not fitted)
+    layer_passes: float = 1.0  # layer_s paid by the measurement: 1 for a layer pass, 0 for one op's timing
+    launch_floor: bool = True  # kernels never beat launch_s (False: a device-side timing, no host floor)
+    weight: float = 1.0  # multiplies the observation's residual in the fit
 
     def predict_s(self, constants: ArchConstants) -> float:
-        return pass_s(constants, self.terms) + self.comm_s
+        if self.layer_passes == 1.0 and self.launch_floor:
+            return pass_s(constants, self.terms) + self.comm_s
+        effs = constants.unit_effs()
+        floor = constants.launch_s if self.launch_floor else 0.0
+        return (sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, floor)
+                    for unit, compute_s, memory_s in self.terms)
+                + self.layer_passes * constants.layer_s + self.comm_s)
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:
@@ -136,39 +152,52 @@ class _Problem:
     kernel_unit: np.ndarray
     kernel_compute_s: np.ndarray  # at 100% of peak
     kernel_memory_s: np.ndarray  # at 100% of bandwidth
+    obs_layer: np.ndarray | None = None  # layer_passes of each observation (None: all 1)
+    obs_weight: np.ndarray | None = None  # weight of each observation (None: all 1)
+    kernel_floor: np.ndarray | None = None  # 1 where the kernel has the launch floor (None: all)
 
     @classmethod
     def of(cls, obs: Sequence[Observation]) -> _Problem:
         families = tuple(sorted({o.arch for o in obs}))
         index = {f: i for i, f in enumerate(families)}
-        rows = [(i, u, c, m) for i, o in enumerate(obs) for u, c, m in o.terms]
-        k = np.array(rows, dtype=float).reshape(-1, 4)
+        rows = [(i, u, c, m, float(o.launch_floor)) for i, o in enumerate(obs) for u, c, m in o.terms]
+        k = np.array(rows, dtype=float).reshape(-1, 5)
+        layer = np.array([o.layer_passes for o in obs], dtype=float)
+        weight = np.array([o.weight for o in obs], dtype=float)
+        floor = k[:, 4]
         return cls(families, np.array([index[o.arch] for o in obs]), np.array([o.measured_s for o in obs]),
-                   np.array([o.comm_s for o in obs]), k[:, 0].astype(int), k[:, 1].astype(int), k[:, 2], k[:, 3])
+                   np.array([o.comm_s for o in obs]), k[:, 0].astype(int), k[:, 1].astype(int), k[:, 2], k[:, 3],
+                   None if np.all(layer == 1.0) else layer, None if np.all(weight == 1.0) else weight,
+                   None if np.all(floor == 1.0) else floor)
 
     def _terms_s(self, x: np.ndarray) -> np.ndarray:
         """(kernels x 3) compute, memory and launch seconds of every kernel for per-family constants ``x``."""
         fam = self.obs_family[self.kernel_obs]
+        launch = x[fam, _LAUNCH] if self.kernel_floor is None else x[fam, _LAUNCH] * self.kernel_floor
         return np.stack([self.kernel_compute_s * x[fam, self.kernel_unit], self.kernel_memory_s * x[fam, _MEM],
-                         x[fam, _LAUNCH]], axis=1)
+                         launch], axis=1)
 
     def predict_s(self, x: np.ndarray) -> np.ndarray:
         """Predicted seconds of every observation for per-family constants ``x`` (families x constants)."""
         kernel_s = self._terms_s(x).max(axis=1)
         per_obs = np.bincount(self.kernel_obs, weights=kernel_s, minlength=len(self.measured_s))
-        return per_obs + x[self.obs_family, _LAYER] + self.comm_s
+        layer = x[self.obs_family, _LAYER] if self.obs_layer is None else x[self.obs_family, _LAYER] * self.obs_layer
+        return per_obs + layer + self.comm_s
 
     def informed(self, x: np.ndarray) -> np.ndarray:
         """(families x constants) which constants each family's data inform at ``x``: a unit's efficiency where
         one of its kernels is compute-bound, mem_eff where one is memory-bound, launch_s where one sits on the
-        floor; layer_s always (every pass pays it)."""
+        floor; layer_s where any observation pays it (every layer pass does)."""
         fam = self.obs_family[self.kernel_obs]
         binding = self._terms_s(x).argmax(axis=1)
+        floor = np.ones(len(fam), dtype=bool) if self.kernel_floor is None else self.kernel_floor > 0
+        layer = np.ones(len(self.measured_s), dtype=bool) if self.obs_layer is None else self.obs_layer > 0
         out = np.zeros((len(self.families), _NUM), dtype=bool)
         for f in range(len(self.families)):
             mine = fam == f
             units = [bool(np.any(mine & (binding == 0) & (self.kernel_unit == u))) for u in range(len(UNITS))]
-            out[f] = [*units, bool(np.any(mine & (binding == 1))), bool(np.any(mine & (binding == 2))), True]
+            out[f] = [*units, bool(np.any(mine & (binding == 1))), bool(np.any(mine & (binding == 2) & floor)),
+                      bool(np.any(layer & (self.obs_family == f)))]
         return out
 
 
@@ -187,6 +216,8 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     def residuals(v: np.ndarray) -> np.ndarray:
         centre, fams = v[:_NUM], v[_NUM:].reshape(num_families, _NUM)
         rel = (problem.predict_s(np.exp(fams)) - problem.measured_s) / problem.measured_s / OBS_SD
+        if problem.obs_weight is not None:
+            rel = rel * problem.obs_weight
         return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd])
 
     lo, hi = np.tile(np.log(_LOWER), num_families + 1), np.tile(np.log(_UPPER), num_families + 1)
@@ -201,7 +232,10 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
         gpus = ", ".join(sorted({o.gpu for o in group}))
         models = ", ".join(sorted({o.model for o in group}))
         fitted = tuple(name for name, ok in zip(CONSTANT_NAMES, informed[i]) if ok)
-        archs[family] = _constants_of(fams[i], f"{note}fitted to {len(group)} layer passes ({gpus}; {models})", fitted)
+        passes = sum(o.layer_passes == 1.0 for o in group)
+        what = f"{len(group)} layer passes" if passes == len(group) else \
+            f"{passes} layer passes and {len(group) - passes} op timings"
+        archs[family] = _constants_of(fams[i], f"{note}fitted to {what} ({gpus}; {models})", fitted)
     anywhere = tuple(name for name, ok in zip(CONSTANT_NAMES, informed.any(axis=0)) if ok)
     fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
                                      f"({', '.join(problem.families)}): for families nobody measured", anywhere)

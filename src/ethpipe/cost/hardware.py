@@ -22,7 +22,7 @@ measured family: what measured GPUs reach of their datasheets) and is reported a
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -82,16 +82,47 @@ DEFAULT_CONSTANTS = ArchConstants(tensor_eff=0.7, tf32_eff=0.7, simd_eff=0.9, me
 
 
 @dataclass(frozen=True)
+class DeviceScale:
+    """What a training run measured of one device type against the model that priced it (`ethpipe calibrate
+    --from-run`): its forward and backward compute take ``fwd_scale`` / ``bwd_scale`` times the model's time.
+
+    Per device type, not per family: the user's GPUs of one type share clocks, power caps and drivers that
+    others of the family need not (and emulated or inline types have no family at all)."""
+
+    fwd_scale: float
+    bwd_scale: float
+    source: str = ""
+    num_observations: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.fwd_scale > 0 and self.bwd_scale > 0):
+            raise UserError(f"device scales must be positive, got {self.fwd_scale} / {self.bwd_scale}")
+
+    @property
+    def train_scale(self) -> float:
+        """The scale of a whole training pass (backward ~2x the forward's FLOPs)."""
+        return (self.fwd_scale + 2 * self.bwd_scale) / 3
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Fitted constants by architecture family (``data/calibration.yaml`` or `ethpipe calibrate`).
 
     ``fallback`` prices families nobody measured: the constants the fit puts at the centre of
-    every measured family (datasheet peaks x what measured GPUs reach of theirs).
+    every measured family (datasheet peaks x what measured GPUs reach of theirs). ``devices`` scales
+    the compute of single device types to what a run of them measured (``DeviceScale``).
     """
 
     architectures: Mapping[str, ArchConstants]
     source: str = ""
     fallback: ArchConstants | None = None
+    devices: Mapping[str, DeviceScale] = field(default_factory=dict)
+
+    def device_scale(self, device_type: str) -> DeviceScale | None:
+        return self.devices.get(device_type)
 
     def constants(self, arch: str) -> tuple[ArchConstants, bool]:
         """(constants, calibrated?) of an architecture family."""
@@ -108,13 +139,16 @@ class Calibration:
         for name, theirs in other.architectures.items():
             ours = archs.get(name)
             archs[name] = theirs.over(ours) if ours is not None and ours.fitted else theirs
-        return Calibration(archs, other.source or self.source, self.fallback or other.fallback)
+        return Calibration(archs, other.source or self.source, self.fallback or other.fallback,
+                           {**self.devices, **other.devices})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": CALIBRATION_VERSION, "source": self.source,
                                "architectures": {k: v.to_dict() for k, v in sorted(self.architectures.items())}}
         if self.fallback is not None:
             out["fallback"] = self.fallback.to_dict()
+        if self.devices:
+            out["devices"] = {k: v.to_dict() for k, v in sorted(self.devices.items())}
         return out
 
 
@@ -142,7 +176,14 @@ def calibration_from_dict(data: Any, where: str = "calibration", fix: str = CALI
     archs = {str(name): _constants_from_dict(raw, where, f"architectures.{name}")
              for name, raw in (data.get("architectures") or {}).items()}
     fallback = _constants_from_dict(data["fallback"], where, "fallback") if data.get("fallback") else None
-    return Calibration(archs, str(data.get("source", "")), fallback)
+    devices = {}
+    for name, raw in (data.get("devices") or {}).items():
+        try:
+            devices[str(name)] = DeviceScale(float(raw["fwd_scale"]), float(raw["bwd_scale"]),
+                                             str(raw.get("source", "")), int(raw.get("num_observations", 0)))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise UserError(f"{where} field 'devices.{name}' is missing or has a malformed {err}: {fix}") from None
+    return Calibration(archs, str(data.get("source", "")), fallback, devices)
 
 
 def recorded_calibration(data: Any, where: str) -> Calibration | None:

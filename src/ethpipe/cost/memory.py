@@ -113,7 +113,7 @@ def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: 
     input and output (4h), mean and rstd (4). Attention: Q, K, V as SDPA reads them (q + 2 kv), its
     output (q), the reshaped copy the output projection reads where RoPE left Q contiguous (q), and
     SDPA's log-sum-exp (heads). The MLP: 4f (SwiGLU: gate and up outputs, SiLU's output, their
-    product) or 2f (GELU). Under 16-bit autocast (``dtype_bytes`` 2) each sub-block's input is cast
+    product), 2f (GELU: its input and output) or f (ReLU: its output only). Under 16-bit autocast (``dtype_bytes`` 2) each sub-block's input is cast
     once for all its matmuls (2h in 16-bit), the matmul-side tensors are 16-bit, and the norms'
     internals stay fp32 (RMSNorm: 4h + 2; LayerNorm: 2h + 4; plus the fp32 log-sum-exp). Norm-side
     tensors are replicated over TP, the rest split. RoPE's cos/sin tables (head_dim per token, once
@@ -121,7 +121,7 @@ def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: 
     """
     h, rms = model.hidden_size, model.norm == "rmsnorm"
     split = (3 if model.position == "rope" else 2) * model.q_dim + 2 * model.kv_dim
-    split += (4 if model.activation == "swiglu" else 2) * model.ffn_hidden_size
+    split += {"swiglu": 4, "relu": 1}.get(model.activation, 2) * model.ffn_hidden_size
     small = 2 if rms else 4
     if dtype_bytes >= 4:
         return seq_len * dtype_bytes * ((6 if rms else 4) * h + small + (split + model.num_heads) / tp)

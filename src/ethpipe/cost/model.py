@@ -104,6 +104,7 @@ class CostModel(MemoryPricing):
         for name, prof in (self.profiles or {}).items():
             prof.check_kernel_modes(name, self.attention_mode, dtype, self.tf32)
         cal = self.calibration or shipped_calibration()
+        object.__setattr__(self, "_scales", {t: cal.devices[t] for t in gpus if t in cal.devices})
         object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
                                          for t, g in gpus.items() if has_hardware_model(g)})
         object.__setattr__(self, "_kernel_memo", {})
@@ -160,6 +161,11 @@ class CostModel(MemoryPricing):
         return int(self.gpu(device_type).memory_bytes * memory.USABLE_MEMORY_FRACTION)
 
     def achievable_flops(self, device_type: str) -> float:
+        """Achievable FLOP/s (over a run-measured ``DeviceScale`` where the calibration has one)."""
+        scale = self._scales.get(device_type)  # type: ignore[attr-defined]
+        return self._model_flops(device_type) / (scale.train_scale if scale is not None else 1.0)
+
+    def _model_flops(self, device_type: str) -> float:
         """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
         if self._priced_by_kernels(device_type):
             # Per-sample (marginal) rate over the whole model at large micro-batches: fixed costs
@@ -194,6 +200,10 @@ class CostModel(MemoryPricing):
                 notes[t] = f"{t} uncalibrated (peak x efficiency {self.gpu(t).efficiency:g}: no architecture / bandwidth)"
             else:
                 notes[t] = f"{hw.describe()}, {self.attention(t)} attention"
+            scale = self._scales.get(t)  # type: ignore[attr-defined]
+            if scale is not None:
+                notes[t] += (f"; x{scale.fwd_scale:.3f} forward, x{scale.bwd_scale:.3f} backward as a run measured "
+                             f"({scale.num_observations} stage observations)")
             notes[t] += f"; {self._link_note(t)}"
         return notes
 
@@ -249,11 +259,15 @@ class CostModel(MemoryPricing):
         return device_type in self._hw and not (self.profiles and device_type in self.profiles)  # type: ignore[attr-defined]
 
     def _compute_s(self, device_type: str, kind: str, micro_batch: int, tp: int) -> tuple[float, float]:
-        """(fwd, bwd) compute of one layer on one of ``tp`` ranks (no TP communication)."""
+        """(fwd, bwd) compute of one layer on one of ``tp`` ranks (no TP communication), scaled to what a run of
+        the type measured where the calibration says (``DeviceScale``)."""
         if self._priced_by_kernels(device_type):
-            return self._kernel_times_s(device_type, kind, micro_batch, tp)
-        fwd, bwd = self._profile_or_analytic(device_type, kind, micro_batch)
-        return fwd / tp, bwd / tp
+            fwd, bwd = self._kernel_times_s(device_type, kind, micro_batch, tp)
+        else:
+            fwd, bwd = self._profile_or_analytic(device_type, kind, micro_batch)
+            fwd, bwd = fwd / tp, bwd / tp
+        scale = self._scales.get(device_type)  # type: ignore[attr-defined]
+        return (fwd * scale.fwd_scale, bwd * scale.bwd_scale) if scale is not None else (fwd, bwd)
 
     def _profile_scale(self, prof: MeasuredProfile, kind: str) -> float:
         if prof.seq_len == self.seq_len and prof.model == self.model.to_dict():

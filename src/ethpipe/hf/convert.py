@@ -4,7 +4,8 @@ One table (ethpipe name -> ``Source``) serves import and export, so the two can 
 import reads a source key (once per rank, however many ethpipe tensors it feeds), transposes
 GPT-2's Conv1D matrices and slices its fused q/k/v rows; export concatenates and transposes back.
 Llama, Mistral and Qwen2 share one layout (HF's q/k weights already use the rotate-half RoPE
-order that ``runtime.model.apply_rope`` implements, so no permutation is needed).
+order that ``runtime.model.apply_rope`` implements, so no permutation is needed). OPT's are plain
+``nn.Linear``s, one per projection; its position table keeps its 2 offset rows (``position_offset``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model import state_dict_shapes
 
 GPT2_PREFIX = "transformer."  # GPT2LMHeadModel.save_pretrained; the original hub files have none
+OPT_PREFIX = "model."  # OPTForCausalLM.save_pretrained; the original hub files (saved from OPTModel) have none
+PREFIXES = {"gpt2": GPT2_PREFIX, "opt": OPT_PREFIX}  # architectures whose keys may or may not carry a prefix
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ _LLAMA_LAYER = {
 }
 _GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.wo": "attn.c_proj", "mlp.w1": "mlp.c_fc",
                "mlp.w2": "mlp.c_proj"}
+_OPT_LAYER = {"attn_norm": "self_attn_layer_norm", "mlp_norm": "final_layer_norm", "attn.wq": "self_attn.q_proj",
+              "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj",
+              "mlp.w1": "fc1", "mlp.w2": "fc2"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Buffers some HF checkpoints carry that are not parameters: ignored on import.
 IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -70,11 +76,27 @@ def _gpt2_source(name: str, spec: ModelSpec, prefix: str) -> Source:
     return Source(f"{prefix}h.{layer}.{_GPT2_LAYER[module]}.{leaf}", transpose=matrix)
 
 
-def hf_sources(spec: ModelSpec, arch: str, gpt2_prefix: str = GPT2_PREFIX) -> dict[str, Source]:
-    """Every ethpipe global name of ``spec`` -> its place in a HF checkpoint of architecture ``arch``."""
+def _opt_source(name: str, prefix: str) -> Source:
+    fixed = {"tok_emb.weight": "embed_tokens.weight", "pos_emb.weight": "embed_positions.weight",
+             "norm.weight": "final_layer_norm.weight", "norm.bias": "final_layer_norm.bias"}
+    if name == "head.weight":
+        return Source("lm_head.weight")
+    if name in fixed:
+        return Source(f"{prefix}decoder.{fixed[name]}")
+    layer, module, leaf = _LAYER.match(name).groups()  # type: ignore[union-attr]
+    return Source(f"{prefix}decoder.layers.{layer}.{_OPT_LAYER[module]}.{leaf}")
+
+
+def hf_sources(spec: ModelSpec, arch: str, prefix: str | None = None) -> dict[str, Source]:
+    """Every ethpipe global name of ``spec`` -> its place in a HF checkpoint of architecture ``arch``.
+
+    ``prefix``: of a GPT-2's or OPT's keys (None: what ``save_pretrained`` writes, ``PREFIXES``)."""
     names = state_dict_shapes(spec)
+    prefix = PREFIXES.get(arch, "") if prefix is None else prefix
     if arch == "gpt2":
-        return {n: _gpt2_source(n, spec, gpt2_prefix) for n in names}
+        return {n: _gpt2_source(n, spec, prefix) for n in names}
+    if arch == "opt":
+        return {n: _opt_source(n, prefix) for n in names}
     return {n: _llama_source(n) for n in names}
 
 
@@ -110,8 +132,11 @@ def from_hf(names: Iterable[str], sources: Mapping[str, Source],
     return out
 
 
-def to_hf(state: Mapping[str, torch.Tensor], sources: Mapping[str, Source]) -> dict[str, torch.Tensor]:
-    """HF-keyed tensors from ethpipe's consolidated state (fused rows concatenated, Conv1D transposed)."""
+def to_hf(state: Mapping[str, torch.Tensor], sources: Mapping[str, Source],
+          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-keyed tensors from ethpipe's consolidated state (fused rows concatenated, Conv1D transposed), cast
+    to ``dtype`` (None: as they are) one key at a time, so a bf16 export of fp32 weights adds half the fp32
+    size in memory, not a whole fp32 copy."""
     parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, tensor in state.items():
         if name not in sources:
@@ -120,6 +145,6 @@ def to_hf(state: Mapping[str, torch.Tensor], sources: Mapping[str, Source]) -> d
         parts.setdefault(src.key, []).append((src.rows[0] if src.rows else 0, tensor))
     out: dict[str, torch.Tensor] = {}
     for key, pieces in parts.items():
-        fused = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=0)
+        fused = torch.cat([t if dtype is None else t.to(dtype) for _, t in sorted(pieces, key=lambda p: p[0])])
         out[key] = (fused.T if _transposed(sources, key) else fused).contiguous()
     return out

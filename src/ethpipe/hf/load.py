@@ -18,7 +18,7 @@ from torch import nn
 
 from ethpipe.errors import UserError
 from ethpipe.hf.config import architecture, read_config, spec_from_hf
-from ethpipe.hf.convert import GPT2_PREFIX, IGNORED, Source, from_hf, hf_shapes, hf_sources
+from ethpipe.hf.convert import IGNORED, PREFIXES, Source, from_hf, hf_shapes, hf_sources
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.tensor_parallel import local_slice
 
@@ -94,8 +94,12 @@ def _read_headers(files: list[Path]) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _gpt2_prefix(tensors: dict[str, TensorInfo]) -> str:
-    return GPT2_PREFIX if any(k.startswith(GPT2_PREFIX) for k in tensors) else ""
+def _key_prefix(arch: str, tensors: dict[str, TensorInfo]) -> str | None:
+    """GPT-2's ``transformer.`` / OPT's ``model.`` where the files' keys carry it, else ""; None: no such prefix."""
+    prefix = PREFIXES.get(arch)
+    if prefix is None:
+        return None
+    return prefix if any(k.startswith(prefix) for k in tensors) else ""
 
 
 def open_hf(path: str | Path) -> HFCheckpoint:
@@ -108,7 +112,7 @@ def open_hf(path: str | Path) -> HFCheckpoint:
     arch = architecture(config, where)
     spec = spec_from_hf(config, name=path.resolve().name, where=where)
     tensors = _read_headers(_shard_files(path))
-    sources = hf_sources(spec, arch, _gpt2_prefix(tensors) if arch == "gpt2" else GPT2_PREFIX)
+    sources = hf_sources(spec, arch, _key_prefix(arch, tensors))
     want = hf_shapes(spec, sources)
     missing = sorted(set(want) - set(tensors))
     if missing:

@@ -115,7 +115,9 @@ def compute_model_record(cost: CostModel) -> dict:
     """What priced the plan's compute, written into the plan so `ethpipe simulate` prices it the same way."""
     used = {cost.gpu(t).arch for t in cost.device_speeds()}
     cal = cost.calibration or shipped_calibration()
-    record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback)
+    types = set(cost.device_speeds())
+    record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback,
+                         {t: d for t, d in cal.devices.items() if t in types})
     return {"devices": cost.compute_model_notes(), "calibration": record.to_dict()}
 
 

@@ -84,7 +84,18 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
     for s in config.slowdowns:
         if not 0 <= s.rank < plan.world_size:
             raise UserError(f"slowdown rank {s.rank} is not in the plan (world size {plan.world_size})")
+    _check_dashboards(config)
     return spec, data, start
+
+
+def _check_dashboards(config: TrainConfig) -> None:
+    """The packages --tensorboard / --wandb need, before any rank starts (rank 0 logs; every rank checks alike)."""
+    from importlib.util import find_spec
+
+    if config.tensorboard is not None and find_spec("tensorboard") is None:
+        raise UserError("--tensorboard needs the tensorboard package: pip install 'ethpipe[tensorboard]'")
+    if config.wandb is not None and find_spec("wandb") is None:
+        raise UserError("--wandb needs the wandb package: pip install 'ethpipe[wandb]'")
 
 
 def _validate_resumed_data(data: TokenFile, plan: Plan, config: TrainConfig, start: ResumePoint) -> None:

@@ -60,6 +60,10 @@ class TrainConfig:
     rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
     watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off
     log_sample_ids: bool = False  # metrics lines list the global sample ids of each step
+    log_every: int = 0  # a console line every N steps (0: every 10 s when not a terminal, else the bar only)
+    tensorboard: str | None = None  # TensorBoard event files here (runtime/metric_sinks.py)
+    wandb: str | None = None  # Weights & Biases project (offline unless WANDB_MODE says otherwise)
+    run_config: str | None = None  # the command's options as a --config file: written next to the checkpoints
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -81,6 +85,9 @@ class TrainConfig:
             raise UserError("--save-every, --resume and --auto-resume need --checkpoint-dir DIR")
         if self.resume and self.auto_resume:
             raise UserError("give --resume (a checkpoint must exist) or --auto-resume (resume if one exists), not both")
+        if self.log_every < 0:
+            raise UserError(f"--log-every must be >= 0 (0: every 10 s when the output is not a terminal), got "
+                            f"{self.log_every}")
         if self.watchdog_s is not None and self.watchdog_s < 0:
             raise UserError(f"--watchdog-s must be >= 0 (0 = off), got {self.watchdog_s}")
         if self.resume and self.init_from is not None:

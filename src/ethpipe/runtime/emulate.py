@@ -70,11 +70,14 @@ def parse_slowdown(text: str) -> Slowdown:
 def relative_speeds(plan: Plan) -> dict[str, float]:
     """Device type -> relative speed (fastest in the plan = 1.0).
 
-    From ``plan.extra["device_speeds"]`` (the planner writes it), else from the GPU catalog's
-    achievable FLOP/s of each device id in the plan.
+    From ``emulation.speeds`` where a re-plan pinned the emulated devices (``pinned_emulation``), else
+    ``plan.extra["device_speeds"]`` (the planner writes it), else from the GPU catalog's achievable FLOP/s of
+    each device id in the plan.
     """
     types = sorted({s.device for p in plan.pipelines for s in p.stages})
-    given = plan.extra.get("device_speeds")
+    section = plan.extra.get("emulation")
+    pinned = section.get("speeds") if isinstance(section, Mapping) else None
+    given = pinned if isinstance(pinned, Mapping) else plan.extra.get("device_speeds")
     if isinstance(given, Mapping):
         missing = [t for t in types if t not in given]
         if missing:
@@ -131,22 +134,64 @@ def emulation_time_scale(plan: Plan, num_cores: int | None = None) -> float:
 
 
 def with_emulation(plan: Plan, time_scale: float,
-                   compute_s: Mapping[int, Mapping[int, tuple[float, float]]] | None = None) -> Plan:
+                   compute_s: Mapping[int, Mapping[int, tuple[float, float]]] | None = None,
+                   profiles: Mapping[str, Any] | None = None) -> Plan:
     """A copy of ``plan`` that pins the emulation time scale and, if given, paced targets
-    (rank -> micro-batch size -> (fwd_s, bwd_s)), so a prediction and a run agree on them."""
+    (rank -> micro-batch size -> (fwd_s, bwd_s)), so a prediction and a run agree on them; or ``profiles``
+    (device type -> MeasuredProfile of the emulated device), from which any plan's targets follow: what a
+    plan re-made for the same emulated devices (`--replan-after`) is paced with."""
     emulation: dict[str, Any] = {"time_scale": float(time_scale)}
     if compute_s is not None:
         emulation["compute_s"] = {str(r): {str(b): [float(f), float(bw)] for b, (f, bw) in sorted(t.items())}
                                   for r, t in sorted(compute_s.items())}
+    if profiles is not None:
+        emulation["profiles"] = {t: p.to_dict() for t, p in sorted(profiles.items())}
     return dataclasses.replace(plan, extra={**plan.extra, "emulation": emulation})
 
 
+def pinned_emulation(plan: Plan) -> dict[str, Any]:
+    """``plan``'s emulated devices, for a plan re-made for them: the time scale and speeds they ran at (a re-plan's
+    own speeds may come from a fit of the run, which must not change the emulated hardware) and their profiles;
+    not the per-rank targets, which were the old stages'."""
+    section = plan.extra.get("emulation")
+    kept = {k: v for k, v in section.items() if k != "compute_s"} if isinstance(section, Mapping) else {}
+    return {**kept, "time_scale": emulation_time_scale(plan), "speeds": relative_speeds(plan)}
+
+
+def emulation_profiles(plan: Plan) -> dict[str, Any] | None:
+    """The emulated devices' profiles the plan carries (``with_emulation(profiles=...)``), else None."""
+    from ethpipe.cost.profile import profile_from_dict
+
+    section = plan.extra.get("emulation")
+    raw = section.get("profiles") if isinstance(section, Mapping) else None
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise UserError("plan field 'emulation.profiles' must map device types to profiles")
+    return {str(t): profile_from_dict(p) for t, p in raw.items()}
+
+
+def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[tuple[int, float, float], ...]:
+    """The targets of ``rank``'s stage from the emulated devices' profiles (fp32 activations, as emulated runs)."""
+    from ethpipe.cost.model import CostModel
+
+    cost = CostModel(plan.active_cluster(), plan.resolve_model(), plan.seq_len, dtype_bytes=4, dtype="fp32",
+                     profiles=profiles)
+    pos = plan.position_of(rank)
+    pipe = plan.pipelines[pos.pipeline]
+    stage = pipe.stages[pos.stage]
+    return tuple((b, *cost.stage_compute_s(stage, b, first=pos.stage == 0, last=pos.stage == pipe.depth - 1))
+                 for b in sorted(set(pipe.micro_batch_sizes)))
+
+
 def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]:
-    """``(micro_batch, fwd_s, bwd_s)`` targets of ``rank`` from the plan's ``emulation.compute_s`` (or ())."""
+    """``(micro_batch, fwd_s, bwd_s)`` targets of ``rank`` from the plan's ``emulation.compute_s``, else from its
+    ``emulation.profiles`` (or ())."""
     section = plan.extra.get("emulation")
     table = section.get("compute_s") if isinstance(section, Mapping) else None
     if table is None:
-        return ()
+        profiles = emulation_profiles(plan)
+        return _profile_targets(plan, rank, profiles) if profiles else ()
     where = "plan field 'emulation.compute_s'"
     if not isinstance(table, Mapping) or str(rank) not in table or not isinstance(table[str(rank)], Mapping):
         raise UserError(f"{where} has no targets for rank {rank}: "

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ethpipe.errors import ReportedElsewhere, UserError, write_crash_report
 from ethpipe.plan import Plan
 from ethpipe.runtime.matmul_mode import apply_kernel_modes
-from ethpipe.runtime.train import TrainConfig, check_inputs, check_plan_runnable, train
+from ethpipe.runtime.train import Replanner, TrainConfig, check_inputs, check_plan_runnable, train
 from ethpipe.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
@@ -109,13 +109,14 @@ def set_gpu_environment(environ: dict[str, str] | None = None) -> dict[str, str]
 
 
 def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, run_dir: str,
-                  num_threads: int) -> None:
+                  num_threads: int, replanner: Replanner | None = None) -> None:
     die_with_parent()
     torch.set_num_threads(num_threads)
     try:
         device = pick_device(config, rank, world_size)
         apply_kernel_modes(plan, device)
-        records = train(plan, config, rank, world_size, device, init_method=f"file://{run_dir}/store")
+        records = train(plan, config, rank, world_size, device, init_method=f"file://{run_dir}/store",
+                        replanner=replanner)
     except UserError as err:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         Path(run_dir, f"error-{rank:05d}.txt").write_text(message)
@@ -130,7 +131,7 @@ def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, r
 
 
 def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
-              num_threads: int = 1) -> list[dict[str, Any]]:
+              num_threads: int = 1, replanner: Replanner | None = None) -> list[dict[str, Any]]:
     """Spawn the plan's whole world on this machine, train, return rank 0's per-step records.
 
     All input checks run here first, so bad input fails before any process starts.
@@ -143,7 +144,7 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
         set_gpu_environment()  # inherited by the workers
     with tempfile.TemporaryDirectory(prefix="ethpipe-run-") as run_dir:
         context = mp.start_processes(
-            _local_worker, args=(plan, config, plan.world_size, run_dir, num_threads),
+            _local_worker, args=(plan, config, plan.world_size, run_dir, num_threads, replanner),
             nprocs=plan.world_size, join=False, start_method=start_method or default_start_method(accelerator),
         )
         try:
@@ -189,7 +190,7 @@ def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
     return TrainingFailed(f"training failed: ranks exited with codes {codes}")
 
 
-def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
+def run_torchrun(plan: Plan, config: TrainConfig, replanner: Replanner | None = None) -> list[dict[str, Any]]:
     """This process is one rank of a torchrun world: check, pick the device, train."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -206,7 +207,8 @@ def run_torchrun(plan: Plan, config: TrainConfig) -> list[dict[str, Any]]:
         set_gpu_environment()
     device = pick_device(config, local_rank, local_world)
     apply_kernel_modes(plan, device)
-    return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config))
+    return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config),
+                 replanner=replanner)
 
 
 def torchrun_store(rank: int, world_size: int, config: TrainConfig) -> dist.Store:

@@ -24,7 +24,18 @@ from ethpipe.plan import Plan, write_text_atomic
 
 # Fields of the per-rank stats: computed on the device (read once per step), then timed on the host.
 DEVICE_FIELDS = ("loss_part", "square_norm_part", "nonfinite_part")
-HOST_FIELDS = ("busy_s", "idle_s", "sync_exposed_s")
+HOST_FIELDS = ("busy_s", "idle_s", "sync_exposed_s", "peak_memory_bytes", "fwd_s", "bwd_s")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The rank's peak so far: the caching allocator's high-water mark on a GPU (a host-side counter, no
+    synchronisation), the process's peak resident set on CPU (libraries included: not the plan's model)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,10 @@ class StepStats:
     grad_sync_exposed_s: float  # max over ranks of time blocked on block all-reduces after the last backward
     rank_busy_s: tuple[float, ...] = ()  # F/B busy time of every rank (the same on every rank: rebalancing input)
     num_nonfinite: int = 0  # ranks with a non-finite gradient (fp16 loss scaling skips the step if > 0)
+    rank_peak_memory_bytes: tuple[int, ...] = ()  # every rank's peak so far (``peak_memory_bytes``)
+    rank_fwd_s: tuple[float, ...] = ()  # every rank's forward time this step (device time on GPUs)
+    rank_bwd_s: tuple[float, ...] = ()  # ... and backward time: what `calibrate --from-run` fits
+    rank_idle_s: tuple[float, ...] = ()  # every rank's waiting time in the schedule (p2p, bubbles)
 
 
 def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[[], Sequence[float]],
@@ -72,6 +87,8 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
         grad_sync_exposed_s=max(col["sync_exposed_s"]),
         rank_busy_s=tuple(col["busy_s"]),
         num_nonfinite=int(sum(col["nonfinite_part"])),
+        rank_peak_memory_bytes=tuple(int(b) for b in col["peak_memory_bytes"]),
+        rank_fwd_s=tuple(col["fwd_s"]), rank_bwd_s=tuple(col["bwd_s"]), rank_idle_s=tuple(col["idle_s"]),
     )
 
 
@@ -88,6 +105,10 @@ def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: in
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
         "grad_norm": stats.grad_norm,
         "lr": lr,
+        "peak_memory_bytes": list(stats.rank_peak_memory_bytes),
+        "rank_fwd_s": list(stats.rank_fwd_s),
+        "rank_bwd_s": list(stats.rank_bwd_s),
+        "rank_idle_s": list(stats.rank_idle_s),
         **(extra or {}),
     }
 
@@ -120,7 +141,9 @@ class MetricsWriter:
 
     def __init__(self, path: str | None, num_steps: int, progress: bool, append: bool = False,
                  log_every_s: float = LOG_EVERY_S, predicted_step_s: float | None = None,
-                 interactive: bool | None = None, out: IO[str] | None = None, total_steps: int | None = None) -> None:
+                 interactive: bool | None = None, out: IO[str] | None = None, total_steps: int | None = None,
+                 log_every_steps: int = 0, predicted_mfu: float | None = None, sinks: Sequence[Any] = ()) -> None:
+        """``sinks`` (dashboards) get every record; their owner closes them."""
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if path is not None:
@@ -129,9 +152,11 @@ class MetricsWriter:
         self._progress = None
         self._out = out if out is not None else sys.stdout
         interactive = self._out.isatty() if interactive is None else interactive
-        # Piped (SLURM logs, `| tee`) a bar shows nothing until the end: one plain line every ``log_every_s``.
-        self._lines = progress and not interactive
+        # Piped (SLURM logs, `| tee`) a bar shows nothing until the end: one plain line every ``log_every_s``,
+        # or every ``log_every_steps`` steps where asked (then on a terminal too, above the bar).
+        self._lines = progress and (not interactive or log_every_steps > 0)
         self._num_steps, self._log_every_s, self._predicted_s = num_steps, log_every_s, predicted_step_s
+        self._log_every_steps, self._predicted_mfu, self._sinks = log_every_steps, predicted_mfu, list(sinks)
         self._total = total_steps if total_steps is not None else num_steps  # a resumed run counts from its start
         self._last_line = -math.inf
         if progress and interactive:
@@ -142,19 +167,35 @@ class MetricsWriter:
             self._task = self._progress.add_task("train", total=num_steps, info="")
             self._progress.start()
 
+    def _due(self, now: float) -> bool:
+        if len(self.records) == self._num_steps:
+            return True
+        if self._log_every_steps > 0:  # by the run's step (a resumed run keeps its rhythm)
+            return (int(self.records[-1]["step"]) + 1) % self._log_every_steps == 0
+        return now - self._last_line >= self._log_every_s
+
     def write(self, record: dict[str, Any]) -> None:
+        if self._predicted_s:  # the plan's prediction beside the measurement, and MFU from the same ratio
+            record["predicted_step_s"] = self._predicted_s
+            if self._predicted_mfu and record["iteration_time_s"] > 0:
+                record["mfu"] = self._predicted_mfu * self._predicted_s / record["iteration_time_s"]
         self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+        for sink in self._sinks:
+            sink.write(record)
         if self._progress is not None:
             info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
             self._progress.update(self._task, advance=1, info=info)
         now = time.monotonic()
-        done = len(self.records) == self._num_steps
-        if self._lines and (now - self._last_line >= self._log_every_s or done):
+        if self._lines and self._due(now):
             self._last_line = now
-            print(log_line(record, self._total, self._predicted_s), file=self._out, flush=True)
+            line = log_line(record, self._total, self._predicted_s)
+            if self._progress is not None:
+                self._progress.console.print(line, highlight=False, markup=False)
+            else:
+                print(line, file=self._out, flush=True)
 
     def close(self) -> None:
         if self._file is not None:

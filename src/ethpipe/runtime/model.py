@@ -124,9 +124,10 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.swiglu = spec.activation == "swiglu"
+        self.relu = spec.activation == "relu"  # OPT
         self.gelu_approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
         h, f = spec.hidden_size, spec.ffn_hidden_size
-        self.w1 = linear(h, f, spec.mlp_bias, "column", tp)  # gate (SwiGLU) or up (GELU)
+        self.w1 = linear(h, f, spec.mlp_bias, "column", tp)  # gate (SwiGLU) or up (GELU, ReLU)
         self.w2 = linear(f, h, spec.mlp_bias, "row", tp)  # down
         if self.swiglu:
             self.w3 = linear(h, f, spec.mlp_bias, "column", tp)  # up
@@ -135,6 +136,8 @@ class MLP(nn.Module):
         x = tp_input(x, self.tp)
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.relu:
+            return self.w2(F.relu(self.w1(x)))
         return self.w2(F.gelu(self.w1(x), approximate=self.gelu_approximate))
 
 
@@ -192,8 +195,8 @@ class Decoder(nn.Module):
         if first or (last and tied):  # a tied last stage holds its copy of the embedding matrix
             self.tok_emb = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, self.tp) if self.tp else
                             nn.Embedding(spec.vocab_size, spec.hidden_size))
-        if first and spec.position == "learned":
-            self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden_size)
+        if first and spec.position == "learned":  # OPT's table has position_offset unused rows first
+            self.pos_emb = nn.Embedding(spec.max_seq_len + spec.position_offset, spec.hidden_size)
         self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for k in range(*layers)})
         if last:
             self.norm = make_norm(spec)
@@ -207,7 +210,7 @@ class Decoder(nn.Module):
         if self.first:
             h = self.tok_emb(x)
             if self.spec.position == "learned":
-                h = h + self.pos_emb(torch.arange(seq_len, device=x.device))
+                h = h + self.pos_emb(torch.arange(seq_len, device=x.device) + self.spec.position_offset)
             x = h
         rope = self._rope(seq_len, x.device) if self.spec.position == "rope" else None
         for layer in self.layers.values():

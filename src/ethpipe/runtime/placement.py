@@ -100,6 +100,11 @@ def _same_model(gpu: GpuSpec, info: DeviceInfo, words: str) -> bool:
     return not (sms and info.multiprocessors and sms != info.multiprocessors)
 
 
+def names_model(gpu: GpuSpec, device_name: str) -> bool:
+    """Whether a device name is of ``gpu``'s model (its model words, and its form factor where the name says one)."""
+    return _same_model(gpu, DeviceInfo("", "cuda", device_name), _words(device_name))
+
+
 def device_matches(gpu: GpuSpec, info: DeviceInfo, inline: bool) -> bool:
     """Whether a rank's device is the planned GPU type (module docstring)."""
     if not memory_matches(gpu, info.total_memory_bytes):

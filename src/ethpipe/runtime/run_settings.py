@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ethpipe.atomic import write_text_atomic
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.runtime.ckpt_layout import Manifest
 from ethpipe.runtime.config import TrainConfig
 
+RUN_CONFIG_NAME = "run.toml"  # the options of the run that wrote a checkpoint directory (`train --config` reads it)
 SETTINGS = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_grad", "seed", "shuffle")
 
 
@@ -51,3 +53,19 @@ def check_strict_resume(manifest: Manifest, config: TrainConfig, dtype: str) -> 
     if changes:
         raise UserError(f"--strict-resume: this run changes {', '.join(changes)} from the checkpoint at step "
                         f"{manifest.step}: pass the checkpoint's values, or drop --strict-resume")
+
+
+def write_run_config(text: str, checkpoint_dir: str) -> None:
+    """Keep the run's options beside its checkpoints: ``train --config DIR/run.toml`` repeats the run."""
+    write_text_atomic(os.path.join(checkpoint_dir, RUN_CONFIG_NAME), text)
+
+
+REPLANNED_PLAN_NAME = "plan-replanned.json"  # the plan a `--replan-after` switch chose
+
+
+def write_replanned_plan(plan: Plan, checkpoint_dir: str | None) -> str:
+    """Keep the switched-to plan beside its checkpoints: a restart after a crash resumes with it (``--plan``)."""
+    assert checkpoint_dir is not None, "a plan switch goes through a checkpoint"
+    path = os.path.join(checkpoint_dir, REPLANNED_PLAN_NAME)
+    plan.save(path)
+    return path

@@ -6,7 +6,8 @@ host synchronisation (the stats read), when every event has completed. On CPU, o
 paces actions on the host (``synchronous``), a mark is the wall clock (after a device synchronisation
 on an accelerator, so that the host time means something).
 
-What the marks measure: ``busy_s`` is the sum of the forward/backward actions' durations, ``phase_s``
+What the marks measure: ``busy_s`` is the sum of the forward/backward actions' durations (``fwd_s`` and
+``bwd_s`` its two parts: what `ethpipe calibrate --from-run` fits the device types to), ``phase_s``
 the time from the step's first action to the end of its last backward (data loading before it left
 out), ``sync_exposed_s`` the time from the end of the step's last sends (the final p2p batch) until the
 gradient sync has completed.
@@ -36,6 +37,8 @@ class Timeline:
     record: bool = False
     events: list[tuple[str, float, float]] = field(default_factory=list)  # (name, start_s, end_s): traces
     busy_s: float = 0.0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
     phase_s: float = 0.0
     sync_exposed_s: float = 0.0
     _spans: list[tuple[str, Mark, Mark]] = field(default_factory=list)
@@ -86,15 +89,18 @@ class Timeline:
     def finish_step(self) -> None:
         """Resolve this step's marks (every event has completed: call after the step's host synchronisation)."""
         offset = self._start_wall_s
-        busy = 0.0
+        fwd = bwd = 0.0
         for name, a, b in self._spans:
             duration = self._seconds(a, b)
-            if name[:1] in ("F", "B", "W") and name[1:].isdigit():
-                busy += duration
+            if name[:1] == "F" and name[1:].isdigit():
+                fwd += duration
+            elif name[:1] in ("B", "W") and name[1:].isdigit():
+                bwd += duration
             if self.record:
                 start = offset + self._seconds(self._start, a)
                 self.events.append((name, start, start + duration))
-        self.busy_s = busy
+        self.fwd_s, self.bwd_s = fwd, bwd
+        self.busy_s = fwd + bwd
         self.phase_s = self._seconds(self._start, self._phase_end) if self._phase_end is not None else 0.0
         self.sync_exposed_s = (self._seconds(self._sends_done, self._sync_done)
                                if self._sends_done is not None and self._sync_done is not None else 0.0)

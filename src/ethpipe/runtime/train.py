@@ -30,7 +30,7 @@ from ethpipe.runtime.checks import check_inputs, check_plan_runnable
 from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint
 from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, AUTOCAST_DTYPES, TrainConfig, lr_at, make_optimizer
-from ethpipe.runtime.run_settings import resume_line, run_settings
+from ethpipe.runtime.run_settings import resume_line, run_settings, write_replanned_plan, write_run_config
 from ethpipe.runtime.stage_optim import build_stage_optimizer
 from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
 from ethpipe.runtime.emulate import Emulator, make_emulator
@@ -40,7 +40,9 @@ from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import clip_coefficient
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.loss_scale import LossScaler
-from ethpipe.runtime.metrics import MetricsWriter, gather_stats, step_record, write_chrome_trace
+from ethpipe.runtime.metric_sinks import metrics_writer, open_sinks, writer_records
+from ethpipe.runtime.replan_step import Outcome, Replanner, decide_replan, replan_due
+from ethpipe.runtime.metrics import gather_stats, peak_memory_bytes, step_record, write_chrome_trace
 from ethpipe.runtime.model import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.placement import gather_and_check
 from ethpipe.runtime.preflight import settle
@@ -68,11 +70,14 @@ def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
 
 
 def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: torch.device | None = None,
-          init_method: str = "env://", store: dist.Store | None = None) -> list[dict[str, Any]]:
+          init_method: str = "env://", store: dist.Store | None = None,
+          replanner: Replanner | None = None) -> list[dict[str, Any]]:
     """Train on this rank; returns the per-step metric records on rank 0 ([] elsewhere).
 
     Initialises the default process group if none exists (and tears it down afterwards);
-    otherwise reuses it and only creates (and destroys) the plan's own groups.
+    otherwise reuses it and only creates (and destroys) the plan's own groups. ``replanner``
+    (``--replan-after``): after its ``after_steps`` steps, rank 0 asks it for a better plan; on a switch every
+    rank checkpoints, rebuilds its stage under the new plan from that checkpoint, and goes on in this process.
     """
     problem: UserError | None = None
     try:
@@ -100,8 +105,14 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
                 raise problem from None
             raise
     control: dist.ProcessGroup | None = None
+    sinks: list[Any] = []
     try:
         control = control_group(config.timeout)
+        if rank == 0 and problem is None:  # dashboards that cannot open stop every rank, with one line
+            try:
+                sinks = open_sinks(plan, config, start)
+            except Exception as err:  # noqa: BLE001 - a directory, a login, a package: the user's to fix
+                problem = UserError(f"--tensorboard / --wandb could not start: {str(err).splitlines()[0]}")
         settle(problem, control)
         _check_same_plan(plan, device)
         if not config.emulate:  # emulated device types run on CPUs
@@ -110,13 +121,57 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
             print(start_banner(plan, config, start, device), flush=True)
             if start.manifest is not None:
                 print(resume_line(start.manifest, plan, config, train_dtype(plan, config.dtype)), flush=True)
+        records: list[dict[str, Any]] = []
         with Watchdog(rank, config.watchdog_limit_s) as watchdog:
-            return _train_on_world(plan, config, spec, data, start, rank, device, watchdog, control)
+            while True:
+                outcome = _train_on_world(plan, config, spec, data, start, rank, device, watchdog, control, replanner,
+                                          sinks)
+                records += outcome.records
+                if outcome.switch_to is None:
+                    return records
+                plan, replanner = outcome.switch_to, None  # one switch per run
+                config = dataclasses.replace(config, resume=True, auto_resume=False, init_from=None)
+                spec, data, start = _switch_point(plan, config, world_size, outcome.switch_step, control)
+                _check_same_plan(plan, device)
+                _release_memory(device)
+                if rank == 0:
+                    saved = write_replanned_plan(plan, config.checkpoint_dir)
+                    print(f"switched to the re-planned plan at step {start.step}: {len(plan.pipelines)} pipelines, "
+                          f"predicted {(plan.predicted or {}).get('iteration_time_s', 0.0):.4f} s/step; after a "
+                          f"crash resume with --plan {saved}", flush=True)
     finally:
+        for sink in sinks:
+            sink.close()
         if control is not None:
             dist.destroy_process_group(control)
         if owns_world:
             dist.destroy_process_group()
+
+
+def _switch_point(plan: Plan, config: TrainConfig, world_size: int, step: int,
+                  control: dist.ProcessGroup | None) -> tuple[ModelSpec, TokenFile, ResumePoint]:
+    """Every rank resumes the new plan from the checkpoint of the switch step, or every rank stops: a rank that
+    does not see it yet (a shared file system's stale listing) must not load an older one."""
+    problem: UserError | None = None
+    try:
+        spec, data, start = check_inputs(plan, config, world_size)
+        if start.step != step:
+            raise UserError(f"after the plan switch this rank found the checkpoint of step {start.step}, not {step}: "
+                            "the checkpoint directory is not shared consistently; resume with --auto-resume")
+    except UserError as err:
+        problem = err
+    settle(problem, control)
+    return spec, data, start
+
+
+def _release_memory(device: torch.device) -> None:
+    """Free the old stage before the new one grows (its hooks and closures form cycles) and restart the peak."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def start_banner(plan: Plan, config: TrainConfig, start: ResumePoint, device: torch.device) -> str:
@@ -147,7 +202,8 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
 
 def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint,
                     rank: int, device: torch.device, watchdog: Watchdog,
-                    control: dist.ProcessGroup | None) -> list[dict[str, Any]]:
+                    control: dist.ProcessGroup | None, replanner: Replanner | None = None,
+                    sinks: list[Any] | None = None) -> Outcome:
     tied = spec.tie_embeddings
     groups = build_groups(plan, rank, config.timeout, tied, device)
     pos = groups.position
@@ -182,9 +238,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     scaler = _initial_scaler(start) if dtype == "fp16" else None
     timeline = Timeline(device, synchronous=device.type == "cpu" or emulator is not None,
                         record=config.trace is not None)
-    writer = (MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0,
-                            predicted_step_s=(plan.predicted or {}).get("iteration_time_s"), total_steps=config.steps)
-              if rank == 0 else None)
+    writer = metrics_writer(plan, config, start, device, sinks or []) if rank == 0 else None
     num_samples = data.num_samples(plan.seq_len)
     rebalancer = Rebalancer(plan, config.rebalance) if config.rebalance is not None else None
     current = plan  # the split running now: the plan's, until a rebalance changes it (same stages and groups)
@@ -230,7 +284,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 stage_opt.step(clip / scale)
                 timeline.add("optimizer", opt_start, time.time())
             extra: dict[str, Any] = {"samples": [first_sample, first_sample + plan.global_batch_size],
-                                     "split": list(split_of(current)), "restart": restart}
+                                     "split": list(split_of(current)), "restart": restart,
+                                     "micro_batch_sizes": [list(p.micro_batch_sizes) for p in current.pipelines]}
             if scaler is not None:
                 extra.update({"loss_scale": scale, "skipped": skipped, **({"grad_norm": None} if skipped else {})})
                 scaler = scaler.after_step(finite=not skipped)
@@ -241,11 +296,19 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 if decision is not None:
                     extra["rebalance"] = decision.to_record()
                 current = rebalancer.plan  # applies from the next step on
+            record = step_record(step, stats, time.time() - step_start, plan.global_batch_size * plan.seq_len, lr,
+                                 extra)
+            switch_to = None
+            if replan_due(replanner, step, start) and step + 1 < config.steps and config.checkpoint_dir is not None:
+                watchdog.beat("re-planning")
+                switch_to, record["replan"] = decide_replan(replanner, current, [*writer_records(writer), record],
+                                                             rank, control)
+                if rank == 0:
+                    print(record["replan"]["line"], flush=True)
             if writer is not None:
-                tokens = plan.global_batch_size * plan.seq_len
-                writer.write(step_record(step, stats, time.time() - step_start, tokens, lr, extra))
+                writer.write(record)
             done = step + 1
-            if config.checkpoint_dir is not None and (done == config.steps or
+            if config.checkpoint_dir is not None and (done == config.steps or switch_to is not None or
                                                       (config.save_every and done % config.save_every == 0)):
                 save_start = time.time()
                 stage_opt.wait_params()
@@ -255,7 +318,12 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                                 device, extra={"dtype": dtype, "settings": run_settings(config, dtype),
                                        **({"loss_scaler": scaler.to_dict()} if scaler else {})},
                                 group=control)
+                if rank == 0 and config.run_config is not None:  # beside the checkpoints it wrote (not before)
+                    write_run_config(config.run_config, config.checkpoint_dir)
                 timeline.add("checkpoint", save_start, time.time())
+            if switch_to is not None:
+                stage_opt.wait_params()
+                return Outcome(writer.records if writer is not None else [], switch_to, done)
         stage_opt.wait_params()
         watchdog.beat("final save")
         if config.save_final is not None:
@@ -264,7 +332,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                 save_atomic(state, config.save_final)
         if config.trace is not None:
             _write_trace(plan, config.trace, timeline, rank, control)
-        return writer.records if writer is not None else []
+        return Outcome(writer.records if writer is not None else [])
     finally:
         buckets.remove_hooks()
         if writer is not None:
@@ -305,7 +373,8 @@ class _SyncSteps:
 def _timings(timeline: Timeline) -> list[float]:
     """This step's HOST_FIELDS (``metrics``), resolved from its marks (complete after the stats read)."""
     timeline.finish_step()
-    return [timeline.busy_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s]
+    return [timeline.busy_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s,
+            float(peak_memory_bytes(timeline.device)), timeline.fwd_s, timeline.bwd_s]
 
 
 def _initial_scaler(start: ResumePoint) -> LossScaler:
