@@ -30,7 +30,7 @@ from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
-from ethpipe.planner.exhaustive import exhaustive_eth, exhaustive_widened
+from ethpipe.planner.baselines.exhaustive import exhaustive_eth, exhaustive_widened
 
 MODELS = {"gpt3-1.3b": 2048, "llama2-7b": 4096, "llama2-70b": 4096}
 NIC_GBIT = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v100_32gb_sxm2": 800,
@@ -156,7 +156,7 @@ def run_widened(budget_s: float) -> list[dict]:
 def _widened_report(rows: list[dict], budget_s: float) -> list[str]:
     lines = ["", "## eth vs an exhaustive search of its widened space", "",
              "Small clusters (2-3 types, 4-16 GPUs), seq 2048, every device used (no idle nodes). The exhaustive "
-             "search (`planner/exhaustive.py`, `exhaustive_widened`) enumerates eth's widened space without its "
+             "search (`planner/baselines/exhaustive.py`, `exhaustive_widened`) enumerates eth's widened space without its "
              "pruning: every template per pool and any two on a split of its nodes, the mixed, type-interleaved and "
              "hybrid families with every per-type TP vector, type order and micro-batch size, and the replicated "
              f"family; capped at {budget_s:.0f} s.", "",

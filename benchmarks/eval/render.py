@@ -90,7 +90,7 @@ def search(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = ["## Search time", "",
              f"{sec['model']}; {sec['clusters']}. eth's time is the median of "
              f"{sec['eth_runs']} run(s) after a warm-up, in this one process: the progress bars keep a thread "
-             "alive, which turns off the idle search's second process (`planner/ahead.py`), so these are the "
+             "alive, which turns off the idle search's second process (`planner/search/ahead.py`), so these are the "
              "one-CPU figures (`benchmarks/planner_scale.py` measures `make_plan` as `ethpipe plan` runs it); "
              f"each exhaustive search runs once under a budget of "
              f"{fmt.sec(sec['budget_s'])} s and keeps its best plan so far when the budget runs out. "

@@ -2,7 +2,7 @@
 
 Two exhaustive searches, both capped by the same time budget (a capped search keeps its best plan
 so far and says it timed out): the layer-balanced baseline's own exhaustive search (one mixed
-shape replicated), and an exhaustive search over eth's own space (``ethpipe.planner.exhaustive``:
+shape replicated), and an exhaustive search over eth's own space (``ethpipe.planner.baselines.exhaustive``:
 one template per pool, every shape, span and micro-batch). Plan quality compares the planner's
 closed-form iteration times, the objective all three searches minimise.
 """
@@ -15,7 +15,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import CostModel, make_plan
-from ethpipe.planner.exhaustive import exhaustive_eth
+from ethpipe.planner.baselines.exhaustive import exhaustive_eth
 
 from eval import scenarios as sc
 from eval.common import Job, median_time_s, timed

@@ -4,8 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from ethpipe.planner.balance import balance_samples, makespan_s
-from ethpipe.planner.timing import PipelineTiming
+from ethpipe.planner.samples.balance import balance_samples, makespan_s
+from ethpipe.planner.layers.timing import PipelineTiming
 
 
 def _timing(rng: random.Random, granularity: bool = False) -> PipelineTiming:

@@ -1,8 +1,8 @@
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan
-from ethpipe.planner.baselines import equal_split
-from ethpipe.planner.templates import equal_layers
+from ethpipe.planner.baselines.baselines import equal_split
+from ethpipe.planner.devices.templates import equal_layers
 
 CLUSTER = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 800},

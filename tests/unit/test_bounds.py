@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import ModelSpec, load_model_spec
-from ethpipe.planner.bounds import LowerBounds
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.replicated import (_order_bound, _price, _refined_bound, _split_bound, layer_balanced_layouts,
+from ethpipe.planner.search.bounds import LowerBounds
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.devices.replicated import (_order_bound, _price, _refined_bound, _split_bound, layer_balanced_layouts,
                                          uniform_layouts)
-from ethpipe.planner.templates import MICRO_BATCH_CANDIDATES, build_template, equal_layers, template_flush_bound_s
-from ethpipe.planner.timing import StageSlot
+from ethpipe.planner.devices.templates import MICRO_BATCH_CANDIDATES, build_template, equal_layers, template_flush_bound_s
+from ethpipe.planner.layers.timing import StageSlot
 
 GPUS = ("h100_sxm", "a100_80gb_sxm", "a100_40gb_sxm", "v100_32gb_sxm2", "l4", "t4")
 PRESETS = ("tiny", "small", "tiny-gpt", "gpt3-125m", "gpt3-350m")

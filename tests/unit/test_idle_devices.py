@@ -21,10 +21,10 @@ from ethpipe.errors import Infeasible, UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
-from ethpipe.planner import idle
-from ethpipe.planner.ahead import MISSING, Ahead
-from ethpipe.planner.eth import plan_eth
-from ethpipe.planner.idle import plan_with_idle
+from ethpipe.planner.devices import idle
+from ethpipe.planner.search.ahead import MISSING, Ahead
+from ethpipe.planner.devices.eth import plan_eth
+from ethpipe.planner.devices.idle import plan_with_idle
 from ethpipe.sim import simulate
 
 TINY = load_model_spec("tiny")

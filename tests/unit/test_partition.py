@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ethpipe.cost.pipeline import stage_finish_s
-from ethpipe.planner.partition import StageOption, _greedy, bottleneck_of, flush_lower_bound_s, partition_layers
+from ethpipe.planner.layers.partition import StageOption, _greedy, bottleneck_of, flush_lower_bound_s, partition_layers
 
 
 def _compositions(total: int, parts: int):

@@ -5,9 +5,9 @@ from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
-from ethpipe.planner.exhaustive import exhaustive_eth
-from ethpipe.planner.grouping import evaluate_groups, homogeneous_group
-from ethpipe.planner.templates import build_template, pools_of, shape_slots
+from ethpipe.planner.baselines.exhaustive import exhaustive_eth
+from ethpipe.planner.devices.grouping import evaluate_groups, homogeneous_group
+from ethpipe.planner.devices.templates import build_template, pools_of, shape_slots
 
 HETERO = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 800},

@@ -1,4 +1,4 @@
-"""ETH's widened level 1 (planner/hybrid.py): hybrid layouts, per-type TP and split pools win where they
+"""ETH's widened level 1 (planner/devices/hybrid.py): hybrid layouts, per-type TP and split pools win where they
 should, their plans load and simulate, and ETH stays within 2% of an exhaustive search of the same space."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
-from ethpipe.planner.exhaustive import exhaustive_widened
+from ethpipe.planner.baselines.exhaustive import exhaustive_widened
 from ethpipe.sim import simulate
 
 NIC = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v100_32gb_sxm2": 800, "v100_16gb": 800,

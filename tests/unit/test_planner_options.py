@@ -8,7 +8,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import PlannerOptions, estimate_plan, make_plan
-from ethpipe.planner.templates import equal_layers
+from ethpipe.planner.devices.templates import equal_layers
 
 HETERO = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 800},

@@ -42,7 +42,7 @@ def _calibrate_from_run(metrics: Path, plan_path: Path, out: Path) -> None:
 
     import yaml
 
-    from ethpipe.cli.learn import fit_run, relative_speeds
+    from ethpipe.cli.learn import fit_run, fitted_speeds
     from ethpipe.cost.run_fit import check_records
     from ethpipe.plan import Plan, write_text_atomic
 
@@ -63,7 +63,7 @@ def _calibrate_from_run(metrics: Path, plan_path: Path, out: Path) -> None:
                       f"{b['predicted_s']:.4f} ({100 * b['error']:+.1f}%)",
                       f"{a['predicted_s']:.4f} ({100 * a['error']:+.1f}%)")
     console.print(table)
-    speeds = relative_speeds(plan, fit.calibration)
+    speeds = fitted_speeds(plan, fit.calibration)
     for t, sc in fit.scales.items():
         console.print(f"{t}: measured = model x {sc.fwd_scale:.3f} (forward), x {sc.bwd_scale:.3f} (backward) over "
                       f"{sc.num_observations} stage observations; relative speed {speeds[t]:.3f}", highlight=False)

@@ -56,12 +56,10 @@ def fit_run(plan: Plan, records: Sequence[Mapping[str, Any]], source: str = "") 
 
 def priced_with(plan: Plan, calibration: Calibration) -> float:
     """``plan``'s predicted iteration time with ``calibration``'s constants (the same plan, re-priced)."""
-    from ethpipe.cost.model import CostModel
     from ethpipe.planner.estimate import estimate_iteration_s
 
-    record = {**(plan.extra.get("compute_model") or {}), "calibration": calibration.to_dict()}
-    repriced = dataclasses.replace(plan, extra={**plan.extra, "compute_model": record})
-    return estimate_iteration_s(repriced, CostModel.for_plan(repriced, profiles=emulation_profiles(plan)))
+    repriced, cost = _repriced(plan, calibration)
+    return estimate_iteration_s(repriced, cost)
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class RunReplanner:
     emulate: bool = False  # an emulated run: a candidate must be emulatable
 
     def __call__(self, plan: Plan, records: Sequence[Mapping[str, Any]]) -> tuple[Plan | None, dict[str, Any]]:
-        from ethpipe.cli.replan_cmds import replan
+        from ethpipe.cli.replan_cmds import plan_shape, replan
 
         fit = fit_run(plan, records)
         start = time.perf_counter()
@@ -94,10 +92,10 @@ class RunReplanner:
         decision = {
             "after_steps": len(records),
             "scales": {t: {"fwd": round(s.fwd_scale, 4), "bwd": round(s.bwd_scale, 4)} for t, s in fit.scales.items()},
-            "relative_speeds": relative_speeds(plan, fit.calibration),
+            "relative_speeds": fitted_speeds(plan, fit.calibration),
             "old_predicted_s": old_s, "new_predicted_s": new_s, "gain": gain, "min_gain": self.min_gain,
             "switched": switch, "planning_s": planning_s,
-            "new_shape": _shape(new), "old_shape": _shape(plan),
+            "new_shape": plan_shape(new), "old_shape": plan_shape(plan),
             **({"refused": refused} if refused else {}),
         }
         decision["line"] = decision_line(decision)
@@ -132,20 +130,19 @@ def same_execution(a: Plan, b: Plan) -> bool:
             and (a.shard_optimizer, tuple(a.shard_weights)) == (b.shard_optimizer, tuple(b.shard_weights)))
 
 
-def relative_speeds(plan: Plan, calibration: Calibration) -> dict[str, float]:
+def fitted_speeds(plan: Plan, calibration: Calibration) -> dict[str, float]:
     """Each device type's achievable speed relative to the fastest, as ``calibration`` prices the plan's model."""
-    from ethpipe.cost.model import CostModel
-
-    record = {**(plan.extra.get("compute_model") or {}), "calibration": calibration.to_dict()}
-    cost = CostModel.for_plan(dataclasses.replace(plan, extra={**plan.extra, "compute_model": record}),
-                              profiles=emulation_profiles(plan))
+    _, cost = _repriced(plan, calibration)
     return {t: round(v, 4) for t, v in sorted(cost.device_speeds().items())}
 
 
-def _shape(plan: Plan) -> str:
-    from ethpipe.cli.replan_cmds import _shape as shape
+def _repriced(plan: Plan, calibration: Calibration) -> tuple[Plan, Any]:
+    """``plan`` recording ``calibration`` as its constants, and its cost model (emulated devices' profiles kept)."""
+    from ethpipe.cost.model import CostModel
 
-    return shape(plan)
+    record = {**(plan.extra.get("compute_model") or {}), "calibration": calibration.to_dict()}
+    repriced = dataclasses.replace(plan, extra={**plan.extra, "compute_model": record})
+    return repriced, CostModel.for_plan(repriced, profiles=emulation_profiles(plan))
 
 
 def decision_line(decision: Mapping[str, Any]) -> str:

@@ -99,7 +99,8 @@ def plan_for_world(old: Plan, cluster_path: Path, world_size: int) -> Plan:
     return replan(old, first_devices(load_cluster(cluster_path), world_size), allow_idle=False)  # world is fixed
 
 
-def _shape(plan: Plan) -> str:
+def plan_shape(plan: Plan) -> str:
+    """One 'devices[layers per stage]xsamples' entry per pipeline: what a person compares between two plans."""
     parts = []
     for pipe in plan.pipelines:
         devices = "+".join(sorted({s.device for s in pipe.stages}))
@@ -111,7 +112,7 @@ def _shape(plan: Plan) -> str:
 def describe_changes(old: Plan, new: Plan) -> list[str]:
     """What a person needs to know: world, pipelines, split, predicted iteration time."""
     lines = [f"world size {old.world_size} -> {new.world_size}, pipelines {len(old.pipelines)} -> {len(new.pipelines)}",
-             f"old: {_shape(old)}", f"new: {_shape(new)}  (device[layers per stage] x samples)"]
+             f"old: {plan_shape(old)}", f"new: {plan_shape(new)}  (device[layers per stage] x samples)"]
     if new.idle_devices:
         lines.append(f"new plan leaves {len(new.idle_devices)} devices idle (no rank, start no process there): "
                      f"{new.idle_devices[0].reason}")

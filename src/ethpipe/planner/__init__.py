@@ -16,7 +16,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
-from ethpipe.planner.options import PlannerOptions
+from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.precision import AUTO, plan_dtype, plan_gpus, without_bf16
 
 METHODS = ("eth", "uniform", "layer-balanced")
@@ -44,9 +44,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     best few candidates (``planner/robust.py``) and record it in ``predicted`` (``worst_case_time_s``,
     ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
     eth with ``options.allow_idle`` (the default) may leave the slowest GPU types' nodes idle where
-    that is predicted faster (``planner/idle.py``): the plan's ``idle_devices`` lists them.
+    that is predicted faster (``planner/devices/idle.py``): the plan's ``idle_devices`` lists them.
     ``shard_optimizer`` (eth only): also plan with the AdamW state sharded across pipelines and keep that where
-    it is predicted faster (``planner/sharding.py``; the plan's ``shard_optimizer`` says which).
+    it is predicted faster (``planner/devices/sharding.py``; the plan's ``shard_optimizer`` says which).
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -63,9 +63,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration, attention_mode=attention)
     if method == "eth":
-        from ethpipe.planner.eth import plan_eth
-        from ethpipe.planner.idle import plan_with_idle
-        from ethpipe.planner.sharding import with_sharding
+        from ethpipe.planner.devices.eth import plan_eth
+        from ethpipe.planner.devices.idle import plan_with_idle
+        from ethpipe.planner.devices.sharding import with_sharding
 
         templates: dict = {}  # by optimizer_holders: shared by the idle search's sub-clusters (same node types)
         full = cost
@@ -95,7 +95,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan, cost = plan_eth_on(cost)
     else:
-        from ethpipe.planner.baselines import plan_layer_balanced, plan_uniform
+        from ethpipe.planner.baselines.baselines import plan_layer_balanced, plan_uniform
 
         if method == "uniform":
             plan = plan_uniform(cost, global_batch_size, max_tp=max_tp, recompute=recompute)

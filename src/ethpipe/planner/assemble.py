@@ -11,15 +11,15 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import IdleDevice, Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.estimate import predicted_metrics
-from ethpipe.planner.grouping import Group
-from ethpipe.planner.partition import Partition
-from ethpipe.planner.timing import StageSlot, split_sizes
+from ethpipe.planner.devices.grouping import Group
+from ethpipe.planner.layers.partition import Partition
+from ethpipe.planner.layers.timing import StageSlot, split_sizes
 from ethpipe.units import format_bytes
 
 # A search result: (score, groups, samples per pipeline of each group).
 Found = tuple[float, list[Group], list[list[int]]]
 
-IDLE_REASON = "idle: left out of the cluster the plan was made on"  # ``planner/idle.py`` says why
+IDLE_REASON = "idle: left out of the cluster the plan was made on"  # ``planner/devices/idle.py`` says why
 
 
 def make_pipeline(slots: Sequence[StageSlot], part: Partition, num_samples: int, micro_batch: int) -> Pipeline:

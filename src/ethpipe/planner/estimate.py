@@ -22,7 +22,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import stage_finish_s
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.planner.timing import StageSlot, action_times_s
+from ethpipe.planner.layers.timing import StageSlot, action_times_s
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.planner.balance import balance_samples
+from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.timing import PipelineTiming, StageSlot, action_times_s, split_sizes
+from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, action_times_s, split_sizes
 
 SLOW_SPEED = 0.7  # -30%
 FAST_SPEED = 1.3  # +30%

@@ -19,7 +19,7 @@ import numpy as np
 from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import equal_sizes_makespans, stage_finish_s, steady_lines
-from ethpipe.planner.partition import Partition, StageOption
+from ethpipe.planner.layers.partition import Partition, StageOption
 
 ActionTimes = Callable[[int], tuple[np.ndarray, np.ndarray]]
 

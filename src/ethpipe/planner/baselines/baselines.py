@@ -19,11 +19,11 @@ from collections.abc import Sequence
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import assemble_plan, make_pipeline, memory_error
-from ethpipe.planner.grouping import Group, equal_split, evaluate_groups, make_group
-from ethpipe.planner.partition import partition_layers
-from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Template, divisors, equal_layers, fixed_partition,
+from ethpipe.planner.devices.grouping import Group, equal_split, evaluate_groups, make_group
+from ethpipe.planner.layers.partition import partition_layers
+from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Template, divisors, equal_layers, fixed_partition,
                                        pools_of, slots_for)
-from ethpipe.planner.timing import StageSlot, link_key, stage_options, timing_of_partition
+from ethpipe.planner.layers.timing import StageSlot, link_key, stage_options, timing_of_partition
 
 __all__ = ["equal_split", "plan_layer_balanced", "plan_uniform"]
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 
 from ethpipe.errors import Infeasible
-from ethpipe.planner.timing import PipelineTiming
+from ethpipe.planner.layers.timing import PipelineTiming
 
 _BISECTION_STEPS = 100
 _RELATIVE_TOLERANCE = 1e-7

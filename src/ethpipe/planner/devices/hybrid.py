@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from ethpipe.cost.model import CostModel
-from ethpipe.planner.bounds import LowerBounds, shared_bounds
-from ethpipe.planner.grouping import Group, homogeneous_group, make_group
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
+from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.devices.grouping import Group, homogeneous_group, make_group
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
                                        slots_for, template_flush_bound_s)
-from ethpipe.planner.timing import StageSlot, link_key
+from ethpipe.planner.layers.timing import StageSlot, link_key
 
 MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
 INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved family tried with every order

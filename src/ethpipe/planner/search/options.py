@@ -24,12 +24,12 @@ class PlannerOptions:
     * ``balance``: ``data+layers`` (ETH), ``data`` (equal layers per stage, data balanced),
       ``layers`` (layers balanced per pipeline, equal data per pipeline).
     * ``allow_idle``: also plan without the slowest GPU type(s) and leave those nodes idle where
-      that is predicted faster (``planner/idle.py``). False: every device gets a rank.
-    * ``per_type_tp``: a mixed pipeline's stages take a TP degree per device type (``planner/hybrid.py``).
+      that is predicted faster (``planner/devices/idle.py``). False: every device gets a rank.
+    * ``per_type_tp``: a mixed pipeline's stages take a TP degree per device type (``planner/devices/hybrid.py``).
       False: one TP degree for every stage of a mixed pipeline.
     * ``hybrid``: also try mixing a pair of pools adjacent in speed order while the other pools keep
-      their own pipelines (``planner/hybrid.py``). False: mixed pipelines span all pools or the needy ones.
-    * ``split_pools``: a pool's nodes may be shared by its two best shapes (``planner/hybrid.py``).
+      their own pipelines (``planner/devices/hybrid.py``). False: mixed pipelines span all pools or the needy ones.
+    * ``split_pools``: a pool's nodes may be shared by its two best shapes (``planner/devices/hybrid.py``).
       False: one template per pool.
     """
 

@@ -19,9 +19,9 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_share_gbps
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
-from ethpipe.planner.balance import balance_samples
-from ethpipe.planner.templates import Pool, Template, slots_for, span_instances
-from ethpipe.planner.timing import StageSlot
+from ethpipe.planner.samples.balance import balance_samples
+from ethpipe.planner.devices.templates import Pool, Template, slots_for, span_instances
+from ethpipe.planner.layers.timing import StageSlot
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, unpriced_plan
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, homogeneous_group
-from ethpipe.planner.hybrid import (batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
+from ethpipe.planner.devices.grouping import Group, capacity_per_s, evaluate_groups, homogeneous_group
+from ethpipe.planner.devices.hybrid import (batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.replicated import search_replicated
-from ethpipe.planner.templates import (Pool, build_template, micro_batch_candidates, pool_shapes, pools_of,
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.devices.replicated import search_replicated
+from ethpipe.planner.devices.templates import (Pool, build_template, micro_batch_candidates, pool_shapes, pools_of,
                                        shape_slots)
 
 FINALISTS = 4  # best layouts re-priced by the estimator, as ETH does (``eth.ROBUST_CANDIDATES``)

@@ -33,15 +33,15 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
-from ethpipe.planner.bounds import shared_bounds
+from ethpipe.planner.search.bounds import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
-from ethpipe.planner.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
+from ethpipe.planner.devices.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
+from ethpipe.planner.devices.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.replicated import search_replicated
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.devices.replicated import search_replicated
 from ethpipe.planner.robust import robust_record
-from ethpipe.planner.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, micro_batch_candidates,
+from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, micro_batch_candidates,
                                        pool_shapes, pools_of, shape_slots, template_flush_bound_s)
 
 MIN_SHAPES_PER_POOL = 3

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.partition import Partition, _choose, flush_lower_bound_s, partition_layers
-from ethpipe.planner.timing import PipelineTiming, StageSlot, link_key, stage_options, timing_of_partition
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.layers.partition import Partition, _choose, flush_lower_bound_s, partition_layers
+from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, link_key, stage_options, timing_of_partition
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
 

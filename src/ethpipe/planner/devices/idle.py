@@ -27,7 +27,7 @@ from typing import Any
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
-from ethpipe.planner.ahead import MISSING, Ahead, can_run_ahead
+from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.estimate import ideal_time_s
 
 AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process

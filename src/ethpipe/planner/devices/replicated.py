@@ -31,10 +31,10 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
 from ethpipe.planner.assemble import Found
-from ethpipe.planner.bounds import LowerBounds, shared_bounds
-from ethpipe.planner.grouping import Group, evaluate_groups, make_group, sync_shapes
-from ethpipe.planner.options import PlannerOptions
-from ethpipe.planner.templates import (
+from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.devices.grouping import Group, evaluate_groups, make_group, sync_shapes
+from ethpipe.planner.search.options import PlannerOptions
+from ethpipe.planner.devices.templates import (
     MICRO_BATCH_CANDIDATES,
     Template,
     build_template,
@@ -45,7 +45,7 @@ from ethpipe.planner.templates import (
     slots_for,
     template_flush_bound_s,
 )
-from ethpipe.planner.timing import StageSlot, link_key, rank_link, timing_of_partition
+from ethpipe.planner.layers.timing import StageSlot, link_key, rank_link, timing_of_partition
 
 Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
