@@ -141,3 +141,30 @@ def test_calibrate_from_run_writes_a_catalog_that_plan_and_replan_use(tmp_path: 
     old = runner.invoke(app, ["calibrate", "--from-run", str(tmp_path / "old.jsonl"), "--plan",
                               str(tmp_path / "plan.json"), "--out", str(tmp_path / "x.yaml")])
     assert old.exit_code == 2 and "rank_fwd_s" in old.output and not (tmp_path / "x.yaml").exists()
+
+
+def test_a_tensor_parallel_stages_all_reduces_are_taken_out_of_the_fit() -> None:
+    """measured = truth x compute + the TP all-reduces (priced on the link): the fit recovers the truth exactly, as
+    CostModel applies the scale to compute only."""
+    plan = make_plan(load_cluster("examples/clusters/cpu_tp.yaml"), load_model_spec("tiny"), 2, 64, "eth", dtype="fp32")
+    assert max(s.tp for p in plan.pipelines for s in p.stages) > 1
+    cost = CostModel.for_plan(plan)
+    records = []
+    for step in range(4):
+        fwd, bwd = [], []
+        for rank in range(plan.world_size):
+            pos = plan.position_of(rank)
+            pipe = plan.pipelines[pos.pipeline]
+            stage = pipe.stages[pos.stage]
+            ends = {"first": pos.stage == 0, "last": pos.stage == pipe.depth - 1}
+            f = b = 0.0
+            for size in pipe.micro_batch_sizes:
+                (pf, pb), (cf, cb) = cost.stage_compute_s(stage, size, **ends), cost.stage_tp_comm_s(stage, size, **ends)
+                assert cf > 0 or stage.tp == 1
+                f, b = f + 3.0 * (pf - cf) + cf, b + 3.0 * (pb - cb) + cb
+            fwd.append(f)
+            bwd.append(b)
+        records.append({"step": step, "rank_fwd_s": fwd, "rank_bwd_s": bwd,
+                        "micro_batch_sizes": [list(p.micro_batch_sizes) for p in plan.pipelines]})
+    scale = fit_device_scales(stage_observations(plan, records, cost))["cpu"]
+    assert (scale.fwd_scale, scale.bwd_scale) == pytest.approx((3.0, 3.0), rel=1e-9)

@@ -95,3 +95,9 @@ def config_text(ctx: typer.Context) -> str:
               "(options given on the command line override these)\n")
     return header + tomli_w.dumps(options_used(ctx))
 
+
+
+def from_config_file(ctx: typer.Context, name: str) -> bool:
+    """Whether parameter ``name`` took its value from the --config file (not the command line, not a default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "DEFAULT_MAP"

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ethpipe.cli.app import app, console, err_console, user_errors
-from ethpipe.cli.run_config import config_option, config_text
+from ethpipe.cli.run_config import config_option, config_text, from_config_file
 from ethpipe.errors import UserError
 from ethpipe.cli.learn import DEFAULT_MIN_GAIN
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
@@ -121,6 +121,8 @@ def train(
         raise UserError("--emulate-mode needs --emulate (it chooses how an emulated device is paced)")
     balance = parse_rebalance(rebalance) if rebalance is not None else None
     the_plan = Plan.load(plan)
+    if (resume or auto_resume) and init_from is not None and from_config_file(ctx, "init_from"):
+        init_from = None  # a repeated run's --init-from (run.toml): a resumed run takes its weights from the checkpoint
     if replan_cluster is not None:
         from ethpipe.cli.replan_cmds import plan_for_world
 

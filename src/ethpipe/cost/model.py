@@ -317,6 +317,19 @@ class CostModel(MemoryPricing):
             bwd += b + self._tp_comm_s(device_type, tp, kind, micro_batch, True)
         return fwd, bwd
 
+    def stage_tp_comm_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
+        """The TP all-reduces inside one micro-batch's passes on ``stage``: part of ``stage_compute_s``, priced on
+        the link, so what a run's fit of the compute leaves out (``cost/run_fit.py``)."""
+        d, tp, b = stage.device, stage.tp, micro_batch
+        if tp <= 1:
+            return 0.0, 0.0
+        fwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, False)
+        bwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, True) + (fwd if stage.recompute else 0.0)
+        for kind in ("embedding",) * first + ("head",) * last:
+            fwd += self._tp_comm_s(d, tp, kind, b, False)
+            bwd += self._tp_comm_s(d, tp, kind, b, True)
+        return fwd, bwd
+
     def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
         """(fwd, bwd) seconds of one micro-batch on ``stage`` (no p2p)."""
         lf, lb = self.layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)

@@ -6,7 +6,9 @@ stage-level observation: the stage's measured time against the sum, over its mic
 for that stage (its layers' kernels, embedding and head included, recomputation priced: ``stage_compute_s``).
 Stages of different layer counts and micro-batch sizes all inform the same per-type constants.
 
-What is fitted is a scale per device type and pass (``DeviceScale``): measured = scale x model. Stage times
+What is fitted is a scale per device type and pass (``DeviceScale``): measured compute = scale x the model's
+(the TP all-reduces inside a tensor-parallel stage's passes are priced on the link and taken out of both sides,
+as ``CostModel`` applies the scale to compute only). Stage times
 cannot tell one kernel's efficiency from another's (a stage runs the same kernel mix at every depth, and a
 run has one or two micro-batch sizes), so a per-kernel refit from them would move constants its data do not
 pin; the scale corrects exactly what the run shows: how fast this type runs this model here. The median of
@@ -44,6 +46,13 @@ class StageObservation:
     bwd_s: float
     predicted_fwd_s: float
     predicted_bwd_s: float
+    comm_fwd_s: float = 0.0  # of the predicted: the TP all-reduces inside the passes (priced on the link, not fitted)
+    comm_bwd_s: float = 0.0
+
+    def compute_ratios(self) -> tuple[float, float]:
+        """Measured over predicted compute of the forward and the backward (the TP all-reduces taken out of both)."""
+        return ((self.fwd_s - self.comm_fwd_s) / (self.predicted_fwd_s - self.comm_fwd_s),
+                (self.bwd_s - self.comm_bwd_s) / (self.predicted_bwd_s - self.comm_bwd_s))
 
 
 def check_records(records: Sequence[Mapping[str, Any]], where: str) -> None:
@@ -62,7 +71,7 @@ def stage_observations(plan: Plan, records: Iterable[Mapping[str, Any]], cost: C
     records = list(records)
     first_step = min((int(r["step"]) for r in records), default=0)
     out = []
-    memo: dict[tuple[int, int, int], tuple[float, float]] = {}
+    memo: dict[tuple[int, int, int], tuple[float, float, float, float]] = {}
     for rec in records:
         if int(rec["step"]) < first_step + skip_steps:
             continue
@@ -76,28 +85,29 @@ def stage_observations(plan: Plan, records: Iterable[Mapping[str, Any]], cost: C
             pipe = plan.pipelines[pos.pipeline]
             stage = pipe.stages[pos.stage]
             sizes = tuple(int(b) for b in sizes_by_pipe[pos.pipeline])
-            fwd = bwd = 0.0
+            totals = [0.0, 0.0, 0.0, 0.0]  # predicted fwd, bwd, and their TP all-reduces
             for b in sizes:
                 key = (pos.pipeline, pos.stage, b)
                 if key not in memo:
-                    memo[key] = cost.stage_compute_s(stage, b, first=pos.stage == 0, last=pos.stage == pipe.depth - 1)
-                fwd, bwd = fwd + memo[key][0], bwd + memo[key][1]
+                    ends = {"first": pos.stage == 0, "last": pos.stage == pipe.depth - 1}
+                    memo[key] = (*cost.stage_compute_s(stage, b, **ends), *cost.stage_tp_comm_s(stage, b, **ends))
+                totals = [t + x for t, x in zip(totals, memo[key])]
             out.append(StageObservation(int(rec["step"]), rank, stage.device, pos.pipeline, pos.stage,
                                         stage.num_layers, sizes, float(rec["rank_fwd_s"][rank]),
-                                        float(rec["rank_bwd_s"][rank]), fwd, bwd))
+                                        float(rec["rank_bwd_s"][rank]), *totals))
     return out
 
 
 def fit_device_scales(observations: Sequence[StageObservation], source: str = "") -> dict[str, DeviceScale]:
     """Per device type: the median measured / predicted ratio of its forward and of its backward passes."""
-    by_type: dict[str, list[StageObservation]] = {}
+    by_type: dict[str, list[tuple[float, float]]] = {}
     for o in observations:
-        if o.fwd_s > 0 and o.bwd_s > 0 and o.predicted_fwd_s > 0 and o.predicted_bwd_s > 0:
-            by_type.setdefault(o.device, []).append(o)
-    return {t: DeviceScale(statistics.median(o.fwd_s / o.predicted_fwd_s for o in obs),
-                           statistics.median(o.bwd_s / o.predicted_bwd_s for o in obs),
-                           source, len(obs))
-            for t, obs in sorted(by_type.items())}
+        if min(o.predicted_fwd_s - o.comm_fwd_s, o.predicted_bwd_s - o.comm_bwd_s) > 0:
+            ratios = o.compute_ratios()
+            if min(ratios) > 0:  # a pass faster than its own all-reduces: a timer glitch, not a measurement
+                by_type.setdefault(o.device, []).append(ratios)
+    return {t: DeviceScale(statistics.median(f for f, _ in rs), statistics.median(b for _, b in rs), source, len(rs))
+            for t, rs in sorted(by_type.items())}
 
 
 def fitted_calibration(base: Calibration, scales: Mapping[str, DeviceScale], source: str) -> Calibration:
@@ -124,7 +134,8 @@ def stage_errors(observations: Sequence[StageObservation], scales: Mapping[str, 
         scale = (scales or {}).get(obs[0].device)
         fs, bs = (scale.fwd_scale, scale.bwd_scale) if scale is not None else (1.0, 1.0)
         measured = statistics.median(o.fwd_s + o.bwd_s for o in obs)
-        predicted = statistics.median(o.predicted_fwd_s * fs + o.predicted_bwd_s * bs for o in obs)
+        predicted = statistics.median((o.predicted_fwd_s - o.comm_fwd_s) * fs + o.comm_fwd_s
+                                      + (o.predicted_bwd_s - o.comm_bwd_s) * bs + o.comm_bwd_s for o in obs)
         rows.append({"pipeline": p, "stage": s, "device": obs[0].device, "num_layers": obs[0].num_layers,
                      "measured_s": measured, "predicted_s": predicted, "error": (predicted - measured) / measured})
     return rows
