@@ -25,7 +25,7 @@ from ethpipe.cost.profile import LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
-from ethpipe.runtime.emulate import auto_time_scale, local_cores, with_emulation
+from ethpipe.runtime.emulate import auto_time_scale, local_cores, pacing_targets, with_emulation
 
 METHODS = ("eth", "uniform", "layer-balanced")
 ACTIVATION_BYTES = 4  # the runtime trains in fp32 and sends fp32 activations and gradients
@@ -88,18 +88,6 @@ def emulated_cost(cluster: Cluster, model: ModelSpec, seq_len: int,
                   profiles: Mapping[str, MeasuredProfile]) -> CostModel:
     """The cost model of an emulated run: fp32 activations and gradients, the emulated profiles."""
     return CostModel(cluster, model, seq_len, dtype_bytes=ACTIVATION_BYTES, profiles=profiles)
-
-
-def pacing_targets(plan: Plan, cost: CostModel) -> dict[int, dict[int, tuple[float, float]]]:
-    """rank -> micro-batch size -> (fwd_s, bwd_s) of its stage: the simulator's compute times."""
-    out: dict[int, dict[int, tuple[float, float]]] = {}
-    for pipe in plan.pipelines:
-        for s, stage in enumerate(pipe.stages):
-            times = {b: cost.stage_compute_s(stage, b, first=s == 0, last=s == pipe.depth - 1)
-                     for b in sorted(set(pipe.micro_batch_sizes))}
-            for rank in stage.ranks:
-                out[rank] = times
-    return out
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,13 @@ def fit_run(plan: Plan, records: Sequence[Mapping[str, Any]], source: str = "") 
 
 def priced_with(plan: Plan, calibration: Calibration) -> float:
     """``plan``'s predicted iteration time with ``calibration``'s constants (the same plan, re-priced)."""
+    return _estimate(*_repriced(plan, calibration))
+
+
+def _estimate(plan: Plan, cost: Any) -> float:
     from ethpipe.planner.estimate import estimate_iteration_s
 
-    repriced, cost = _repriced(plan, calibration)
-    return estimate_iteration_s(repriced, cost)
+    return estimate_iteration_s(plan, cost)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class RunReplanner:
         if self.emulate:  # the emulated devices stay what they were: the fit changes the belief, not them
             new = dataclasses.replace(new, extra={**new.extra, "emulation": pinned_emulation(plan)})
         planning_s = time.perf_counter() - start
-        old_s = priced_with(plan, fit.calibration)
+        repriced, cost = _repriced(plan, fit.calibration)
+        old_s = _estimate(repriced, cost)
         new_s = float((new.predicted or {})["iteration_time_s"])
         gain = 1.0 - new_s / old_s if old_s > 0 else 0.0
         refused = self._refusal(new, plan.world_size)
@@ -92,7 +96,7 @@ class RunReplanner:
         decision = {
             "after_steps": len(records),
             "scales": {t: {"fwd": round(s.fwd_scale, 4), "bwd": round(s.bwd_scale, 4)} for t, s in fit.scales.items()},
-            "relative_speeds": fitted_speeds(plan, fit.calibration),
+            "relative_speeds": _speeds(cost),
             "old_predicted_s": old_s, "new_predicted_s": new_s, "gain": gain, "min_gain": self.min_gain,
             "switched": switch, "planning_s": planning_s,
             "new_shape": plan_shape(new), "old_shape": plan_shape(plan),
@@ -132,7 +136,10 @@ def same_execution(a: Plan, b: Plan) -> bool:
 
 def fitted_speeds(plan: Plan, calibration: Calibration) -> dict[str, float]:
     """Each device type's achievable speed relative to the fastest, as ``calibration`` prices the plan's model."""
-    _, cost = _repriced(plan, calibration)
+    return _speeds(_repriced(plan, calibration)[1])
+
+
+def _speeds(cost: Any) -> dict[str, float]:
     return {t: round(v, 4) for t, v in sorted(cost.device_speeds().items())}
 
 

@@ -121,9 +121,6 @@ class Calibration:
     fallback: ArchConstants | None = None
     devices: Mapping[str, DeviceScale] = field(default_factory=dict)
 
-    def device_scale(self, device_type: str) -> DeviceScale | None:
-        return self.devices.get(device_type)
-
     def constants(self, arch: str) -> tuple[ArchConstants, bool]:
         """(constants, calibrated?) of an architecture family."""
         if arch in self.architectures and self.architectures[arch].fitted:

@@ -171,17 +171,26 @@ def emulation_profiles(plan: Plan) -> dict[str, Any] | None:
     return {str(t): profile_from_dict(p) for t, p in raw.items()}
 
 
+def pacing_targets(plan: Plan, cost: Any) -> dict[int, dict[int, tuple[float, float]]]:
+    """rank -> micro-batch size -> (fwd_s, bwd_s) of its stage under ``cost`` (a CostModel): the simulator's
+    compute times, which a paced run's actions last."""
+    out: dict[int, dict[int, tuple[float, float]]] = {}
+    for pipe in plan.pipelines:
+        for s, stage in enumerate(pipe.stages):
+            times = {b: cost.stage_compute_s(stage, b, first=s == 0, last=s == pipe.depth - 1)
+                     for b in sorted(set(pipe.micro_batch_sizes))}
+            for rank in stage.ranks:
+                out[rank] = times
+    return out
+
+
 def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[tuple[int, float, float], ...]:
     """The targets of ``rank``'s stage from the emulated devices' profiles (fp32 activations, as emulated runs)."""
     from ethpipe.cost.model import CostModel
 
     cost = CostModel(plan.active_cluster(), plan.resolve_model(), plan.seq_len, dtype_bytes=4, dtype="fp32",
                      profiles=profiles)
-    pos = plan.position_of(rank)
-    pipe = plan.pipelines[pos.pipeline]
-    stage = pipe.stages[pos.stage]
-    return tuple((b, *cost.stage_compute_s(stage, b, first=pos.stage == 0, last=pos.stage == pipe.depth - 1))
-                 for b in sorted(set(pipe.micro_batch_sizes)))
+    return tuple((b, f, bw) for b, (f, bw) in pacing_targets(plan, cost)[rank].items())
 
 
 def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]:

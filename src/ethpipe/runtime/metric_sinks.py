@@ -116,10 +116,6 @@ class WandbSink:
         self._run.finish()
 
 
-def writer_records(writer: MetricsWriter | None) -> list[dict[str, Any]]:
-    return list(writer.records) if writer is not None else []
-
-
 def plan_memory(plan: Plan, config: TrainConfig, device: torch.device) -> list[int]:
     """Per rank, the plan's predicted peak bytes where they describe the devices the ranks run on (GPUs)."""
     if device.type != "cuda" or config.emulate:
@@ -156,8 +152,9 @@ def metrics_writer(plan: Plan, config: TrainConfig, start: ResumePoint, device: 
     predicted = dict(plan.predicted or {}) if not config.emulate or pinned else {}
     if config.emulate:
         predicted.pop("mfu", None)
+    memory = plan_memory(plan, config, device)
     for sink in sinks:
-        sink.plan_memory_bytes = plan_memory(plan, config, device)
+        sink.plan_memory_bytes = memory
     return MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0,
                          predicted_step_s=predicted.get("iteration_time_s"), total_steps=config.steps,
                          log_every_steps=config.log_every, predicted_mfu=predicted.get("mfu"), sinks=sinks)

@@ -24,7 +24,7 @@ from ethpipe.plan import Plan, write_text_atomic
 
 # Fields of the per-rank stats: computed on the device (read once per step), then timed on the host.
 DEVICE_FIELDS = ("loss_part", "square_norm_part", "nonfinite_part")
-HOST_FIELDS = ("busy_s", "idle_s", "sync_exposed_s", "peak_memory_bytes", "fwd_s", "bwd_s")
+HOST_FIELDS = ("fwd_s", "bwd_s", "idle_s", "sync_exposed_s", "peak_memory_bytes")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -77,6 +77,7 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
         dist.all_gather(host_parts, host, group=group)
         rows = [d + h for d, h in zip(on_device, torch.stack(host_parts).tolist())]
     col = {f: [row[i] for row in rows] for i, f in enumerate(DEVICE_FIELDS + HOST_FIELDS)}
+    col["busy_s"] = [f + b for f, b in zip(col["fwd_s"], col["bwd_s"])]  # F and B time, as Timeline.busy_s
     compute = tuple(sum(col["busy_s"][r] for r in pipe.ranks) / len(pipe.ranks) for pipe in plan.pipelines)
     idle = tuple(sum(col["idle_s"][r] for r in pipe.ranks) / len(pipe.ranks) for pipe in plan.pipelines)
     return StepStats(

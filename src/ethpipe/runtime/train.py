@@ -40,7 +40,7 @@ from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.grad_sync import clip_coefficient
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
 from ethpipe.runtime.loss_scale import LossScaler
-from ethpipe.runtime.metric_sinks import metrics_writer, open_sinks, writer_records
+from ethpipe.runtime.metric_sinks import metrics_writer, open_sinks
 from ethpipe.runtime.replan_step import Outcome, Replanner, decide_replan, replan_due
 from ethpipe.runtime.metrics import gather_stats, peak_memory_bytes, step_record, write_chrome_trace
 from ethpipe.runtime.model import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
@@ -301,8 +301,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             switch_to = None
             if replan_due(replanner, step, start) and step + 1 < config.steps and config.checkpoint_dir is not None:
                 watchdog.beat("re-planning")
-                switch_to, record["replan"] = decide_replan(replanner, current, [*writer_records(writer), record],
-                                                             rank, control)
+                so_far = [*(writer.records if writer is not None else []), record]  # rank 0's; the others' unused
+                switch_to, record["replan"] = decide_replan(replanner, current, so_far, rank, control)
                 if rank == 0:
                     print(record["replan"]["line"], flush=True)
             if writer is not None:
@@ -373,8 +373,8 @@ class _SyncSteps:
 def _timings(timeline: Timeline) -> list[float]:
     """This step's HOST_FIELDS (``metrics``), resolved from its marks (complete after the stats read)."""
     timeline.finish_step()
-    return [timeline.busy_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s,
-            float(peak_memory_bytes(timeline.device)), timeline.fwd_s, timeline.bwd_s]
+    return [timeline.fwd_s, timeline.bwd_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s,
+            float(peak_memory_bytes(timeline.device))]
 
 
 def _initial_scaler(start: ResumePoint) -> LossScaler:
