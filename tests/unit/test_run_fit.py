@@ -35,8 +35,11 @@ def _plan() -> Plan:
     return make_plan(load_cluster(DEMO), load_model_spec("tiny"), 24, 128, "eth", max_tp=1, dtype="fp32")
 
 
-def _records(plan: Plan, steps: int = 8, noise: float = 0.02, seed: int = 0) -> list[dict]:
-    """What `train --metrics` writes, with every rank's compute = the model's x TRUTH[type] x noise."""
+def _records(plan: Plan, steps: int = 8, noise: float = 0.02, seed: int = 0,
+             truth: dict[str, float] | None = None, warm_s: float = 5.0) -> list[dict]:
+    """What `train --metrics` writes, with every rank's compute = the model's x truth[type] (TRUTH) x noise, the
+    first step ``warm_s`` x slower (allocation and warm-up)."""
+    truth = TRUTH if truth is None else truth
     cost = CostModel.for_plan(plan)
     rng = np.random.default_rng(seed)
     out = []
@@ -50,8 +53,7 @@ def _records(plan: Plan, steps: int = 8, noise: float = 0.02, seed: int = 0) -> 
             for size in pipe.micro_batch_sizes:
                 sf, sb = cost.stage_compute_s(stage, size, first=pos.stage == 0, last=pos.stage == pipe.depth - 1)
                 f, b = f + sf, b + sb
-            warm = 5.0 if step == 0 else 1.0  # the first step: allocation and warm-up
-            k = TRUTH[stage.device] * warm
+            k = truth[stage.device] * (warm_s if step == 0 else 1.0)
             fwd.append(f * k * (1 + noise * rng.standard_normal()))
             bwd.append(b * k * (1 + noise * rng.standard_normal()))
         out.append({"step": step, "loss": 5.0, "iteration_time_s": 1.0, "rank_fwd_s": fwd, "rank_bwd_s": bwd,
@@ -82,26 +84,11 @@ def test_the_replanner_switches_to_a_faster_plan_and_keeps_one_it_cannot_beat() 
     fit = fit_run(plan, _records(plan))
     assert decision["new_predicted_s"] == pytest.approx(priced_with(new, fit.calibration), rel=1e-9)
     assert decision["old_predicted_s"] == pytest.approx(priced_with(plan, fit.calibration), rel=1e-9)
-    kept, again = RunReplanner(5)(new, _records_as_truth(new))  # the re-made plan, measured as priced
+    as_priced = _records(new, 6, noise=0.0, truth={t: 1.0 for t in TRUTH}, warm_s=1.0)  # the new plan's model is right
+    kept, again = RunReplanner(5)(new, as_priced)
     assert kept is None and not again["switched"] and "keeping the plan" in again["line"]
 
 
-def _records_as_truth(plan: Plan) -> list[dict]:
-    """Records of a plan already priced with the truth: the new plan's own model is right."""
-    cost = CostModel.for_plan(plan)
-    out = []
-    for step in range(6):
-        fwd, bwd = [], []
-        for rank in range(plan.world_size):
-            pos = plan.position_of(rank)
-            pipe = plan.pipelines[pos.pipeline]
-            times = [cost.stage_compute_s(pipe.stages[pos.stage], b, first=pos.stage == 0,
-                                          last=pos.stage == pipe.depth - 1) for b in pipe.micro_batch_sizes]
-            fwd.append(sum(t[0] for t in times))
-            bwd.append(sum(t[1] for t in times))
-        out.append({"step": step, "rank_fwd_s": fwd, "rank_bwd_s": bwd,
-                    "micro_batch_sizes": [list(p.micro_batch_sizes) for p in plan.pipelines]})
-    return out
 
 
 def test_device_scales_round_trip_and_price_the_type() -> None:
