@@ -89,8 +89,6 @@ def test_the_replanner_switches_to_a_faster_plan_and_keeps_one_it_cannot_beat() 
     assert kept is None and not again["switched"] and "keeping the plan" in again["line"]
 
 
-
-
 def test_device_scales_round_trip_and_price_the_type() -> None:
     cal = Calibration({}, "x", None, {"fast": DeviceScale(2.0, 3.0, "run", 12)})
     back = calibration_from_dict(cal.to_dict())
