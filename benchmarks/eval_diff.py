@@ -7,7 +7,7 @@ numbers that explain it: the exposed gradient-sync time, the tightest stage's me
 tokens/s. The change classes are read from the signatures and numbers, not assumed.
 
     .venv/bin/python benchmarks/eval_diff.py OLD_eval_throughput.json docs/benchmarks/eval_throughput.json \\
-        --why "the cost model now prices ..." [--revert-calibration OLD_calibration.yaml]
+        --why "the cost model now prices ..." [--revert-calibration OLD_calibration.yaml] [--revert-schedules]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def _classes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         out.append("devices used " + ("fewer" if b["devices_used"] < a["devices_used"] else "more"))
     if a["layout"] != b["layout"]:
         out.append("pipeline shapes")
+    elif a.get("schedules", ["1f1b"]) != b.get("schedules", ["1f1b"]):
+        out.append("schedules")
     elif a["plan"] != b["plan"]:
         out.append("micro-batches")
     return out or ["same plan"]
@@ -77,7 +79,8 @@ def attribute(changed: list[dict[str, Any]], old: dict[str, Any],
               reverts: tuple[tuple[str, dict[str, Any]], ...]) -> None:
     """Re-plan each changed eth case with this release's change reverted; the cause is the revert that brings the
     old plan back (``cause`` added to each eth entry). This release's: the compute constants (re-planned with the
-    previous release's calibration file, ``--revert-calibration``); what no revert explains is put down to the
+    previous release's calibration file, ``--revert-calibration``) or the schedule choice (``--revert-schedules``:
+    re-planned with 1F1B only); what no revert explains is put down to the
     other changes since the previous run, named in ``OTHER``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from eval.common import layout_signature
@@ -104,8 +107,8 @@ def attribute(changed: list[dict[str, Any]], old: dict[str, Any],
                 break
 
 
-OTHER = ("other: re-planning with the previous constants does not bring the old plan back (another change since "
-         "the previous run, or a near-tie the search now breaks otherwise)")
+OTHER = ("other: re-planning with this release's change reverted does not bring the old plan back (another change "
+         "since the previous run, or a near-tie the search now breaks otherwise)")
 
 
 def calibration_reverts(path: Path | None) -> tuple[tuple[str, dict[str, Any]], ...]:
@@ -163,10 +166,17 @@ def main() -> None:
     parser.add_argument("--revert-calibration", type=Path, default=None,
                         help="the previous release's data/calibration.yaml: changed eth plans it brings back are put "
                              "down to the constants")
+    parser.add_argument("--revert-schedules", action="store_true",
+                        help="re-plan changed eth cases with --schedules 1f1b: the plans it brings back are put down "
+                             "to the schedule choice")
     args = parser.parse_args()
     old = json.loads(args.old.read_text())
     result = diff(old, json.loads(args.new.read_text()))
-    attribute(result["changed"], old, calibration_reverts(args.revert_calibration))
+    reverts = calibration_reverts(args.revert_calibration)
+    if args.revert_schedules:
+        reverts += (("the schedule choice (zb-h1 allowed; --schedules 1f1b brings the old plan back)",
+                     {"schedules": ("1f1b",)}),)
+    attribute(result["changed"], old, reverts)
     causes = Counter(c["cause"] for c in result["changed"] if "cause" in c)
     result["eth_causes"] = dict(causes.most_common())
     (OUT / "eval_changes.json").write_text(json.dumps(result, indent=1) + "\n")

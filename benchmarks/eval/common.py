@@ -88,13 +88,15 @@ def layout_signature(plan: Plan) -> dict[str, Any]:
         key = " | ".join(f"{short(s.device)}:{s.num_layers}" + (f"/tp{s.tp}" if s.tp > 1 else "") for s in pipe.stages)
         layout[key] = layout.get(key, 0) + 1
         extra = "".join("r" if s.recompute else "-" for s in pipe.stages)
-        long_key = f"{key} b{max(pipe.micro_batch_sizes)} {extra} n{pipe.num_samples}"
+        long_key = f"{key} b{max(pipe.micro_batch_sizes)} {extra} n{pipe.num_samples}" + (
+            f" {pipe.schedule}" if pipe.schedule != "1f1b" else "")
         full[long_key] = full.get(long_key, 0) + 1
     kinds = {tuple((s.device, s.tp) for s in pipe.stages) for pipe in plan.pipelines}
     samples = {pipe.num_samples for pipe in plan.pipelines}
     return {"layout": dict(sorted(layout.items())), "plan": dict(sorted(full.items())), "kinds": len(kinds),
             "devices_used": sum(len(s.ranks) for pipe in plan.pipelines for s in pipe.stages),
             "unequal_data": len(samples) > 1,
+            "schedules": sorted({pipe.schedule for pipe in plan.pipelines}),
             "uneven_layers": any(len({s.num_layers for s in pipe.stages}) > 1 for pipe in plan.pipelines)}
 
 
@@ -128,6 +130,9 @@ def describe(plan: Plan, cost: CostModel, report: SimReport) -> dict[str, Any]:
         "min_headroom_frac": min(headroom.values()),
         "min_headroom_gib": headroom_gib,
         "headroom_by_type": headroom,
+        "efficiency_factors": (plan.predicted or {}).get("efficiency_factors", {}),
+        "schedules": {name: sum(p.schedule == name for p in plan.pipelines)
+                      for name in sorted({p.schedule for p in plan.pipelines})},
         **plan_shape(plan),
     }
 

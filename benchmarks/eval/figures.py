@@ -12,7 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-COLORS = {"eth": "#1b7837", "eth-robust": "#7fbf7b", "layer-balanced": "#762a83", "uniform": "#999999"}
+COLORS = {"eth": "#1b7837", "eth-robust": "#7fbf7b", "eth-1f1b": "#d9f0d3", "layer-balanced": "#762a83",
+          "uniform": "#999999"}
 
 
 def _save(fig: Any, path: Path) -> None:

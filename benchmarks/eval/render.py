@@ -12,6 +12,7 @@ from eval import fmt
 from eval.render_headline import case_name, labels_of, method_name
 from eval.render_headline import headline as headline_bullets
 from eval.render_more import ablation, closing_note, measured, sensitivity, where_eth_loses
+from eval.render_schedules import section as schedules_section
 from eval.render_throughput import cluster_tables, intro
 
 SECTIONS = ("throughput", "search", "ablation", "measured", "sensitivity", "summary")
@@ -157,7 +158,8 @@ def sharding(results: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
-    lines = header(results) + headline(results) + throughput(results) + sharding(results) + search(results)
+    lines = header(results) + headline(results) + throughput(results) + schedules_section(results)
+    lines += sharding(results) + search(results)
     lines += ablation(results) + measured(results) + sensitivity(results) + where_eth_loses(results)
     lines += closing_note(results)
     meta = results["summary"]["meta"]

@@ -7,7 +7,8 @@ from typing import Any
 
 from eval import fmt
 
-METHOD_NAMES = {"eth": "eth", "eth-robust": "eth --robust", "layer-balanced": "layer-balanced", "uniform": "uniform"}
+METHOD_NAMES = {"eth": "eth", "eth-robust": "eth --robust", "eth-1f1b": "eth 1F1B only",
+                "layer-balanced": "layer-balanced", "uniform": "uniform"}
 BASELINE_CAN = {
     "layer-balanced": "replicates one pipeline shape holding an equal share of every GPU type, with equal data",
     "uniform": "uses equal layers per stage and equal data on replicas taken in rank order",

@@ -2,9 +2,9 @@
 speeds and where one device type runs slower than the cost model believed, each plan replayed
 without and with the runtime's online data rebalancing (``eval/replay.py``).
 
-Four methods, every plan made with the nominal cost model: eth, eth with ``robust=True`` (the best
-worst case under per-type speed perturbations among eth's best candidates), layer-balanced and
-uniform. Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
+Five methods, every plan made with the nominal cost model: eth (every schedule allowed), eth with
+``robust=True`` (the best worst case under per-type speed perturbations among eth's best candidates),
+eth with 1F1B only, layer-balanced and uniform (both 1F1B, their published schedule). Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from eval import scenarios as sc
 from eval.common import Job, describe, layout_signature, timed
 
 ROBUST = "eth-robust"
-MATRIX_METHODS = ("eth", ROBUST, "layer-balanced", "uniform")
+ONE_F_ONE_B = "eth-1f1b"  # eth with --schedules 1f1b: what the schedule choice buys
+MATRIX_METHODS = ("eth", ROBUST, ONE_F_ONE_B, "layer-balanced", "uniform")
 PAIRS = (("eth", "layer-balanced"), ("eth", "uniform"), (ROBUST, "layer-balanced"), (ROBUST, "uniform"),
-         (ROBUST, "eth"))
+         (ROBUST, "eth"), ("eth", ONE_F_ONE_B))
 MODES = ("static", "rebalanced")
 # The layer-balanced baseline's exhaustive search gets more than the search section's budget here, so that
 # the baseline is its best plan, not a timed-out one (a timeout would still be recorded and reported).
@@ -43,6 +44,8 @@ def _plan(cluster: Any, spec: Any, batch: int, seq_len: int, method: str,
         kwargs["time_budget_s"] = budget_s
     if method == ROBUST:
         name, kwargs["robust"] = "eth", True
+    if method == ONE_F_ONE_B:
+        name, kwargs["schedules"] = "eth", ("1f1b",)
     try:
         planning_s, plan = timed(lambda: make_plan(cluster, spec, batch, seq_len, name, **kwargs))
     except UserError as err:  # no feasible plan (a bug would propagate)

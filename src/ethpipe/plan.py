@@ -39,6 +39,7 @@ class Stage:
 class Pipeline:
     stages: tuple[Stage, ...]
     micro_batch_sizes: tuple[int, ...]
+    schedule: str = "1f1b"  # ``ethpipe.schedule.SCHEDULES``: the order its stages run their actions
 
     @property
     def depth(self) -> int:
@@ -178,6 +179,7 @@ class Plan:
                         for s in p.stages
                     ],
                     "micro_batch_sizes": list(p.micro_batch_sizes),
+                    "schedule": p.schedule,
                 }
                 for p in self.pipelines
             ],

@@ -11,6 +11,7 @@ from typing import Any
 from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES
 from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
@@ -63,7 +64,10 @@ def _pipeline(data: Any, where: str) -> Pipeline:
     if not isinstance(mbs, list) or not mbs:
         raise UserError(f"plan field '{where}.micro_batch_sizes' must be a non-empty list of sizes")
     sizes = tuple(_pos_int(b, f"{where}.micro_batch_sizes") for b in mbs)
-    return Pipeline(parsed, sizes)
+    schedule = data.get("schedule", DEFAULT_SCHEDULE)
+    if schedule not in SCHEDULES:
+        raise UserError(f"plan field '{where}.schedule' must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    return Pipeline(parsed, sizes, schedule)
 
 
 def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int) -> None:

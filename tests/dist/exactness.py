@@ -28,7 +28,7 @@ The tolerances, derived rather than tuned:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -63,3 +63,12 @@ def assert_matches_reference(label: str, got: Mapping[str, torch.Tensor], record
     """Parameters, per-step losses and gradient norms: the three checks every exactness test makes."""
     assert_stats_match(label, records, ref, first_step)
     assert_params_match(label, got, ref.state)
+
+
+def fails(check: Callable[[], None]) -> bool:
+    """Whether ``check`` raises AssertionError: how a test shows a check catches a deliberately broken run."""
+    try:
+        check()
+    except AssertionError:
+        return True
+    return False

@@ -29,7 +29,7 @@ from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.grad_buckets import GradBuckets
 from ethpipe.runtime.train import TrainConfig, train
 
-from .exactness import assert_params_match, assert_stats_match
+from .exactness import fails, assert_params_match, assert_stats_match
 from .harness import run_ranks
 from .plans import LLAMA_LIKE, make_plan
 from .reference import reference_train
@@ -87,14 +87,6 @@ def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
             Path(out_dir, f"{variant}.json").write_text(json.dumps(records))
 
 
-def _fails(check: Callable[[], None]) -> bool:
-    try:
-        check()
-    except AssertionError:
-        return True
-    return False
-
-
 def test_each_check_fails_on_a_broken_runtime(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     data = str(tmp_path / "tokens.bin")
@@ -106,8 +98,8 @@ def test_each_check_fails_on_a_broken_runtime(tmp_path: Path) -> None:
     for variant in VARIANTS:
         records = json.loads((tmp_path / f"{variant}.json").read_text())
         got = load_file(tmp_path / f"{variant}.safetensors")
-        caught[variant] = (_fails(lambda: assert_stats_match(variant, records, ref)),
-                           _fails(lambda: assert_params_match(variant, got, ref.state)))
+        caught[variant] = (fails(lambda: assert_stats_match(variant, records, ref)),
+                           fails(lambda: assert_params_match(variant, got, ref.state)))
     assert caught["correct"] == (False, False), "the real runtime must pass every check"
     assert caught["weight-decay-on-norms"][1], "weight decay on norms not caught by the parameter check"
     assert caught["loss-per-sample"][0], "a 1/samples loss scale not caught by the loss/grad-norm check"

@@ -53,11 +53,11 @@ def _cluster(*parts: tuple[str, int, int]) -> Cluster:
                                         for g, n, k in parts]})
 
 
-def planned(parts: tuple, model: str, batch: int, spec: ModelSpec) -> Plan:
+def planned(parts: tuple, model: str, batch: int, spec: ModelSpec, schedules: tuple[str, ...] | None = None) -> Plan:
     """ETH's own layout for ``model`` on a real-GPU cluster, retargeted to ``spec`` (same layer count)
     and sequence 16 so that six CPU ranks can train it."""
     layout = planner.make_plan(_cluster(*parts), load_model_spec(model), batch, 2048, max_tp=4,
-                               options=PlannerOptions(allow_idle=False))
+                               options=PlannerOptions(allow_idle=False), schedules=schedules)
     assert spec.num_layers == layout.num_layers
     out = dataclasses.replace(layout, model=spec.name, model_spec=spec, seq_len=16)
     return Plan.from_dict(json.loads(out.to_json()))  # validated as a plan file is (TP degrees fit spec)
@@ -65,7 +65,8 @@ def planned(parts: tuple, model: str, batch: int, spec: ModelSpec) -> Plan:
 
 def _planned_plans() -> tuple[Plan, Plan]:
     hybrid = planned((("a100_80gb_sxm", 1, 2), ("l4", 1, 2), ("h100_sxm", 1, 2)), "gpt3-350m", 16,
-                     dataclasses.replace(GPT_LIKE, name="test-gpt-24", num_layers=24))
+                     dataclasses.replace(GPT_LIKE, name="test-gpt-24", num_layers=24),
+                     schedules=("1f1b",))  # with zb-h1 a non-hybrid layout wins here
     kinds = [{s.device for s in p.stages} for p in hybrid.pipelines]
     assert any(len(k) > 1 for k in kinds) and any(len(k) == 1 for k in kinds), "precondition: a hybrid layout"
     per_type = planned((("a100_80gb_sxm", 1, 2), ("v100_16gb", 1, 4)), "llama2-7b", 4,

@@ -59,8 +59,11 @@ STEPS = 2
 
 
 def _order_plan():  # type: ignore[no-untyped-def]
-    return make_plan([([((0, 3), 1), ((3, 5), 2), ((5, 8), 1)], [2, 1, 2, 1]),  # tp 1 -> 2 -> 1
+    """Pipeline 0 runs zb-h1 (its W passes post nothing; the batch before a W is not waited there), pipeline 1 1F1B."""
+    plan = make_plan([([((0, 3), 1), ((3, 5), 2), ((5, 8), 1)], [2, 1, 2, 1]),  # tp 1 -> 2 -> 1
                       ([((0, 5), 1), ((5, 8), 1)], [3, 1, 2])], spec=SPEC)
+    zb = dataclasses.replace(plan.pipelines[0], schedule="zb-h1")
+    return dataclasses.replace(plan, pipelines=(zb, plan.pipelines[1]))
 
 
 def _liveness(rank: int, group: dist.ProcessGroup, leaky: bool) -> dict:

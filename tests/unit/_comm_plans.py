@@ -28,15 +28,17 @@ SPEC = ModelSpec(name="replay", num_layers=16, hidden_size=64, num_heads=8, num_
 StageDef = tuple[tuple[int, int], int]  # (layers, tp)
 
 
-def make_plan(pipelines: Sequence[tuple[Sequence[StageDef], Sequence[int]]], spec: ModelSpec = SPEC) -> Plan:
-    """Ranks numbered stage by stage, pipeline by pipeline."""
+def make_plan(pipelines: Sequence[tuple[Sequence[StageDef], Sequence[int]]], spec: ModelSpec = SPEC,
+              schedule: str = "1f1b", recompute: frozenset[int] = frozenset()) -> Plan:
+    """Ranks numbered stage by stage, pipeline by pipeline; every pipeline runs ``schedule``; stages whose
+    first rank is in ``recompute`` recompute (so never split their backward)."""
     pipes, rank = [], 0
     for stages, sizes in pipelines:
         built = []
         for layers, tp in stages:
-            built.append(Stage(tuple(range(rank, rank + tp)), "cpu", layers, tp))
+            built.append(Stage(tuple(range(rank, rank + tp)), "cpu", layers, tp, rank in recompute))
             rank += tp
-        pipes.append(Pipeline(tuple(built), tuple(sizes)))
+        pipes.append(Pipeline(tuple(built), tuple(sizes), schedule))
     return Plan("custom", spec.name, sum(sum(s) for _, s in pipelines), 16, tuple(pipes), compute_blocks(pipes),
                 model_spec=spec)
 

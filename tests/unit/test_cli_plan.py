@@ -41,9 +41,16 @@ def test_compare_writes_results_and_plot(tmp_path: Path) -> None:
                "--out", str(out), "--plot", str(fig))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"eth", "eth (no ZeRO)", "uniform", "layer-balanced"}
+    assert set(data["methods"]) == {"eth", "eth (no ZeRO)", "eth 1F1B only", "uniform", "layer-balanced"}
     assert data["methods"]["eth"]["eth_speedup"] == 1.0
     assert data["methods"]["eth (no ZeRO)"]["eth_speedup"] >= 1.0 - 1e-9  # eth is the faster of the two
+    assert data["methods"]["eth 1F1B only"]["eth_speedup"] >= 1.0 - 1e-9  # ... and with every schedule allowed
+    assert data["methods"]["eth 1F1B only"]["schedules"] == ["1f1b"]
+    assert data["methods"]["uniform"]["schedules"] == ["1f1b"]  # the baselines run their own schedule
+    one = _run("compare", "--cluster", DEMO, "--model", "tiny", "--global-batch", "32", "--seq-len", "64",
+               "--schedules", "1f1b", "--out", str(out))
+    assert one.exit_code == 0, one.output
+    assert "eth 1F1B only" not in json.loads(out.read_text())["methods"]  # the same plan as eth then
     assert fig.read_bytes()[:4] == b"\x89PNG"
 
 

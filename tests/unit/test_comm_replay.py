@@ -6,7 +6,8 @@ posts (``ethpipe.comm.program``) under those semantics. The old executor's order
 after) is shown to deadlock on every shape with two stages and two micro-batches or more, so the
 replay can fail; the new order completes on every shape up to depth 8 x 16 micro-batches, with ragged
 micro-batches, TP fan-in/fan-out, several pipelines of different cuts with the block gradient sync,
-and tied embeddings, under per-communicator FIFO and under one FIFO per device.
+and tied embeddings, under per-communicator FIFO and under one FIFO per device, for every schedule
+(``ethpipe.schedule.SCHEDULES``: zb-h1's W passes post nothing; its sync fires at the last W).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import itertools
 
 import pytest
 
-from ethpipe.comm.program import Peers, p2p_batches, plan_peers, step_program
+from ethpipe.comm.program import Peers, deferred_batches, p2p_batches, plan_peers, step_program
 from ethpipe.comm.replay import Op, Post, Wait, replay
 from ethpipe.runtime.zero import ShardedBuckets
-from ethpipe.schedule import one_f_one_b
+from ethpipe.schedule import SCHEDULES, one_f_one_b, zb_h1
 
 from _comm_plans import (
     SPEC, even_pipeline, make_plan, old_executor_program, pair_groups, replay_plan, stage_buckets,
@@ -28,10 +29,11 @@ from _comm_plans import (
 SHAPES = list(itertools.product(range(1, 9), range(1, 17)))  # depth x micro-batches
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("streams", ["group", "device"])
-def test_every_1f1b_shape_up_to_depth_8_by_16_completes(streams: str) -> None:
+def test_every_shape_of_every_schedule_up_to_depth_8_by_16_completes(streams: str, schedule: str) -> None:
     for depth, m in SHAPES:
-        plan = make_plan([even_pipeline(depth, [1] * m)])
+        plan = make_plan([even_pipeline(depth, [1] * m)], schedule=schedule)
         for lazy in (False, True):
             outcome = replay_plan(plan, streams=streams, lazy_init=lazy, warmup=lazy)
             assert outcome.completed and not outcome.errors, (depth, m, lazy, outcome.describe())
@@ -67,13 +69,16 @@ MIXED = [
 ]
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("case", range(len(MIXED)))
-def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int, tied: bool) -> None:
-    """The sync fired from backward hooks overlaps the stage's last backward and its sends: that needs the
-    communicators to run side by side (ProcessGroupNCCL's stream per communicator, as Megatron's overlapped
-    gradient reduce does). With --no-overlap-grad-sync it completes even with one FIFO per device."""
-    plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=tied))
+def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int, tied: bool, schedule: str) -> None:
+    """The sync fired from backward hooks overlaps the stage's last backward (under zb-h1: its last W) and its
+    sends: that needs the communicators to run side by side (ProcessGroupNCCL's stream per communicator, as
+    Megatron's overlapped gradient reduce does). With --no-overlap-grad-sync it completes even with one FIFO
+    per device. zb-h1 with every third rank's stage recomputing (unsplit beside split stages)."""
+    plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=tied), schedule=schedule,
+                     recompute=frozenset(range(0, 64, 3)) if schedule != "1f1b" else frozenset())
     for lazy in (False, True):
         outcome = replay_plan(plan, lazy_init=lazy, warmup=lazy)
         assert outcome.completed and not outcome.errors, (lazy, outcome.describe())
@@ -81,11 +86,12 @@ def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int,
         assert strict.completed, (lazy, strict.describe())
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("case", range(len(MIXED)))
-def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int) -> None:
+def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int, schedule: str) -> None:
     """ZeRO-1 (``runtime/zero.py``): one reduce per shard in the sync's order, one broadcast per shard after
     the optimizer in the reversed order; tied embeddings (the matrix's holders overlap every block's)."""
-    plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=True))
+    plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=True), schedule=schedule)
     outcome = replay_plan(plan, sharded=True, lazy_init=True, warmup=True)
     assert outcome.completed and not outcome.errors, outcome.describe()
     assert replay_plan(plan, sharded=True, streams="device", overlap_sync=False).completed
@@ -173,3 +179,20 @@ def test_the_step_program_posts_the_p2p_batches_in_schedule_order() -> None:
     posted = [item for item in program if isinstance(item, Post) and item.group == "pipeline 0"]
     batches = [b for b in p2p_batches(one_f_one_b(3, 1, 4), plan_peers(plan, 1)) if b]
     assert [tuple(Op(o.kind, o.peer, o.tag) for o in b) for b in batches] == [p.ops for p in posted]
+
+
+def test_the_batches_before_a_w_hold_sends_only_so_their_wait_can_move_to_the_next_f_or_b() -> None:
+    """Under NCCL a send completes only with the peer's receive: waiting the B's sends before its W would hold
+    the W until the previous stage reaches its own B, so the runtime waits them before its next F or B
+    (``deferred_batches``). The communication order is the same either way (a W posts nothing), so the
+    replay above covers both; what this checks is that every deferred batch holds sends only."""
+    for depth, m in SHAPES:
+        plan = make_plan([even_pipeline(depth, [1] * m)], schedule="zb-h1")
+        for rank in range(plan.world_size):
+            actions = zb_h1(depth, rank, m)
+            batches = p2p_batches(actions, plan_peers(plan, rank))
+            deferred = deferred_batches(actions)
+            assert deferred == {k for k, a in enumerate(actions) if a.kind == "W"}
+            assert all(o.kind == "send" and o.payload == "grad" for k in deferred for o in batches[k])
+            if rank > 0 and m >= depth:  # a split stage sends a gradient alone before its first W
+                assert any(batches[k] for k in deferred)

@@ -67,7 +67,8 @@ def test_pacing_targets_are_the_simulated_compute() -> None:
     targets = demo.pacing_targets(plan, cost)
     assert sorted(targets) == [0, 1, 2] and sorted(targets[0]) == [1, 2] and sorted(targets[2]) == [1]
     # Stage 0 of pipeline 0 (embedding + 4 blocks) at micro-batch 2, as the profile says x 2 / 1.0.
-    fwd, bwd = targets[0][2]
+    fwd, bwd, wgrad = targets[0][2]
+    assert 0 < wgrad < bwd  # the weight-gradient part of the backward (what a split W lasts)
     assert fwd == pytest.approx(2.0 * (2e-4 + 4 * 2e-3))
     assert bwd == pytest.approx(2.0 * (4e-4 + 4 * 4e-3))
     # The slow single-stage pipeline: everything x 2 / 0.25.

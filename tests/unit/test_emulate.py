@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import pytest
 
 from ethpipe.model_spec import model_presets
@@ -54,7 +55,7 @@ def test_scaled_targets_pace_every_rank() -> None:
 
 def test_paced_targets_ignore_measurement_and_apply_slowdowns() -> None:
     em = Emulator(0.25, time_scale=4.0, slowdowns=(Slowdown(0, 2.0, from_step=3),),
-                  paced=((1, 0.010, 0.020), (2, 0.016, 0.030)))
+                  paced=((1, 0.010, 0.020, 0.0), (2, 0.016, 0.030, 0.0)))
     assert em.target_s("F", 1, 123.0, 0) == pytest.approx(0.010)
     assert em.target_s("B", 2, 0.0, 0) == pytest.approx(0.030)
     assert em.target_s("B", 2, 0.0, 3) == pytest.approx(0.060)
@@ -91,15 +92,30 @@ def test_paced_targets_round_trip_through_the_plan_file() -> None:
     plan = _plan(["fast", "slow"], {"device_speeds": {"fast": 2.0, "slow": 1.0}})
     paced = with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}, 1: {1: (0.02, 0.04)}})
     again = PlanType.from_dict(paced.to_dict())
-    assert paced_targets(again, 1) == ((1, 0.02, 0.04),)
+    assert paced_targets(again, 1) == ((1, 0.02, 0.04, 0.0),)
     em = make_emulator(again, 1)
-    assert (em.speed, em.time_scale, em.paced) == (0.5, 3.0, ((1, 0.02, 0.04),))
+    assert (em.speed, em.time_scale, em.paced) == (0.5, 3.0, ((1, 0.02, 0.04, 0.0),))
     assert paced_targets(plan, 0) == ()  # no targets: scaled from measurement
     check_emulation(paced)
     with pytest.raises(ValueError, match="no targets for rank 1"):
         check_emulation(with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}}))
     with pytest.raises(ValueError, match="no target for micro-batch size 1"):
         paced_targets(with_emulation(plan, 3.0, {0: {2: (0.01, 0.02)}, 1: {2: (0.01, 0.02)}}), 0)
+
+
+def test_a_split_backward_is_paced_as_its_input_and_weight_passes() -> None:
+    pipe = Pipeline((Stage((0,), "fast", (0, 4)), Stage((1,), "slow", (4, 8))), (1, 1), "zb-h1")
+    zb = Plan("custom", "tiny", 2, 16, (pipe,), compute_blocks([pipe]), model_presets()["tiny"],
+              extra={"device_speeds": {"fast": 2.0, "slow": 1.0}})
+    paced = PlanType.from_dict(with_emulation(zb, 3.0, {0: {1: (0.01, 0.02, 0.005)}, 1: {1: (0.02, 0.04, 0.01)}}).to_dict())
+    em = make_emulator(paced, 1)
+    assert [em.target_s(k, 1, 0.0, 0) for k in ("F", "B", "B-input", "W")] == pytest.approx([0.02, 0.04, 0.03, 0.01])
+    targets = {0: {1: (0.01, 0.02)}, 1: {1: (0.02, 0.04)}}
+    assert paced_targets(with_emulation(zb, 3.0, targets), 0) == ((1, 0.01, 0.02, 0.0),)  # stage 0 never splits
+    with pytest.raises(ValueError, match="wgrad_s.*splits its backward"):
+        paced_targets(with_emulation(zb, 3.0, targets), 1)
+    with pytest.raises(ValueError, match="wgrad_s is part of bwd_s"):
+        paced_targets(with_emulation(zb, 3.0, {0: {1: (0.01, 0.02, 0.03)}, 1: {1: (0.01, 0.02, 0.03)}}), 0)
 
 
 def test_parse_slowdown() -> None:
@@ -118,7 +134,7 @@ def test_parse_slowdown() -> None:
 def test_measured_mode_scales_real_compute_and_ignores_paced_targets() -> None:
     plan = _plan(["fast", "slow"], {"device_speeds": {"fast": 4.0, "slow": 1.0}})
     paced = with_emulation(plan, 3.0, {0: {1: (0.01, 0.02)}, 1: {1: (0.02, 0.04)}})
-    assert make_emulator(paced, 1).paced == ((1, 0.02, 0.04),)  # default mode: the plan's targets
+    assert make_emulator(paced, 1).paced == ((1, 0.02, 0.04, 0.0),)  # default mode: the plan's targets
     em = make_emulator(paced, 1, mode="measured", slowdowns=(Slowdown(1, 2.0, from_step=2),))
     assert (em.speed, em.time_scale, em.paced) == (0.25, 3.0, ())
     # 5 ms of real compute on a quarter-speed device at scale 3 lasts 5 * 3 / 0.25 = 60 ms, twice that once slowed.

@@ -33,10 +33,12 @@ def _loads_and_simulates(plan: Plan) -> None:
 
 def _wins_and_round_trips(cluster, spec, batch: int, flag: str) -> tuple[Plan, Plan]:  # type: ignore[no-untyped-def]
     """The plan with every family and the plan with ``flag`` off: the family must win, and its plan load and
-    simulate; both are returned for the family's own checks."""
-    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES, shard_optimizer=False)  # the family alone
+    simulate; both are returned for the family's own checks. Under 1F1B, the schedule the search prices: with
+    zb-h1 (a smaller bubble) a layout without the family may overtake it (here for hybrid at batch 48)."""
+    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES, shard_optimizer=False,  # the family alone
+                     schedules=("1f1b",))
     without = make_plan(cluster, spec, batch, 2048, options=PlannerOptions(allow_idle=False, **{flag: False}),
-                        shard_optimizer=False)
+                        shard_optimizer=False, schedules=("1f1b",))
     assert plan.predicted["iteration_time_s"] < without.predicted["iteration_time_s"]
     _loads_and_simulates(plan)
     return plan, without

@@ -16,6 +16,7 @@ from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 
 UNSHARDED = "eth (no ZeRO)"  # compare's row: eth planned with --no-shard-optimizer
+ONE_F_ONE_B = "eth 1F1B only"  # compare's row: eth planned with --schedules 1f1b
 
 ClusterOpt = Annotated[Path, typer.Option("--cluster", help="Cluster spec (YAML or JSON).")]
 ModelOpt = Annotated[str, typer.Option("--model", help="Preset name, spec YAML, or HF config.json.")]
@@ -34,6 +35,9 @@ Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32", help="fp32 plans: mat
 AttentionOpt = Annotated[str, typer.Option("--attention", help="auto (the fused kernels PyTorch SDPA runs: flash or "
                                                              "memory-efficient) | materialised (the unfused s x s "
                                                              "scores of a Megatron-style runtime).")]
+SchedulesOpt = Annotated[Optional[str], typer.Option(
+    "--schedules", help="Pipeline schedules each pipeline may run, comma-separated: 1f1b, zb-h1 (zero-bubble H1: "
+                        "weight gradients deferred into the bubble). Default: all for eth, 1f1b for the baselines.")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", help="Calibrated constants from `ethpipe calibrate "
                                                                      "--out` (over the shipped ones).")]
 GIB = 2**30
@@ -52,11 +56,22 @@ def _inputs(cluster: Path, model: str, profile: list[Path] | None, profile_as: l
     return clu, spec, {t: load_profile(p) for t, p in zip(profile_as, profile)} or None
 
 
+def parse_schedules(text: str | None) -> tuple[str, ...] | None:
+    """``--schedules a,b`` -> ("a", "b"); None: the method's default (``make_plan`` checks the names)."""
+    if text is None:
+        return None
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise UserError("--schedules needs at least one schedule: e.g. --schedules 1f1b,zb-h1")
+    return names
+
+
 def _summary(plan: Any) -> Table:
     pred = plan.predicted
     mem = {d["rank"]: d for d in pred["devices"]}
     table = Table(title=f"{plan.method} plan: {plan.model}, batch {plan.global_batch_size} x {plan.seq_len} tokens")
-    for col in ("pipe", "stages (device x tp: layers)", "samples", "micro-batches", "time s", "min headroom"):
+    for col in ("pipe", "stages (device x tp: layers)", "samples", "micro-batches", "schedule", "time s",
+                "min headroom"):
         table.add_column(col, justify="right" if col not in ("stages (device x tp: layers)",) else "left")
     for p, (pipe, t) in enumerate(zip(plan.pipelines, pred["pipeline_times_s"])):
         stages = ", ".join(f"{s.device}x{s.tp}:{s.layers[0]}-{s.layers[1]}{'*' if s.recompute else ''}"
@@ -64,7 +79,7 @@ def _summary(plan: Any) -> Table:
         head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for r in pipe.ranks)
         sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
         mbs = f"{pipe.num_microbatches} (b={'/'.join(map(str, sizes))})"
-        table.add_row(str(p), stages, str(pipe.num_samples), mbs, f"{t:.3f}", f"{100 * head:.0f}%")
+        table.add_row(str(p), stages, str(pipe.num_samples), mbs, pipe.schedule, f"{t:.3f}", f"{100 * head:.0f}%")
     return table
 
 
@@ -151,6 +166,7 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
              "--shard-optimizer/--no-shard-optimizer",
              help="eth: also plan with the AdamW state sharded across pipelines (ZeRO-1) and keep it where that "
                   "is faster; --no-shard-optimizer: every rank keeps its stage's whole state.")] = True,
+         schedules: SchedulesOpt = None,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          config_file: Annotated[Optional[Path], config_option(annotated=True)] = None,
@@ -162,7 +178,7 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
                        dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
-                       attention=attention, shard_optimizer=shard_optimizer)
+                       attention=attention, shard_optimizer=shard_optimizer, schedules=parse_schedules(schedules))
     if out is not None:
         result.save(out)
     if as_json:
@@ -196,10 +212,12 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
 def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
             recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
             dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None, attention: AttentionOpt = "auto",
+            schedules: SchedulesOpt = None,
             out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
             plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
             ) -> None:
-    """Plan with eth, uniform and layer-balanced in one cost model and compare them."""
+    """Plan with eth, uniform and layer-balanced in one cost model and compare them (and eth without ZeRO, eth
+    with 1F1B only: what each lever buys). The baselines run 1F1B unless --schedules says otherwise."""
     from ethpipe.cost.hardware import load_calibration
     from ethpipe.cost.model import CostModel
     from ethpipe.planner import METHODS, make_plan
@@ -210,12 +228,16 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
         raise UserError(f"--plot '{plot}' must end in .png, .svg or .pdf")
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     calibration = load_calibration(catalog)
+    chosen = parse_schedules(schedules)
+
     def planned(method: str, **kwargs: Any) -> Plan:
+        kwargs.setdefault("schedules", chosen)
         return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
                          dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, **kwargs)
 
     plans = {m: planned(m) for m in METHODS}
     plans = {"eth": plans["eth"], UNSHARDED: planned("eth", shard_optimizer=False),
+             **({ONE_F_ONE_B: planned("eth", schedules=("1f1b",))} if chosen != ("1f1b",) else {}),
              **{m: p for m, p in plans.items() if m != "eth"}}  # eth may shard the optimizer; the baselines do not
     worst = {m: robust_record(p, CostModel.for_plan(p, profiles)) for m, p in plans.items()}
     eth_time = plans["eth"].predicted["iteration_time_s"]
@@ -223,16 +245,18 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
                                            "grad_sync_exposed_s", "planning_time_s")}
             | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines),
                "num_idle_devices": len(p.idle_devices),
+               "schedules": sorted({pipe.schedule for pipe in p.pipelines}),
                "efficiency_factors": p.predicted.get("efficiency_factors", {}),
                "worst_case_time_s": worst[m]["worst_case_time_s"], "worst_scenario": worst[m]["worst_scenario"]}
             for m, p in plans.items()}
     table = Table(title=f"{spec.name} on {clu.num_devices} devices, batch {global_batch} x {seq_len}")
-    for col in ("method", "pipelines", "iteration s", "worst case s", "tokens/s", "eth speedup", "balance eff.",
-                "largest losses", "MFU", "planning s"):
-        table.add_column(col, justify="left" if col in ("method", "largest losses") else "right")
+    for col in ("method", "pipelines", "schedules", "iteration s", "worst case s", "tokens/s", "eth speedup",
+                "balance eff.", "largest losses", "MFU", "planning s"):
+        table.add_column(col, justify="left" if col in ("method", "schedules", "largest losses") else "right")
     for m, r in rows.items():
         losses = sorted(r["efficiency_factors"].items(), key=lambda kv: kv[1])[:2]
-        table.add_row(m, str(r["num_pipelines"]), f"{r['iteration_time_s']:.3f}", f"{r['worst_case_time_s']:.3f}",
+        table.add_row(m, str(r["num_pipelines"]), ",".join(r["schedules"]), f"{r['iteration_time_s']:.3f}",
+                      f"{r['worst_case_time_s']:.3f}",
                       f"{r['tokens_per_s']:,.0f}", f"{r['eth_speedup']:.2f}x", f"{r['balance_efficiency']:.3f}",
                       ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in losses), f"{r['mfu']:.3f}",
                       f"{r['planning_time_s']:.3f}")

@@ -29,8 +29,8 @@ from ethpipe.precision import AUTO, plan_dtype, without_bf16
 def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration: Calibration | None = None,
            profiles: Mapping[str, MeasuredProfile] | None = None) -> Plan:
     """Plan ``old``'s model, global batch and seq_len on ``cluster`` (tp = 1: what the runtime runs), with
-    its dtype, TF32 setting, attention kernels and compute constants, so the new plan is priced as the old
-    one was.
+    its dtype, TF32 setting, attention kernels, compute constants and allowed schedules, so the new plan is
+    priced as the old one was.
 
     ``allow_idle=False`` when the world is already running on every device of ``cluster``; ``calibration``
     replaces the plan's own constants (a fit of the run: `ethpipe replan --catalog`, `train --replan-after`)."""
@@ -48,7 +48,8 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
                     profiles=profiles,
                     options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
                     calibration=calibration or recorded_calibration(old),
-                    attention=str(old.extra.get("attention", "auto")))
+                    attention=str(old.extra.get("attention", "auto")),
+                    schedules=recorded_schedules(old))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # the same emulated devices: time scale, profiles
         from ethpipe.runtime.emulate import pinned_emulation
@@ -165,3 +166,12 @@ def replan_cmd(
         console.print(f"the old plan priced with --catalog: {priced_with(old, calibration):.4f} s (the same constants "
                       "as the new plan's prediction)", highlight=False)
     console.print(f"planned in {took_s:.3f} s" + (f"; written to {out}" if out is not None else ""), highlight=False)
+
+
+def recorded_schedules(plan: Plan) -> tuple[str, ...] | None:
+    """The schedules ``plan`` was allowed (``search.schedules``); for a plan without that record (written by hand,
+    or before schedules existed), the ones its pipelines run."""
+    recorded = (plan.extra.get("search") or {}).get("schedules")
+    if isinstance(recorded, list) and recorded and all(isinstance(s, str) for s in recorded):
+        return tuple(recorded)
+    return tuple(sorted({p.schedule for p in plan.pipelines}))

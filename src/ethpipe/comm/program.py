@@ -33,7 +33,7 @@ from typing import Literal
 
 from ethpipe.comm.replay import Item, Op, Post, Wait
 from ethpipe.plan import Plan
-from ethpipe.schedule import Action, one_f_one_b
+from ethpipe.schedule import Action, actions_of, last_weight_grad_index
 
 Payload = Literal["act", "grad"]
 WORLD = "world"
@@ -81,14 +81,18 @@ def plan_peers(plan: Plan, rank: int) -> Peers:
 
 
 def action_recvs(action: Action, peers: Peers) -> tuple[P2pOp, ...]:
-    """What ``action`` needs before it runs: its input activation (F) or its output's gradient (B)."""
+    """What ``action`` needs before it runs: its input activation (F) or its output's gradient (B); W: none."""
+    if action.kind == "W":
+        return ()
     src = peers.act_from if action.kind == "F" else peers.grad_from
     payload: Payload = "act" if action.kind == "F" else "grad"
     return () if src is None else (P2pOp("recv", src, payload, action.microbatch),)
 
 
 def action_sends(action: Action, peers: Peers) -> tuple[P2pOp, ...]:
-    """What ``action`` produces for its neighbours: its output (F) or its input's gradient (B)."""
+    """What ``action`` produces for its neighbours: its output (F) or its input's gradient (B); W: none."""
+    if action.kind == "W":
+        return ()
     dsts, payload = (peers.act_to, "act") if action.kind == "F" else (peers.grad_to, "grad")
     return tuple(P2pOp("send", d, payload, action.microbatch) for d in dsts)  # type: ignore[arg-type]
 
@@ -103,6 +107,14 @@ def p2p_batches(actions: Sequence[Action], peers: Peers) -> tuple[tuple[P2pOp, .
         sends = action_sends(action, peers)
     out.append(sends)
     return tuple(out)
+
+
+def deferred_batches(actions: Sequence[Action]) -> frozenset[int]:
+    """Batches posted without a wait: the one before a ``W`` (only the previous B's sends: the W needs nothing
+    from it). Waiting it there would hold the W until the peer reaches its matching receive (under NCCL a send
+    completes only with it), which is what zero-bubble schedules must not do; it is waited before the next
+    batch that is waited (so a rank still has at most one send outstanding per peer and direction)."""
+    return frozenset(k for k, a in enumerate(actions) if a.kind == "W")
 
 
 def pipeline_group(pipeline: int) -> str:
@@ -135,20 +147,24 @@ def communicators(plan: Plan, sync_posts: Callable[[int], SyncPosts]) -> dict[st
 
 
 def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool = False, overlap_sync: bool = True,
-                 schedule: Callable[[int, int, int], tuple[Action, ...]] = one_f_one_b,
+                 schedule: Callable[[int, int, int], tuple[Action, ...]] | None = None,
                  gather_posts: SyncPosts = ()) -> list[Item]:
     """Rank ``rank``'s communication in one training step, in the order the runtime issues it;
     ``warmup``: the first step, after the start-up collective on each pipeline group (``runtime.groups``);
     ``overlap_sync`` False: the sync's all-reduces only after the step's last sends (``--no-overlap-grad-sync``);
     ``gather_posts``: a sharded optimizer's broadcasts of the updated shards, after the stats (that is,
-    after the optimizer step), waited before the next step (here: at the program's end)."""
+    after the optimizer step), waited before the next step (here: at the program's end); ``schedule``: the
+    action lists (default: each pipeline's own, ``Pipeline.schedule``)."""
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = pipe.stages[pos.stage]
-    actions = schedule(pipe.depth, pos.stage, pipe.num_microbatches)
+    actions = (schedule(pipe.depth, pos.stage, pipe.num_microbatches) if schedule is not None
+               else actions_of(pipe, pos.stage))
     batches = p2p_batches(actions, plan_peers(plan, rank))
+    deferred = deferred_batches(actions)
     items: list[Item] = []
     pending: list[int] = []
+    p2p_pending: list[int] = []  # deferred p2p batches, waited before the next waited one
 
     def post(group: str, ops: tuple[Op, ...], wait: bool = True) -> None:
         handle = len(items)
@@ -158,9 +174,17 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
         else:
             pending.append(handle)
 
-    def post_p2p(batch: tuple[P2pOp, ...]) -> None:
+    def post_p2p(batch: tuple[P2pOp, ...], defer: bool = False) -> None:
+        if not defer:
+            items.extend(Wait(h) for h in p2p_pending)
+            p2p_pending.clear()
         if batch:
-            post(pipeline_group(pos.pipeline), tuple(Op(o.kind, o.peer, o.tag) for o in batch))
+            handle = len(items)
+            items.append(Post(handle, pipeline_group(pos.pipeline), tuple(Op(o.kind, o.peer, o.tag) for o in batch)))
+            if defer:
+                p2p_pending.append(handle)
+            else:
+                items.append(Wait(handle))
 
     def post_sync() -> None:
         for label, holders in sync_posts:
@@ -168,14 +192,14 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
 
     if warmup:
         post(pipeline_group(pos.pipeline), (Op("collective", tag="warm-up"),))
-    last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
+    last_backward = last_weight_grad_index(actions)
     for k, action in enumerate(actions):
-        post_p2p(batches[k])
-        if stage.tp > 1:
+        post_p2p(batches[k], defer=k in deferred)
+        if stage.tp > 1 and action.kind != "W":  # a weight pass has no TP collective (split_backward)
             post(tp_group(pos.pipeline, pos.stage), (Op("collective", tag=str(action)),))
-        if k == last_backward and overlap_sync:  # the backward hooks fire them during it, before its sends
+        if k == last_backward and overlap_sync:  # the hooks fire them during it (its last accumulation), before its sends
             post_sync()
-    post_p2p(batches[-1])
+    post_p2p(batches[-1])  # also waits a deferred batch before it
     if not overlap_sync:
         post_sync()
     items.extend(Wait(h) for h in pending)

@@ -17,6 +17,7 @@ from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.cost import comm, compute, links, memory, ops
 from ethpipe.cost.model_memory import MemoryPricing
+from ethpipe.cost.split_pricing import SplitPricing
 from ethpipe.cost.p2p import P2pFlows, p2p_flows
 from ethpipe.cost.hardware import (
     Calibration, DeviceCompute, KernelLines, has_hardware_model, recorded_calibration, shipped_calibration,
@@ -63,7 +64,7 @@ def sharded_phase_fraction(num_holders: int) -> float:
 
 
 @dataclass(frozen=True)
-class CostModel(MemoryPricing):
+class CostModel(MemoryPricing, SplitPricing):
     cluster: Cluster
     model: ModelSpec
     seq_len: int

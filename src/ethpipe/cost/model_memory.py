@@ -123,8 +123,11 @@ class MemoryPricing:
                           prof.attention == "materialised") * micro_batch
         return measured * ours / theirs
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
-        """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held."""
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
+                           pending_weights: int = 0) -> int:
+        """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held, of which
+        ``pending_weights`` wait for their W with their recorded gradients (``held_grad_bytes``)."""
         fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last,
                                              device=stage.device)
-        return int(fixed + stage.num_layers * per_layer)
+        held = pending_weights * self.held_grad_bytes(stage, micro_batch, last) if pending_weights else 0  # type: ignore[attr-defined]
+        return int(fixed + stage.num_layers * per_layer) + held

@@ -11,11 +11,12 @@ from typing import Protocol
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Plan, Stage
-from ethpipe.schedule import max_in_flight, one_f_one_b
+from ethpipe.schedule import actions_of, max_in_flight, max_pending_weights
 
 
 class StageMemory(Protocol):
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
+                           pending_weights: int = 0) -> int:
         ...
 
 
@@ -34,9 +35,11 @@ def stage_peak_bytes(plan: Plan, cost: StageMemory, pipeline: int, stage: int) -
     """Peak bytes on each rank of a stage: its state, its schedule's in-flight activations at the
     pipeline's largest micro-batch, and the boundary buffers (``CostModel.stage_memory_bytes``)."""
     pipe = plan.pipelines[pipeline]
-    in_flight = max_in_flight(one_f_one_b(pipe.depth, stage, pipe.num_microbatches))
-    return cost.stage_memory_bytes(pipe.stages[stage], max(pipe.micro_batch_sizes), in_flight, first=stage == 0,
-                                   last=stage == pipe.depth - 1)
+    actions = actions_of(pipe, stage)
+    pending = max_pending_weights(actions)
+    return cost.stage_memory_bytes(pipe.stages[stage], max(pipe.micro_batch_sizes), max_in_flight(actions),
+                                   first=stage == 0, last=stage == pipe.depth - 1,
+                                   **({"pending_weights": pending} if pending else {}))
 
 
 def memory_shortfalls(plan: Plan, cost: CostModel) -> list[Shortfall]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ethpipe.catalog import check_one_world
 from ethpipe.cluster import Cluster
@@ -16,8 +16,10 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
+from ethpipe.planner.layers.schedules import with_schedules
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.precision import AUTO, plan_dtype, plan_gpus, without_bf16
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 METHODS = ("eth", "uniform", "layer-balanced")
 RECOMPUTE_MODES = ("auto", "never", "always")
@@ -27,7 +29,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
               dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
-              robust: bool = False, attention: str = "auto", shard_optimizer: bool = True) -> Plan:
+              robust: bool = False, attention: str = "auto", shard_optimizer: bool = True,
+              schedules: Sequence[str] | None = None) -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -47,6 +50,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     that is predicted faster (``planner/devices/idle.py``): the plan's ``idle_devices`` lists them.
     ``shard_optimizer`` (eth only): also plan with the AdamW state sharded across pipelines and keep that where
     it is predicted faster (``planner/devices/sharding.py``; the plan's ``shard_optimizer`` says which).
+    ``schedules``: the pipeline schedules each pipeline may run (``ethpipe.schedule.SCHEDULES``); default all
+    for eth and 1F1B for the baselines (their published method). Each pipeline gets the fastest one its memory
+    allows (``planner/layers/schedules.py``); the plan records it per pipeline.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -58,6 +64,12 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"--max-tp must be >= 1, got {max_tp}")
     if robust and method != "eth":
         raise UserError(f"--robust applies to --method eth only, not '{method}': drop --robust or use eth")
+    chosen = tuple(schedules) if schedules is not None else (SCHEDULES if method == "eth" else (DEFAULT_SCHEDULE,))
+    for name in chosen:
+        if name not in SCHEDULES:
+            raise UserError(f"unknown schedule '{name}' in --schedules: use one or more of {', '.join(SCHEDULES)}")
+    if not chosen:
+        raise UserError(f"--schedules needs at least one of {', '.join(SCHEDULES)}")
     check_one_world((d.gpu for d in cluster.devices))
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
@@ -73,7 +85,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         def plan_on(on: CostModel, incumbent_s: float = math.inf) -> Plan | None:
             # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
-                            cache=templates.setdefault(on.optimizer_holders, {}), incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full)
+                            cache=templates.setdefault(on.optimizer_holders, {}), incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full,
+                            schedules=chosen)
 
         def plan_eth_on(on: CostModel) -> tuple[Plan, CostModel]:
             nonlocal full
@@ -88,7 +101,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
                 return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
                                 robust=robust, cache=templates.setdefault(on.optimizer_holders, {}),
-                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices))
+                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices), schedules=chosen)
 
             plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
                                        robust=robust, refine_fn=refine_on)
@@ -102,6 +115,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         else:
             plan = plan_layer_balanced(cost, global_batch_size, max_tp=max_tp, recompute=recompute,
                                        time_budget_s=time_budget_s)
+    if method != "eth" and chosen != (DEFAULT_SCHEDULE,):  # eth chose per layout (``devices/eth.py``)
+        plan = with_schedules(plan, cost, chosen)
+    plan = dataclasses.replace(plan, extra={**plan.extra, "search": {**(plan.extra.get("search") or {}),
+                                                                     "schedules": list(chosen)}})
     if requested_dtype == AUTO and dtype == "fp16" and without_bf16(plan_gpus(plan)) is None:
         # Every device without bf16 is idle: the plan trains in bf16 (no loss scaling), priced exactly as fp16
         # (same 16-bit peak, same 2-byte elements).

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.pipeline import stage_finish_s
+from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.plan import Pipeline, Plan
+from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.estimate import Estimate, estimate_plan, full_ideal_time_s, ideal_time_s
 
 FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balance", "optimizer", "grad_sync")
@@ -37,7 +38,8 @@ FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balanc
 def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> float:
     """Pipeline p's flush with every receive removed (stage compute only), by the same closed form."""
     pipe = plan.pipelines[p]
-    key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes)
+    key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes,
+           pipe.schedule)
     if key not in cache:
         cache[key] = _flush_s(pipe, cost)
     return cache[key]
@@ -45,11 +47,14 @@ def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> f
 
 def _flush_s(pipe: Pipeline, cost: CostModel) -> float:
     last = pipe.depth - 1
-    per_size = {x: [cost.stage_compute_s(s, x, first=i == 0, last=i == last) for i, s in enumerate(pipe.stages)]
+    split = pipe.schedule != DEFAULT_SCHEDULE
+    per_size = {x: [cost.stage_compute_s(s, x, first=i == 0, last=i == last)
+                    + ((cost.weight_grad_s(s, x, first=i == 0, last=i == last),) if split else ())
+                    for i, s in enumerate(pipe.stages)]
                 for x in set(pipe.micro_batch_sizes)}
-    fwd = np.array([[per_size[x][i][0] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
-    bwd = np.array([[per_size[x][i][1] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
-    return float(stage_finish_s(fwd, bwd)[0])
+    arrays = [np.array([[per_size[x][i][k] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
+              for k in range(3 if split else 2)]
+    return float(np.max(stage_finish_of(pipe.schedule, *arrays, unsplit=tuple(s.recompute for s in pipe.stages))))
 
 
 def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None, *,

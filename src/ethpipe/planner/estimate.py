@@ -1,6 +1,7 @@
 """Closed-form iteration time of ANY valid plan, with block-wise gradient sync (docs/design.md §2.2).
 
-Per pipeline: each stage's last backward from ``cost/pipeline.py`` (``stage_finish_s``, any
+Per pipeline: each stage's gradients-final time under its schedule (``cost/schedule_time.stage_finish_of``:
+1F1B's closed form ``cost/pipeline.stage_finish_s``, a split schedule's exact replay; any
 micro-batch sizes). Then every stage all-reduces its blocks in the runtime's one global order
 (blocks descending, then the tied matrix: ``cost/sync.block_sync_order``), which keeps overlapping
 groups deadlock-free: a block's all-reduce starts when all
@@ -19,10 +20,11 @@ import numpy as np
 
 from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.pipeline import stage_finish_s
+from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.planner.layers.timing import StageSlot, action_times_s
+from ethpipe.planner.layers.timing import StageSlot, action_times_s, weight_times_s
+from ethpipe.schedule import DEFAULT_SCHEDULE, actions_of, max_in_flight, max_pending_weights
 
 
 @dataclass(frozen=True)
@@ -47,16 +49,19 @@ def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.nda
                    cost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1), cost.p2p_link_gbps(b.ranks[0], a.ranks[0], 1))
                   for a, b in zip(slots, slots[1:]))
     key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links)
-    if (key, pipe.micro_batch_sizes) not in cache:
+    split = pipe.schedule != DEFAULT_SCHEDULE
+    if (key, pipe.micro_batch_sizes, pipe.schedule) not in cache:
         per_size = {}
         for x in set(pipe.micro_batch_sizes):
-            if (key, x) not in cache:
-                cache[(key, x)] = action_times_s(cost, slots, layers, rc, x)
-            per_size[x] = cache[(key, x)]
-        fwd = np.stack([per_size[x][0] for x in pipe.micro_batch_sizes], axis=1)
-        bwd = np.stack([per_size[x][1] for x in pipe.micro_batch_sizes], axis=1)
-        cache[(key, pipe.micro_batch_sizes)] = stage_finish_s(fwd, bwd)
-    return cache[(key, pipe.micro_batch_sizes)]
+            if (key, x, split) not in cache:
+                cache[(key, x, split)] = action_times_s(cost, slots, layers, rc, x) + (
+                    weight_times_s(cost, slots, layers, rc, x) if split else ())
+            per_size[x] = cache[(key, x, split)]
+        arrays = [np.stack([per_size[x][k] for x in pipe.micro_batch_sizes], axis=1)
+                  for k in range(len(per_size[pipe.micro_batch_sizes[0]]))]
+        cache[(key, pipe.micro_batch_sizes, pipe.schedule)] = stage_finish_of(pipe.schedule, *arrays,
+                                                                              unsplit=tuple(rc))
+    return cache[(key, pipe.micro_batch_sizes, pipe.schedule)]
 
 
 def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detail: bool = True) -> Estimate:
@@ -64,7 +69,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     cost = cost.with_plan_p2p(plan)  # pipelines crossing the same NIC share it (cost/p2p.py)
     cache: dict = {}
     finish = [_pipeline_finish(plan, cost, p, cache) for p in range(len(plan.pipelines))]
-    times = tuple(float(f[0]) for f in finish)
+    times = tuple(float(np.max(f)) for f in finish)
     makespan = max(times)
     free = {(p, s): (makespan if flat_sync else float(finish[p][s]))
             for p, pipe in enumerate(plan.pipelines) for s in range(pipe.depth)}
@@ -93,12 +98,14 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             no_sync = max(no_sync, float(finish[p][s]) + opt)
             if not detail:
                 continue
-            in_flight = min(pipe.depth - s, pipe.num_microbatches)
+            actions = actions_of(pipe, s)
+            in_flight, pending = max_in_flight(actions), max_pending_weights(actions)
             detail_key = ("detail", stage.device, stage.tp, stage.num_layers, stage.recompute, first, last,
-                          pipe.micro_batch_sizes, in_flight)  # identical stages of identical pipelines: priced once
+                          pipe.micro_batch_sizes, in_flight, pending)  # identical stages of identical pipelines: once
             if detail_key not in cache:
                 cache[detail_key] = (
-                    cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last),
+                    cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last,
+                                            pending_weights=pending),
                     sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))
                         for x, n in Counter(pipe.micro_batch_sizes).items()))
             mem, work = cache[detail_key]

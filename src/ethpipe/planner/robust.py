@@ -22,7 +22,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, action_times_s, split_sizes
+from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
 
 SLOW_SPEED = 0.7  # -30%
 FAST_SPEED = 1.3  # +30%
@@ -77,12 +77,11 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
         links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]))
                       for a, b in zip(slots, slots[1:]))
         b = max(pipe.micro_batch_sizes)
-        key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links, b)
+        key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links, b, pipe.schedule)
         if key not in groups:
             groups[key] = []
             layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
-            timings.append(PipelineTiming(b, lambda x, sl=slots, ly=layers, r=rc: action_times_s(cost, sl, ly, r, x),
-                                          b if whole else 1))
+            timings.append(timing_of_layers(cost, slots, layers, rc, b, b if whole else 1, pipe.schedule))
         groups[key].append(p)
     members = list(groups.values())
     samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size)
@@ -90,7 +89,7 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
     for g, (idx, row) in enumerate(zip(members, samples)):
         for p, n in zip(idx, row):
             pipe = plan.pipelines[p]
-            pipelines[p] = Pipeline(pipe.stages, split_sizes(n, max(pipe.micro_batch_sizes)))
+            pipelines[p] = Pipeline(pipe.stages, split_sizes(n, max(pipe.micro_batch_sizes)), pipe.schedule)
     return dataclasses.replace(plan, pipelines=tuple(pipelines))  # type: ignore[arg-type]
 
 

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
+from ethpipe.schedule import actions_of
 
 # The default time scale keeps the real compute of all ranks within this fraction of the cores.
 CPU_SHARE = 0.25
@@ -134,15 +135,15 @@ def emulation_time_scale(plan: Plan, num_cores: int | None = None) -> float:
 
 
 def with_emulation(plan: Plan, time_scale: float,
-                   compute_s: Mapping[int, Mapping[int, tuple[float, float]]] | None = None,
+                   compute_s: Mapping[int, Mapping[int, tuple[float, ...]]] | None = None,
                    profiles: Mapping[str, Any] | None = None) -> Plan:
     """A copy of ``plan`` that pins the emulation time scale and, if given, paced targets
-    (rank -> micro-batch size -> (fwd_s, bwd_s)), so a prediction and a run agree on them; or ``profiles``
-    (device type -> MeasuredProfile of the emulated device), from which any plan's targets follow: what a
-    plan re-made for the same emulated devices (`--replan-after`) is paced with."""
+    (rank -> micro-batch size -> (fwd_s, bwd_s[, wgrad_s])), so a prediction and a run agree on them; or
+    ``profiles`` (device type -> MeasuredProfile of the emulated device), from which any plan's targets follow:
+    what a plan re-made for the same emulated devices (`--replan-after`) is paced with."""
     emulation: dict[str, Any] = {"time_scale": float(time_scale)}
     if compute_s is not None:
-        emulation["compute_s"] = {str(r): {str(b): [float(f), float(bw)] for b, (f, bw) in sorted(t.items())}
+        emulation["compute_s"] = {str(r): {str(b): [float(v) for v in times] for b, times in sorted(t.items())}
                                   for r, t in sorted(compute_s.items())}
     if profiles is not None:
         emulation["profiles"] = {t: p.to_dict() for t, p in sorted(profiles.items())}
@@ -171,31 +172,34 @@ def emulation_profiles(plan: Plan) -> dict[str, Any] | None:
     return {str(t): profile_from_dict(p) for t, p in raw.items()}
 
 
-def pacing_targets(plan: Plan, cost: Any) -> dict[int, dict[int, tuple[float, float]]]:
-    """rank -> micro-batch size -> (fwd_s, bwd_s) of its stage under ``cost`` (a CostModel): the simulator's
-    compute times, which a paced run's actions last."""
-    out: dict[int, dict[int, tuple[float, float]]] = {}
+def pacing_targets(plan: Plan, cost: Any) -> dict[int, dict[int, tuple[float, float, float]]]:
+    """rank -> micro-batch size -> (fwd_s, bwd_s, wgrad_s) of its stage under ``cost`` (a CostModel): the
+    simulator's compute times, which a paced run's actions last (a split backward's B lasts bwd - wgrad)."""
+    out: dict[int, dict[int, tuple[float, float, float]]] = {}
     for pipe in plan.pipelines:
         for s, stage in enumerate(pipe.stages):
-            times = {b: cost.stage_compute_s(stage, b, first=s == 0, last=s == pipe.depth - 1)
+            first, last = s == 0, s == pipe.depth - 1
+            times = {b: (*cost.stage_compute_s(stage, b, first=first, last=last),
+                         cost.weight_grad_s(stage, b, first=first, last=last))
                      for b in sorted(set(pipe.micro_batch_sizes))}
             for rank in stage.ranks:
                 out[rank] = times
     return out
 
 
-def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[tuple[int, float, float], ...]:
+def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[tuple[int, float, float, float], ...]:
     """The targets of ``rank``'s stage from the emulated devices' profiles (fp32 activations, as emulated runs)."""
     from ethpipe.cost.model import CostModel
 
     cost = CostModel(plan.active_cluster(), plan.resolve_model(), plan.seq_len, dtype_bytes=4, dtype="fp32",
                      profiles=profiles)
-    return tuple((b, f, bw) for b, (f, bw) in pacing_targets(plan, cost)[rank].items())
+    return tuple((b, *times) for b, times in pacing_targets(plan, cost)[rank].items())
 
 
-def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]:
-    """``(micro_batch, fwd_s, bwd_s)`` targets of ``rank`` from the plan's ``emulation.compute_s``, else from its
-    ``emulation.profiles`` (or ())."""
+def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float, float], ...]:
+    """``(micro_batch, fwd_s, bwd_s, wgrad_s)`` targets of ``rank`` from the plan's ``emulation.compute_s``, else
+    from its ``emulation.profiles`` (or ()). ``wgrad_s`` (a split backward's W) may be left out where the
+    rank's stage never splits its backward."""
     section = plan.extra.get("emulation")
     table = section.get("compute_s") if isinstance(section, Mapping) else None
     if table is None:
@@ -204,20 +208,25 @@ def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float], ...]
     where = "plan field 'emulation.compute_s'"
     if not isinstance(table, Mapping) or str(rank) not in table or not isinstance(table[str(rank)], Mapping):
         raise UserError(f"{where} has no targets for rank {rank}: "
-                        "give {\"RANK\": {\"MICRO_BATCH\": [fwd_s, bwd_s]}}")
+                        "give {\"RANK\": {\"MICRO_BATCH\": [fwd_s, bwd_s, wgrad_s]}}")
     pos = plan.position_of(rank)
-    sizes = set(plan.pipelines[pos.pipeline].micro_batch_sizes)
+    pipe = plan.pipelines[pos.pipeline]
+    splits = any(a.kind == "W" for a in actions_of(pipe, pos.stage))
+    sizes = set(pipe.micro_batch_sizes)
     out = []
-    for key, pair in table[str(rank)].items():
+    for key, times in table[str(rank)].items():
         try:
-            fwd, bwd = (float(v) for v in pair)
+            values = [float(v) for v in times]
             size = int(key)
         except (TypeError, ValueError):
-            raise UserError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s]") from None
-        if fwd < 0 or bwd < 0:
-            raise UserError(f"{where}[{rank}][{key}] must not be negative")
-        out.append((size, fwd, bwd))
-    missing = sizes - {size for size, _, _ in out}
+            raise UserError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s, wgrad_s]") from None
+        if len(values) not in (2, 3) or (splits and len(values) != 3):
+            need = "[fwd_s, bwd_s, wgrad_s] (its stage splits its backward)" if splits else "[fwd_s, bwd_s]"
+            raise UserError(f"{where}[{rank}][{key}] must be {need}")
+        if min(values) < 0 or (len(values) == 3 and values[2] > values[1]):
+            raise UserError(f"{where}[{rank}][{key}] must not be negative, and wgrad_s is part of bwd_s")
+        out.append((size, values[0], values[1], values[2] if len(values) == 3 else 0.0))
+    missing = sizes - {size for size, *_ in out}
     if missing:
         raise UserError(f"{where}[{rank}] has no target for micro-batch size {min(missing)}")
     return tuple(sorted(out))
@@ -238,7 +247,7 @@ class Emulator:
     speed: float  # relative to the fastest device type in the plan
     time_scale: float = 1.0  # every device runs this many times slower than the real one
     slowdowns: tuple[Slowdown, ...] = ()
-    paced: tuple[tuple[int, float, float], ...] = ()  # (micro_batch, fwd_s, bwd_s) targets, if paced
+    paced: tuple[tuple[int, float, float, float], ...] = ()  # (micro_batch, fwd_s, bwd_s, wgrad_s), if paced
 
     def slowdown(self, step: int) -> float:
         factor = 1.0
@@ -248,10 +257,12 @@ class Emulator:
         return factor
 
     def target_s(self, kind: str, micro_batch: int, compute_s: float, step: int) -> float:
-        """Emulated duration of a forward (``kind`` "F") or backward ("B") whose real compute took ``compute_s``."""
-        for size, fwd, bwd in self.paced:
+        """Emulated duration of a forward (``kind`` "F"), whole backward ("B"), or a split backward's input
+        ("B-input") or weight ("W") pass whose real compute took ``compute_s``."""
+        for size, fwd, bwd, wgrad in self.paced:
             if size == micro_batch:
-                return (fwd if kind == "F" else bwd) * self.slowdown(step)
+                target = {"F": fwd, "B": bwd, "B-input": bwd - wgrad, "W": wgrad}[kind]
+                return target * self.slowdown(step)
         return compute_s * self.time_scale * self.slowdown(step) / self.speed
 
     def sleep_s(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int) -> float:

@@ -2,12 +2,15 @@
 
 Communication is ``ethpipe.comm.program.p2p_batches`` of the actions, posted by ``runtime.p2p``:
 before each action, one ``batch_isend_irecv`` carries the previous action's sends and this action's
-receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"). Liveness is bounded: a sent payload
+receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"); the batch before a W holds sends
+only and is waited before the next F or B instead (``comm.program.deferred_batches``). Liveness is bounded: a sent payload
 is dropped as soon as its batch is waited, and a forward's output is not kept for the backward (its
 autograd edge is: ``torch.autograd.graph.get_gradient_edge``), so besides the stashed stage inputs a
 stage holds at most one outgoing and one incoming boundary tensor (the edge would keep the output
 alive only if the stage's last op saved its own result; a decoder stage ends in a residual add, or in
-the boundary cast). Micro-batches may have different
+the boundary cast). Where the list splits a micro-batch's backward (a ``W`` for it: zero-bubble
+schedules), its ``B`` computes and sends the input gradient only and keeps the weight work
+(``runtime.split_backward``) until its ``W``. Micro-batches may have different
 sizes, so every buffer is shaped from the plan's micro-batch size, and any count (also fewer than
 stages) works. The last stage's loss is the SUM of token losses times ``loss_scale``.
 """
@@ -18,17 +21,19 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ethpipe.comm.program import P2pOp, Peers, p2p_batches
+from ethpipe.comm.program import P2pOp, Peers, deferred_batches, p2p_batches
 from ethpipe.runtime.emulate import Emulator
-from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch
+from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch, post_sends
+from ethpipe.runtime.split_backward import WeightWork, backward_input, backward_weight
 from ethpipe.runtime.timing import Timeline
-from ethpipe.schedule import Action
+from ethpipe.schedule import Action, last_weight_grad_index, split_microbatches
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,13 @@ class _Step:
     inputs: list[torch.Tensor] | None
     targets: list[torch.Tensor] | None
     loss_scale: float
-    timed: Callable[[Action, Callable[[], torch.Tensor | None]], torch.Tensor | None]
+    timed: Callable[[Action, Callable[[], Any], str], Any]
     device: torch.device
     probe: LivenessProbe | None
+    split: frozenset[int] = frozenset()  # micro-batches whose B is input-only (a W follows)
     # micro-batch -> (stage input that needs a gradient, or None on the first stage; what backward starts from)
     stash: dict[int, tuple[torch.Tensor | None, torch.Tensor | GradientEdge]] = field(default_factory=dict)
+    weight_work: dict[int, WeightWork] = field(default_factory=dict)  # split micro-batches between B and W
     loss_total: torch.Tensor | None = None
 
     def new_buffer(self, op: P2pOp) -> torch.Tensor:
@@ -85,7 +92,7 @@ class _Step:
                     return self.module.loss_sum(logits, labels) * self.loss_scale  # type: ignore[operator]
             return out.to(io.act_dtype)
 
-        out = self.timed(action, run)
+        out = self.timed(action, run, "F")
         assert out is not None
         if io.last:
             if io.count_loss:
@@ -101,18 +108,26 @@ class _Step:
     def backward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         mb, io = action.microbatch, self.io
         x, start = self.stash.pop(mb)
-        if io.last:
-            self.timed(action, lambda: torch.autograd.backward(start))  # type: ignore[arg-type,func-returns-value]
+        grad = None if io.last else received.pop(("grad", mb))
+        if mb in self.split:
+            assert x is not None, "the first stage has no input gradient to split off"
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            payload, self.weight_work[mb] = self.timed(action, lambda: backward_input(start, grad, x, params),
+                                                        "B-input")
         else:
-            grad = received.pop(("grad", mb))
-            self.timed(action, lambda: torch.autograd.backward(start, grad))  # type: ignore[arg-type,func-returns-value]
-        if io.first:
-            return {}
-        assert x is not None and x.grad is not None
-        payload = x.grad
+            self.timed(action, lambda: torch.autograd.backward(start, grad), "B")  # type: ignore[arg-type]
+            if io.first:
+                return {}
+            assert x is not None and x.grad is not None
+            payload = x.grad
         if self.probe is not None:
             self.probe.track(payload, "send")
         return {("grad", mb): payload}
+
+    def weight(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
+        work = self.weight_work.pop(action.microbatch)
+        self.timed(action, lambda: backward_weight(work), "W")
+        return {}
 
 
 def run_stage_step(
@@ -133,15 +148,16 @@ def run_stage_step(
 ) -> torch.Tensor:
     """Run all actions; returns this stage's (scaled) loss sum as a 0-d tensor (0 off the last stage).
 
-    ``before_last_backward`` runs just before the stage's last backward (the gradient sync arms its
-    hooks), ``on_last_backward`` once that backward's sends are posted (the sync fires what is left).
+    ``before_last_backward`` runs just before the action after which the stage's gradients are final (its
+    last whole B, or its last W: ``schedule.last_weight_grad_index``; the gradient sync arms its hooks),
+    ``on_last_backward`` once the step's last sends are posted (the sync fires what is left).
     """
     device = next(module.parameters()).device
     assert (inputs is not None) == io.first and (targets is not None) == io.last
     assert emulator is None or timeline.synchronous, "pacing needs host-synchronous marks"
-    last_backward = max(k for k, a in enumerate(actions) if a.kind == "B")
+    last_backward = last_weight_grad_index(actions)  # the stage's gradients are final after it
 
-    def timed(action: Action, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    def timed(action: Action, fn: Callable[[], Any], kind: str) -> Any:
         start, start_cpu = timeline.mark(), time.thread_time()
         out = fn()
         end = timeline.mark()
@@ -150,36 +166,54 @@ def run_stage_step(
             # ranks share the core is not work, and pacing on the wall clock absorbs it.
             elapsed = float(end) - float(start)  # type: ignore[arg-type]
             compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
-            emulator.pace(action.kind, micro_batch_sizes[action.microbatch], compute, elapsed, step)
+            emulator.pace(kind, micro_batch_sizes[action.microbatch], compute, elapsed, step)
             end = timeline.mark()
         timeline.span(str(action), start, end)
         return out
 
-    state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe)
+    state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe,
+                  split_microbatches(actions))
+    run_action = {"F": state.forward, "B": state.backward, "W": state.weight}
     batches = p2p_batches(actions, io.peers)
+    deferred = deferred_batches(actions)
     outgoing: dict[Key, torch.Tensor] = {}
+    in_flight: tuple[list[dist.Work], dict[Key, torch.Tensor]] = ([], {})  # a deferred batch and its payloads
+
+    def wait_deferred() -> None:
+        for work in in_flight[0]:
+            work.wait()
+        in_flight[0].clear()
+        in_flight[1].clear()
+
     autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     # One autocast region for the whole step: its cache keeps ONE 16-bit copy of each weight for all
     # micro-batches in flight (a region per forward would keep one copy per in-flight micro-batch).
     with autocast:
         for k, action in enumerate(actions):
-            received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
-            outgoing = {}  # waited: the sent payloads are no longer referenced
+            if k in deferred:  # before a W: the B's sends go out, the W does not wait for the peer's receive
+                in_flight[0].extend(post_sends(batches[k], outgoing, io.group))
+                in_flight[1].update(outgoing)
+                received: dict[Key, torch.Tensor] = {}
+            else:
+                wait_deferred()
+                received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
+            outgoing = {}  # waited (or held in in_flight): the step no longer references the sent payloads
             if probe is not None:
-                probe.sample(str(action), len(state.stash))
+                probe.sample(str(action), len(state.stash) + len(state.weight_work))
             if k == last_backward and before_last_backward is not None:
                 before_last_backward()
-            outgoing = (state.forward if action.kind == "F" else state.backward)(action, received)
+            outgoing = run_action[action.kind](action, received)
             assert not received, f"unused receives {sorted(received)}"
             if k == last_backward:
                 timeline.end_phase()
+        wait_deferred()
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
     timeline.sends_done()
     del outgoing
     if on_last_backward is not None:
         on_last_backward()
-    assert not state.stash, "every forwarded micro-batch must be backwarded"
+    assert not state.stash and not state.weight_work, "every forwarded micro-batch must be backwarded"
     if state.loss_total is None:
         return torch.zeros((), dtype=io.param_dtype, device=device)
     return state.loss_total

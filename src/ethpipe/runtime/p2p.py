@@ -2,7 +2,8 @@
 
 A batch is one ``dist.batch_isend_irecv`` on the pipeline's group (a grouped NCCL launch: its sends
 and receives progress together, so two neighbours exchanging tensors cannot wait on each other), and
-it is waited before the next action. On NCCL ``wait`` is a stream wait, not a host wait: the host runs
+it is waited before the next action (the batch before a W: before the next F or B, ``post_sends``). On NCCL
+``wait`` is a stream wait, not a host wait: the host runs
 ahead and the next action's kernels queue behind the transfer. Once waited, the executor drops its
 references to the sent payloads, so their memory returns to the allocator (ProcessGroupNCCL keeps its
 own reference until the transfer is done).
@@ -69,3 +70,14 @@ def post_batch(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], gro
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return received
+
+
+def post_sends(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor],
+               group: dist.ProcessGroup) -> list[dist.Work]:
+    """Post a batch of sends only (``comm.program.deferred_batches``: the one before a W) without waiting; the
+    caller keeps ``outgoing`` referenced until it waits the returned works."""
+    assert all(op.kind == "send" for op in batch), "a deferred batch holds sends only"
+    if not batch:
+        return []
+    return list(dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch)], op.peer, group)
+                                        for op in batch]))

@@ -128,7 +128,7 @@ def with_split(plan: Plan, counts: Sequence[int]) -> Plan:
     """The launched ``plan`` with each pipeline's samples set to ``counts``; each pipeline keeps its
     micro-batch size (so activation memory per micro-batch is what the planner checked)."""
     assert len(counts) == len(plan.pipelines) and sum(counts) == plan.global_batch_size
-    pipes = tuple(Pipeline(p.stages, micro_batch_sizes(n, max(p.micro_batch_sizes)))
+    pipes = tuple(Pipeline(p.stages, micro_batch_sizes(n, max(p.micro_batch_sizes)), p.schedule)
                   for p, n in zip(plan.pipelines, counts))
     return dataclasses.replace(plan, pipelines=pipes)
 

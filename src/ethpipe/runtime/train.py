@@ -51,7 +51,7 @@ from ethpipe.runtime.rebalance import Rebalancer, split_of
 from ethpipe.runtime.tensor_parallel import TPGroup
 from ethpipe.runtime.timing import Timeline
 from ethpipe.runtime.watchdog import Watchdog
-from ethpipe.schedule import one_f_one_b
+from ethpipe.schedule import actions_of
 
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_optimizer",
            "sample_ids", "train"]
@@ -261,7 +261,7 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
             batch = _micro_batches(current, data, ids, pos.pipeline, device) if first or last else []
             inputs = [b[:, :-1].contiguous() for b in batch] if first else None
             targets = [b[:, 1:].contiguous() for b in batch] if last else None
-            actions = one_f_one_b(cur_pipe.depth, pos.stage, cur_pipe.num_microbatches)
+            actions = actions_of(cur_pipe, pos.stage, split=not (config.recompute or config.compile))
             if forward_kill is not None:
                 forward_kill.begin_step(step, cur_pipe.num_microbatches)
             timeline.start_step()

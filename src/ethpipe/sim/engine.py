@@ -1,8 +1,9 @@
 """Discrete-event replay of one training iteration of a Plan.
 
-Each stage replays exactly the action list the runtime executes (``ethpipe.schedule``), on
-one stream: ``F j`` on a non-first stage first receives micro-batch j's activation from the
-previous stage, ``B j`` on a non-last stage the gradient from the next. Receives are blocking
+Each stage replays exactly the action list the runtime executes (``ethpipe.schedule``, the
+pipeline's own schedule), on one stream: ``F j`` on a non-first stage first receives micro-batch j's
+activation from the previous stage, ``B j`` on a non-last stage the gradient from the next; a split
+``B`` lasts the backward less its weight gradients, ``W`` those (``TimingModel.weight_grad_s``). Receives are blocking
 rendezvous, as in the runtime: the transfer (p2p time on that link) starts once the sender has
 produced the tensor and the receiver has reached the action, and occupies the receiver; sends
 are asynchronous and cost the sender nothing. After a stage's last backward its blocks'
@@ -21,7 +22,7 @@ from __future__ import annotations
 from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.schedule import pipeline_schedule
+from ethpipe.schedule import pipeline_actions, split_microbatches
 from ethpipe.sim.report import EventKind, RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
 
@@ -51,15 +52,20 @@ class _Recorder:
 def _simulate_pipeline(
     plan: Plan, p: int, cost: TimingModel, rec: _Recorder,
 ) -> tuple[list[float], list[int], list[float], list[float]]:
-    """Replay one pipeline's 1F1B; per stage: flush time, last event id, compute s, receive s."""
+    """Replay one pipeline's schedule; per stage: flush time, last event id, compute s, receive s."""
     pipe = plan.pipelines[p]
     stages, sizes = pipe.stages, pipe.micro_batch_sizes
     num_stages, num_mb = len(stages), len(sizes)
-    schedules = pipeline_schedule(num_stages, num_mb)
-    durations: dict[tuple[int, int], tuple[float, float]] = {}
+    schedules = pipeline_actions(pipe)
+    split = [split_microbatches(actions) for actions in schedules]
+    # (stage, size) -> (F, whole B, input-only B, W) seconds
+    durations: dict[tuple[int, int], tuple[float, float, float, float]] = {}
     for s, stage in enumerate(stages):
+        first, last = s == 0, s == num_stages - 1
         for size in set(sizes):
-            durations[(s, size)] = cost.stage_compute_s(stage, size, first=s == 0, last=s == num_stages - 1)
+            fwd, bwd = cost.stage_compute_s(stage, size, first=first, last=last)
+            moved = cost.weight_grad_s(stage, size, first=first, last=last) if split[s] else 0.0
+            durations[(s, size)] = (fwd, bwd, bwd - moved, moved)
     heads = [st.ranks[0] for st in stages]
     p2p_cache: dict[tuple[int, int, int], float] = {}
 
@@ -88,7 +94,7 @@ def _simulate_pipeline(
             while pos[s] < len(actions):
                 action = actions[pos[s]]
                 j, is_fwd = action.microbatch, action.kind == "F"
-                src = s - 1 if is_fwd else s + 1
+                src = s - 1 if is_fwd else s + 1 if action.kind == "B" else -1  # W receives nothing
                 start, pred = free[s], last_event[s]
                 if 0 <= src < num_stages:
                     sent = (act_in if is_fwd else grad_in)[s][j]
@@ -100,18 +106,19 @@ def _simulate_pipeline(
                     pred = rec.add(SimEvent(f"recv {action}", "p2p", p, s, ranks, start, end, microbatch=j), pred)
                     recv[s] += end - start
                     start = end
-                dur = durations[(s, sizes[j])][0 if is_fwd else 1]
+                which = 0 if is_fwd else 3 if action.kind == "W" else 2 if j in split[s] else 1
+                dur = durations[(s, sizes[j])][which]
                 end = start + dur
                 ev = rec.add(SimEvent(str(action), "compute", p, s, ranks, start, end, microbatch=j), pred)
                 free[s], last_event[s] = end, ev
                 busy[s] += dur
-                dst = s + 1 if is_fwd else s - 1
+                dst = s + 1 if is_fwd else s - 1 if action.kind == "B" else -1
                 if 0 <= dst < num_stages:
                     (act_in if is_fwd else grad_in)[dst][j] = (end, ev)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
-        assert progressed, "1F1B action lists deadlocked: schedule and simulator disagree"
+        assert progressed, "the action lists deadlocked: schedule and simulator disagree"
         ascending = not ascending
     return free, last_event, busy, recv
 

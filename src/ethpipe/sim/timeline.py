@@ -41,10 +41,11 @@ def _boxes(spans: list[tuple[float, float, float]], half_height: float, colour: 
 
 
 def _kind(event: TraceEvent) -> str:
-    """Colour class by name first (``F3``/``B3``/``recv F3``/``allreduce block 2``), then category,
-    so traces from the runtime (which may categorise differently) draw the same way."""
+    """Colour class by name first (``F3``/``B3``/``W3``/``recv F3``/``allreduce block 2``), then category,
+    so traces from the runtime (which may categorise differently) draw the same way; a split backward's
+    W draws as backward."""
     head = event.name.split(" ")[0]
-    if head[:1] in ("F", "B") and head[1:].isdigit():
+    if head[:1] in ("F", "B", "W") and head[1:].isdigit():
         return "forward" if head[0] == "F" else "backward"
     if head in ("recv", "send") or event.cat == "p2p":
         return "p2p"

@@ -17,6 +17,11 @@ class TimingModel(Protocol):
         """(forward, backward) seconds of one micro-batch on a whole stage."""
         ...
 
+    def weight_grad_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> float:
+        """Seconds of a split backward's W (``CostModel.weight_grad_s``): B lasts the backward less this.
+        Only asked for stages whose schedule splits the backward."""
+        ...
+
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         """Seconds to send one micro-batch's activation (or its gradient) between two ranks."""
         ...
@@ -40,6 +45,7 @@ class TimingModel(Protocol):
         """Seconds of the optimizer step over a stage's parameters."""
         ...
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
+                           pending_weights: int = 0) -> int:
         """Peak bytes on one rank of the stage with ``in_flight`` micro-batches of activations held."""
         ...

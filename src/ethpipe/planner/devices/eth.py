@@ -31,10 +31,12 @@ from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
-from ethpipe.plan import Plan
+from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
 from ethpipe.planner.search.bounds import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
+from ethpipe.planner.layers.schedules import choose_schedules
+from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.devices.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
 from ethpipe.planner.devices.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
@@ -121,7 +123,8 @@ def _diverse(scored: list[tuple[float, Group]], keep: int) -> list[Group]:
 
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
              options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None,
-             incumbent_s: float = math.inf, sub_cluster: bool = False) -> Plan | None:
+             incumbent_s: float = math.inf, sub_cluster: bool = False,
+             schedules: Sequence[str] = (DEFAULT_SCHEDULE,)) -> Plan | None:
     """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
     least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time).
 
@@ -135,7 +138,9 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     beats it. Sound because a layout's search score never exceeds its final price. Not with ``robust``
     (the worst case, not the score, decides there). ``sub_cluster``: the cluster is the idle search's
     (``idle.py``): the replicated family searches the layer-balanced space only (the uniform baseline is
-    the whole cluster's, and rank-order replicas of a sub-cluster rarely pay for their pricing)."""
+    the whole cluster's, and rank-order replicas of a sub-cluster rarely pay for their pricing).
+    ``schedules``: the pipeline schedules allowed; the search prices 1F1B, then each of its best few layouts
+    takes the fastest schedules that fit (``layers/schedules.py``) before they are compared."""
     assert not (robust and math.isfinite(incumbent_s)), "robust plans are compared by their worst case"
     started = time.perf_counter()
     options = options or PlannerOptions()
@@ -223,32 +228,44 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         candidates = sorted(finalists, key=lambda f: f[0])[:ROBUST_CANDIDATES]
         candidates += [best] if all(f is not best for f in candidates) else []
         final, final_s = None, math.inf
+        split = tuple(schedules) != (DEFAULT_SCHEDULE,)
         for found in sorted(candidates, key=lambda f: f[0]):
-            if found[0] >= final_s:
+            if found[0] >= final_s and not split:
                 break  # the sharing only slows a plan down: no later candidate can price under final_s
-            estimate_s = estimate_iteration_s(unpriced_plan("eth", cost, global_batch, found_pipelines(found), search), cost,
-                                              flat_sync=not options.block_sync)
-            final, final_s = (found, estimate_s) if estimate_s < final_s else (final, final_s)
+            pipelines, estimate_s = _pipelines(cost, global_batch, found, search, options, schedules)
+            final, final_s = ((found, pipelines), estimate_s) if estimate_s < final_s else (final, final_s)
         assert final is not None
         if final_s >= incumbent_s:
             return None
-        return _build(cost, global_batch, final, search, started, options)
-    return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options)
+        return _build(cost, global_batch, final[0], final[1], search, started, options)
+    return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options, schedules)
 
 
-def _build(cost: CostModel, global_batch: int, found: Found, search: dict,
+def _pipelines(cost: CostModel, global_batch: int, found: Found, search: dict, options: PlannerOptions,
+               schedules: Sequence[str]) -> tuple[tuple[Pipeline, ...], float]:
+    """A search result's pipelines with the fastest schedules allowed, and the plan's predicted seconds."""
+    plan = unpriced_plan("eth", cost, global_batch, found_pipelines(found), search)
+    flat = not options.block_sync
+    if tuple(schedules) == (DEFAULT_SCHEDULE,):
+        return plan.pipelines, estimate_iteration_s(plan, cost, flat_sync=flat)
+    chosen, chosen_s = choose_schedules(plan, cost, schedules, flat_sync=flat)
+    return chosen.pipelines, chosen_s
+
+
+def _build(cost: CostModel, global_batch: int, found: Found, pipelines: Sequence[Pipeline], search: dict,
            started: float, options: PlannerOptions) -> Plan:
-    return assemble_plan("eth", cost, global_batch, found_pipelines(found), started_s=started,
+    return assemble_plan("eth", cost, global_batch, pipelines, started_s=started,
                          search={**search, "estimated_iteration_s": found[0]}, flat_sync=not options.block_sync)
 
 
 def _most_robust(cost: CostModel, global_batch: int, finalists: list[Found],
-                 search: dict, started: float, options: PlannerOptions) -> Plan:
+                 search: dict, started: float, options: PlannerOptions, schedules: Sequence[str]) -> Plan:
     """The finalist with the least worst case; the nominal best is always priced, so robust never
     has a worse worst case than the nominal plan."""
     plans: list[tuple[float, float, Plan, dict]] = []
     for found in finalists[:ROBUST_CANDIDATES]:
-        plan = _build(cost, global_batch, found, {**search, "robust": True}, started, options)
+        pipelines, _ = _pipelines(cost, global_batch, found, search, options, schedules)
+        plan = _build(cost, global_batch, found, pipelines, {**search, "robust": True}, started, options)
         record = robust_record(plan, cost)
         plans.append((record["worst_case_time_s"], plan.predicted["iteration_time_s"], plan, record))
     _, _, plan, record = min(plans, key=lambda x: (x[0], x[1]))

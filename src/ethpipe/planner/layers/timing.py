@@ -5,8 +5,9 @@ activation from the previous stage for F, the gradient from the next for B): rec
 the receiver, as in the runtime and the simulator. ``PipelineTiming`` answers the data
 balancer's questions for one pipeline shape: ``T(n)`` for n samples in micro-batches of
 ``micro_batch`` with a smaller last one, monotone in n by construction (so the bisection is
-sound), and its inverse in closed form; ``finish_s(n)`` gives each stage's last backward for
-the gradient sync (the estimator's formula, ``stage_finish_s``).
+sound), and its inverse in closed form; ``finish_s(n)`` gives each stage's gradients-final time for
+the gradient sync (the estimator's formula, ``cost.schedule_time.stage_finish_of``: 1F1B's closed form or
+a split schedule's replay).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import numpy as np
 
 from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.pipeline import equal_sizes_makespans, stage_finish_s, steady_lines
+from ethpipe.cost.pipeline import equal_sizes_makespans, steady_lines
+from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
+from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.layers.partition import Partition, StageOption
 
 ActionTimes = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -114,6 +117,18 @@ def action_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence
     return fwd, bwd
 
 
+def weight_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
+                   micro_batch: int) -> tuple[np.ndarray]:
+    """Per stage: the seconds of a split backward's W (``CostModel.weight_grad_s``; 0 where it recomputes)."""
+    from ethpipe.plan import Stage
+
+    depth = len(slots)
+    moved = np.array([cost.weight_grad_s(Stage(slot.ranks, slot.device, (0, layers[i]), slot.tp, recompute[i]),
+                                         micro_batch, first=i == 0, last=i == depth - 1)
+                      for i, slot in enumerate(slots)])
+    return (moved,)
+
+
 def split_sizes(num_samples: int, micro_batch: int) -> tuple[int, ...]:
     """Micro-batch sizes: full ones then the remainder."""
     full, rest = divmod(num_samples, micro_batch)
@@ -121,17 +136,27 @@ def split_sizes(num_samples: int, micro_batch: int) -> tuple[int, ...]:
 
 
 class PipelineTiming:
-    """T(n), its inverse and per-stage finish times of one pipeline shape.
+    """T(n), its inverse and per-stage finish times of one pipeline shape under one schedule.
 
     ``granularity`` = ``micro_batch`` restricts sample counts to whole micro-batches (the
     ``fine_grained=False`` ablation). T is tabulated lazily, once per shape, as a non-decreasing
-    array, so the balancer's inverse is a binary search.
+    array, so the balancer's inverse is a binary search. 1F1B is priced in closed form
+    (``cost/pipeline.py``); a split-backward schedule (``weight_times``: its W seconds per stage;
+    ``unsplit``: the stages that never split) by the exact replay (``cost/schedule_time.py``) up to
+    ``2 depth + 2`` micro-batches, then by its steady-state growth.
     """
 
-    def __init__(self, micro_batch: int, action_times: ActionTimes, granularity: int = 1) -> None:
+    def __init__(self, micro_batch: int, action_times: ActionTimes, granularity: int = 1,
+                 schedule: str = DEFAULT_SCHEDULE, weight_times: Callable[[int], tuple[np.ndarray]] | None = None,
+                 unsplit: tuple[bool, ...] = ()) -> None:
+        assert (schedule == DEFAULT_SCHEDULE) == (weight_times is None), "a split schedule needs its W times"
         self.micro_batch = micro_batch
         self.granularity = granularity
+        self.schedule = schedule
+        self.unsplit = unsplit
         self._action_times = action_times
+        self._weight_times = weight_times
+        self._weight_rows: dict[int, tuple[np.ndarray]] = {}
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._finish: dict[int, np.ndarray] = {}
         self._table: np.ndarray | None = None
@@ -142,6 +167,17 @@ class PipelineTiming:
             self._rows[x] = self._action_times(x)
         return self._rows[x]
 
+    def weight_rows(self, x: int) -> tuple[np.ndarray]:
+        assert self._weight_times is not None
+        if x not in self._weight_rows:
+            self._weight_rows[x] = self._weight_times(x)
+        return self._weight_rows[x]
+
+    def _matrices(self, sizes: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """(fwd, bwd[, moved]) as (depth, micro-batches) arrays for these micro-batch sizes."""
+        cols = [self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ()) for x in sizes]
+        return tuple(np.stack([c[k] for c in cols], axis=1) for k in range(len(cols[0])))
+
     def per_sample_floor_s(self) -> float:
         """A lower bound on every stage finish over n samples, divided by n: some stage runs every sample, a
         micro-batch of x samples at no less than the cheapest per-sample cost of micro-batches up to b."""
@@ -151,6 +187,8 @@ class PipelineTiming:
         return self._floor_s
 
     def _build(self) -> np.ndarray:
+        if self._table is None and self._weight_times is not None:
+            self._build_replayed()
         if self._table is None:
             b = self.micro_batch
             f_last = np.stack([self.rows(x)[0] for x in range(1, b + 1)])
@@ -163,6 +201,24 @@ class PipelineTiming:
             self._table = np.maximum.accumulate(np.concatenate([single[:, None], multi], axis=1).T.ravel())
             self._c, self._slope = steady_lines(f_full, b_full, f_last, b_last)
         return self._table
+
+    def _build_replayed(self) -> None:
+        """T(n) by replay for up to 2 depth + 2 micro-batches (every last size at once), then the steady
+        state's lines: each further micro-batch adds the bottleneck stage's work (F + B + W)."""
+        b = self.micro_batch
+        depth = self.rows(b)[0].shape[0]
+        self._m_lines = 2 * depth + 3
+        columns = []
+        for m in range(1, self._m_lines):
+            arrays = [np.stack([a] * b) for a in self._matrices([b] * m)]  # (last size, depth, m)
+            for k, last in enumerate(self._matrices(list(range(1, b + 1)))):
+                arrays[k][:, :, -1] = last.T
+            columns.append(replay_finish_s(self.schedule, *arrays, unsplit=self.unsplit).max(axis=-1))
+        self._table = np.maximum.accumulate(np.concatenate(columns))
+        f, bw = (v[:, -1] for v in self._matrices([b])[:2])
+        slope = float(np.max(f + bw))
+        self._c = (columns[-1] - (self._m_lines - 1) * slope)[:, None]
+        self._slope = np.array([slope])
 
     def _extend(self, upper: int) -> np.ndarray:
         """T(1..upper) as one non-decreasing array (beyond the table: the steady lines)."""
@@ -191,19 +247,21 @@ class PipelineTiming:
         return min(int(np.searchsorted(self._extend(upper), limit_s, side="left")), upper)
 
     def finish_s(self, num_samples: int) -> np.ndarray:
-        """Each stage's last backward for ``num_samples`` (``stage_finish_s``; [0] is the pipeline's flush)."""
+        """Each stage's gradients-final time for ``num_samples`` (``stage_finish_of``; under 1F1B [0] is the
+        pipeline's flush, under any schedule the max)."""
         if num_samples not in self._finish:
-            sizes = split_sizes(num_samples, self.micro_batch)
-            ff, bf = self.rows(sizes[0])
-            fl, bl = self.rows(sizes[-1])
-            fwd = np.repeat(ff[:, None], len(sizes), axis=1)
-            bwd = np.repeat(bf[:, None], len(sizes), axis=1)
-            fwd[:, -1], bwd[:, -1] = fl, bl
-            self._finish[num_samples] = stage_finish_s(fwd, bwd)
+            matrices = self._matrices(split_sizes(num_samples, self.micro_batch))
+            self._finish[num_samples] = stage_finish_of(self.schedule, *matrices, unsplit=self.unsplit)
         return self._finish[num_samples]
 
 
 def timing_of_partition(cost: CostModel, slots: Sequence[StageSlot], part: Partition, micro_batch: int,
-                        granularity: int = 1) -> PipelineTiming:
-    return PipelineTiming(
-        micro_batch, lambda x: action_times_s(cost, slots, part.num_layers, part.recompute, x), granularity)
+                        granularity: int = 1, schedule: str = DEFAULT_SCHEDULE) -> PipelineTiming:
+    return timing_of_layers(cost, slots, part.num_layers, part.recompute, micro_batch, granularity, schedule)
+
+
+def timing_of_layers(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
+                     micro_batch: int, granularity: int = 1, schedule: str = DEFAULT_SCHEDULE) -> PipelineTiming:
+    weights = None if schedule == DEFAULT_SCHEDULE else (lambda x: weight_times_s(cost, slots, layers, recompute, x))
+    return PipelineTiming(micro_batch, lambda x: action_times_s(cost, slots, layers, recompute, x), granularity,
+                          schedule, weights, tuple(bool(r) for r in recompute))

@@ -1,0 +1,93 @@
+"""Pipeline time of any schedule (``ethpipe.schedule``) by an exact, vectorised replay of its action lists.
+
+A pipeline iteration is a DAG: each stage runs its actions in order, ``F(s, j)`` also waits for
+``F(s-1, j)`` and ``B(s, j)`` for ``B(s+1, j)``; an action's weight is its receive plus its compute (as
+in the runtime and the simulator). With ``D`` a stage's action durations and ``dep`` the time each
+action's input arrives, its actions end at ``E = C + cummax(dep - C_excl)`` (``C``: the prefix sums of
+``D``). Starting from no waiting at all and re-evaluating every stage, up and down, until nothing moves
+gives the longest path exactly: each sweep settles one more change of direction of the critical path,
+and a step's critical path changes direction a few times, not once per action. Each sweep is a few
+numpy operations per stage, over all the variants being priced at once (the data balancer's smaller
+last micro-batches).
+
+``cost/pipeline.py`` prices 1F1B in closed form; this replay prices the split-backward schedules
+(zb-h1), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches and extends
+it by the bottleneck stage's per-micro-batch work (the steady state's growth rate; checked against the
+simulator in tests/unit/test_schedule_time.py).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ethpipe.schedule import pipeline_schedule, split_microbatches
+
+_F, _B_WHOLE, _B_INPUT, _W = range(4)
+
+
+@lru_cache(maxsize=4096)
+def _structure(schedule: str, depth: int, m: int,
+               unsplit: tuple[bool, ...]) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
+    """Per stage: (duration code, micro-batch, index of the action in the neighbour's list it waits for, or -1)."""
+    lists = pipeline_schedule(depth, m, schedule, unsplit)
+    where = [{(a.kind, a.microbatch): k for k, a in enumerate(acts)} for acts in lists]
+    out = []
+    for s, acts in enumerate(lists):
+        split = split_microbatches(acts)
+        codes, mbs, deps = [], [], []
+        for a in acts:
+            j = a.microbatch
+            codes.append(_F if a.kind == "F" else _W if a.kind == "W" else _B_INPUT if j in split else _B_WHOLE)
+            mbs.append(j)
+            src = s - 1 if a.kind == "F" else s + 1 if a.kind == "B" else -1
+            deps.append(where[src][(a.kind, j)] if 0 <= src < depth else -1)
+        out.append((np.array(codes), np.array(mbs), np.array(deps)))
+    return tuple(out)
+
+
+def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
+                    unsplit: tuple[bool, ...] = ()) -> np.ndarray:
+    """End of each stage's last action (its gradients are final there), shape ``(..., depth)``.
+
+    ``fwd[..., s, j]`` / ``bwd[..., s, j]``: receive + forward / receive + whole backward of stage s on
+    micro-batch j; ``moved`` (split schedules): the part of ``bwd`` its W takes over
+    (``CostModel.weight_grad_s``); ``unsplit[s]``: stage s never splits (it recomputes). Leading axes are
+    independent variants priced together.
+    """
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+    moved = np.zeros_like(fwd) if moved is None else np.asarray(moved, dtype=float)
+    depth, m = fwd.shape[-2:]
+    table = np.stack([fwd, bwd, bwd - moved, moved], axis=-3)  # (..., 4, depth, m)
+    structure = _structure(schedule, depth, m, tuple(unsplit))
+    durations = [table[..., codes, s, mbs] for s, (codes, mbs, _) in enumerate(structure)]
+    prefix = [np.cumsum(d, axis=-1) for d in durations]
+    ends = [c.copy() for c in prefix]  # no waiting: a lower bound that the sweeps raise to the longest path
+    order = list(range(depth)) + list(range(depth - 2, 0, -1))
+    while True:
+        moved_any = False
+        for s in order + [0] if depth > 1 else [0]:
+            codes, _, deps = structure[s]
+            arrive = np.zeros(durations[s].shape)
+            for src, kind in ((s - 1, codes == _F), (s + 1, (codes == _B_WHOLE) | (codes == _B_INPUT))):
+                if 0 <= src < depth and kind.any():
+                    arrive[..., kind] = ends[src][..., deps[kind]]
+            c = prefix[s]
+            new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
+            if not np.array_equal(new, ends[s]):
+                ends[s] = new
+                moved_any = True
+        if not moved_any:
+            return np.stack([e[..., -1] for e in ends], axis=-1)
+
+
+def stage_finish_of(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
+                    unsplit: tuple[bool, ...] = ()) -> np.ndarray:
+    """Each stage's gradients-final time under ``schedule``: 1F1B's closed form (``cost/pipeline.py``), else
+    the replay. The pipeline's flush is the max over stages."""
+    if schedule == "1f1b":
+        from ethpipe.cost.pipeline import stage_finish_s
+
+        return stage_finish_s(fwd, bwd)
+    return replay_finish_s(schedule, fwd, bwd, moved, unsplit)

@@ -1,0 +1,110 @@
+"""Level 2's schedule choice: every pipeline runs the fastest schedule its memory allows.
+
+The search chooses devices, depths and layer cuts under 1F1B (its closed forms and bounds are what
+keeps it fast at thousands of GPUs). Then each pipeline of the search's best few layouts is priced under every
+allowed schedule (``ethpipe.schedule.SCHEDULES``) that fits its devices' memory with that schedule's
+in-flight micro-batches (zb-h1 holds ``depth`` on every stage, 1F1B ``depth - s``), and level 3 re-splits
+the batch over the pipelines' best-of-schedules times: ``min_s T_s(n)`` is non-decreasing in n like each
+``T_s``, so the water-filling stays exact. A pipeline then runs the schedule that is fastest at the
+samples it got (1F1B on ties). The result is kept only if its predicted iteration (gradient sync
+included) is faster, and the fastest of the layouts so re-priced wins (``devices/eth.py``). What this does not do: search for shapes that only win under another schedule
+(a deeper pipeline whose 1F1B bubble ruled it out); docs/design.md, "Schedules".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from ethpipe.cost.model import CostModel
+from ethpipe.plan import Pipeline, Plan
+from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
+from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
+from ethpipe.planner.samples.balance import balance_samples
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, max_in_flight, max_pending_weights, stage_actions
+
+
+class BestOfTiming(PipelineTiming):
+    """``min`` over several schedules' T(n) of one pipeline shape (each non-decreasing, so is the min)."""
+
+    def __init__(self, timings: Sequence[PipelineTiming]) -> None:
+        first = timings[0]
+        super().__init__(first.micro_batch, first._action_times, first.granularity)
+        self.timings = list(timings)
+
+    def _extend(self, upper: int) -> np.ndarray:
+        tables = [t._extend(upper) for t in self.timings]
+        size = min(t.size for t in tables)
+        return np.minimum.reduce([t[:size] for t in tables])
+
+    def finish_s(self, num_samples: int) -> np.ndarray:
+        return self.fastest(num_samples).finish_s(num_samples)
+
+    def fastest(self, num_samples: int) -> PipelineTiming:
+        return min(self.timings, key=lambda t: (t.time_s(num_samples), t.schedule != DEFAULT_SCHEDULE))
+
+
+def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
+    """Every stage fits its device with the schedule's in-flight micro-batches at the pipeline's micro-batch
+    size (at ``depth`` micro-batches or more, the most any sample count reaches)."""
+    b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
+    for s, stage in enumerate(pipe.stages):
+        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute)
+        need = cost.stage_memory_bytes(stage, b, max_in_flight(actions), first=s == 0, last=s == pipe.depth - 1,
+                                       pending_weights=max_pending_weights(actions))
+        if need > cost.usable_memory_bytes(stage.device):
+            return False
+    return True
+
+
+def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], granularity: int) -> list[PipelineTiming]:
+    slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
+    layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
+    b = max(pipe.micro_batch_sizes)
+    return [timing_of_layers(cost, slots, layers, rc, b, granularity, sch) for sch in schedules if fits(cost, pipe, sch)]
+
+
+def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
+                     flat_sync: bool = False) -> tuple[Plan, float]:
+    """``plan`` (priced or not) with each pipeline's fastest allowed schedule and the batch re-split for them,
+    if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds."""
+    assert schedules and all(s in SCHEDULES for s in schedules)
+    own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync)
+    whole = ((plan.extra.get("search") or {}).get("options") or {}).get("fine_grained", True) is False
+    pcost = cost.with_plan_p2p(plan)
+    groups: dict[tuple, list[int]] = {}
+    timings: list[BestOfTiming] = []
+    for p, pipe in enumerate(plan.pipelines):
+        links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), pcost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1))
+                      for a, b in zip(pipe.stages, pipe.stages[1:]))
+        key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links,
+               max(pipe.micro_batch_sizes))
+        if key not in groups:
+            groups[key] = []
+            options = pipeline_timings(pcost, pipe, schedules, max(pipe.micro_batch_sizes) if whole else 1)
+            if not options:
+                return plan, own_s  # the plan's own schedules are the only ones that fit
+            timings.append(BestOfTiming(options))
+        groups[key].append(p)
+    members = list(groups.values())
+    samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size)
+    pipelines: list[Pipeline] = list(plan.pipelines)
+    for timing, idx, row in zip(timings, members, samples):
+        for p, n in zip(idx, row):
+            pipe = plan.pipelines[p]
+            pipelines[p] = Pipeline(pipe.stages, split_sizes(n, max(pipe.micro_batch_sizes)), timing.fastest(n).schedule)
+    candidate = dataclasses.replace(plan, pipelines=tuple(pipelines), predicted=None)
+    candidate_s = estimate_iteration_s(candidate, cost, flat_sync=flat_sync)
+    return (candidate, candidate_s) if candidate_s < own_s else (plan, own_s)
+
+
+def with_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *, flat_sync: bool = False) -> Plan:
+    """A priced plan after ``choose_schedules``, re-priced where it changed (a baseline told to use them)."""
+    chosen, _ = choose_schedules(plan, cost, schedules, flat_sync=flat_sync)
+    if chosen is plan:
+        return plan
+    old = plan.predicted or {}
+    predicted = predicted_metrics(chosen, cost, float(old.get("planning_time_s", 0.0)), flat_sync=flat_sync)
+    return dataclasses.replace(chosen, predicted={**old, **predicted})

@@ -1,0 +1,102 @@
+"""Level 2's schedule choice (planner/layers/schedules.py): each pipeline the fastest schedule that fits.
+
+On the 128-GPU H100/A100-80/L4 cluster with llama2-7b at one sample per GPU (4096 tokens), 1F1B's bubble
+costs eth a fifth of the cluster; with zb-h1 allowed the plan is faster and its bubble factor rises above
+0.9; `--schedules 1f1b` gives the 1F1B-only plan, and the baselines keep 1F1B unless told. A schedule
+whose in-flight micro-batches do not fit a device is never chosen, and the plan file carries the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from ethpipe.cli import commands  # noqa: F401  (registers the commands)
+from ethpipe.cli.app import app
+from ethpipe.cluster import load_cluster
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.plan_memory import memory_shortfalls
+from ethpipe.model_spec import load_model_spec
+from ethpipe.plan import Plan
+from ethpipe.planner import make_plan
+from ethpipe.planner.layers.schedules import choose_schedules, fits
+from ethpipe.sim import simulate
+
+CLUSTER = load_cluster("examples/clusters/eval_h100_a100_l4_128.yaml")
+LLAMA = load_model_spec("llama2-7b")
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    return {"all": make_plan(CLUSTER, LLAMA, 128, 4096),
+            "1f1b": make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b",)),
+            "layer-balanced": make_plan(CLUSTER, LLAMA, 128, 4096, "layer-balanced", time_budget_s=5.0)}
+
+
+def test_zb_h1_lifts_the_bubble_of_the_128_gpu_case(plans: dict[str, Plan]) -> None:
+    zb, one = plans["all"], plans["1f1b"]
+    assert {p.schedule for p in one.pipelines} == {"1f1b"}
+    assert "zb-h1" in {p.schedule for p in zb.pipelines}
+    assert zb.predicted["iteration_time_s"] < one.predicted["iteration_time_s"]
+    assert one.predicted["efficiency_factors"]["bubble"] < 0.85 < 0.90 <= zb.predicted["efficiency_factors"]["bubble"]
+    for plan in (zb, one):  # the simulator replays the chosen schedules and agrees with the planner
+        cost = CostModel.for_plan(plan)
+        assert simulate(plan, cost).iteration_time_s == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-9)
+        assert memory_shortfalls(plan, cost) == []
+    assert zb.extra["search"]["schedules"] == ["1f1b", "zb-h1"] and one.extra["search"]["schedules"] == ["1f1b"]
+    assert Plan.from_dict(json.loads(zb.to_json())) == Plan.from_dict(zb.to_dict())
+
+
+def test_baselines_keep_1f1b_unless_told(plans: dict[str, Plan]) -> None:
+    lb = plans["layer-balanced"]
+    assert {p.schedule for p in lb.pipelines} == {"1f1b"} and lb.extra["search"]["schedules"] == ["1f1b"]
+    told = make_plan(CLUSTER, LLAMA, 128, 4096, "uniform", schedules=("1f1b", "zb-h1"))
+    plain = make_plan(CLUSTER, LLAMA, 128, 4096, "uniform")
+    assert told.predicted["iteration_time_s"] <= plain.predicted["iteration_time_s"]
+
+
+def test_a_schedule_that_does_not_fit_is_never_chosen(plans: dict[str, Plan]) -> None:
+    one = plans["1f1b"]
+    cost = CostModel.for_plan(one)
+    pipe = one.pipelines[0]
+    assert fits(cost, pipe, "zb-h1") and fits(cost, pipe, "1f1b")
+    # Shrink the first stage's device until zb-h1's depth-many in-flight micro-batches no longer fit there
+    # while 1F1B's (the same on stage 0) do: only the later stages hold more under zb-h1.
+    last = pipe.stages[-1]
+    need = {s: cost.stage_memory_bytes(last, max(pipe.micro_batch_sizes), n, first=pipe.depth == 1, last=True)
+            for s, n in (("1f1b", 1), ("zb-h1", pipe.depth))}
+    assert need["zb-h1"] > need["1f1b"]
+    usable = (need["zb-h1"] + need["1f1b"]) // 2
+
+    class Tight(CostModel):
+        def usable_memory_bytes(self, device: str) -> int:
+            return usable if device == last.device else super().usable_memory_bytes(device)
+
+    tight = Tight(**{f.name: getattr(cost, f.name) for f in dataclasses.fields(CostModel) if f.init})
+    assert not fits(tight, pipe, "zb-h1") and fits(tight, pipe, "1f1b")
+    kept, _ = choose_schedules(one, tight, ("1f1b", "zb-h1"))
+    assert all(p.schedule == "1f1b" for p in kept.pipelines if p.stages[-1].device == last.device)
+
+
+def test_cli_schedules_option_and_its_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+    out = tmp_path / "p.json"
+    args = ["plan", "--cluster", "examples/clusters/h100_a100_l4.yaml", "--model", "llama2-7b", "--global-batch", "64",
+            "--seq-len", "4096"]
+    res = runner.invoke(app, [*args, "--schedules", "1f1b", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert {p["schedule"] for p in json.loads(out.read_text())["pipelines"]} == {"1f1b"}
+    res = runner.invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0 and "schedule" in res.output and "zb-h1" in res.output
+    for bad, needle in (("interleaved", "unknown schedule 'interleaved' in --schedules"), (",", "at least one")):
+        res = runner.invoke(app, [*args, "--schedules", bad])
+        assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
+    plan = json.loads(out.read_text())
+    plan["pipelines"][0]["schedule"] = "gpipe"
+    bad_plan = tmp_path / "bad.json"
+    bad_plan.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"pipelines\[0\].schedule' must be one of 1f1b, zb-h1"):
+        Plan.load(bad_plan)
