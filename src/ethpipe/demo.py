@@ -131,14 +131,14 @@ def measured_step_s(records: Sequence[Mapping[str, Any]], warmup: int = WARMUP_S
 
 
 def plan_shape(plan: Plan) -> str:
-    """Compact description: one 'device x depth [layers] m x b' entry per pipeline."""
+    """Compact description: one 'device x depth [layers] m x b' entry per pipeline (and its schedule if not 1F1B)."""
     parts = []
     for pipe in plan.pipelines:
         devices = sorted({s.device for s in pipe.stages})
         layers = "/".join(str(s.num_layers) for s in pipe.stages)
         sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
         parts.append(f"{'+'.join(devices)}:{layers} {pipe.num_samples}smp/{pipe.num_microbatches}mb"
-                     f"(b={'/'.join(map(str, sizes))})")
+                     f"(b={'/'.join(map(str, sizes))})" + (f" {pipe.schedule}" if pipe.schedule != "1f1b" else ""))
     return "; ".join(parts)
 
 

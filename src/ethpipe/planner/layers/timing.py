@@ -174,9 +174,15 @@ class PipelineTiming:
         return self._weight_rows[x]
 
     def _matrices(self, sizes: Sequence[int]) -> tuple[np.ndarray, ...]:
-        """(fwd, bwd[, moved]) as (depth, micro-batches) arrays for these micro-batch sizes."""
-        cols = [self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ()) for x in sizes]
-        return tuple(np.stack([c[k] for c in cols], axis=1) for k in range(len(cols[0])))
+        """(fwd, bwd[, moved]) as (depth, micro-batches) arrays for these micro-batch sizes (each distinct size's
+        rows once: the search asks for thousands of full-then-last splits)."""
+        distinct = list(dict.fromkeys(sizes))
+        rows = {x: self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ()) for x in distinct}
+        if len(distinct) == 1:
+            return tuple(np.repeat(r[:, None], len(sizes), axis=1) for r in rows[distinct[0]])
+        index = np.array([distinct.index(x) for x in sizes]) if len(distinct) > 2 else \
+            (np.array(sizes) != distinct[0]).astype(int)
+        return tuple(np.stack([rows[x][k] for x in distinct], axis=1)[:, index] for k in range(len(rows[distinct[0]])))
 
     def per_sample_floor_s(self) -> float:
         """A lower bound on every stage finish over n samples, divided by n: some stage runs every sample, a
