@@ -44,7 +44,8 @@ class FakeCost:
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return self.optimizer_time_s
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
+                           pending_weights: int = 0) -> int:
         return 100 * in_flight * micro_batch + stage.num_layers
 
 

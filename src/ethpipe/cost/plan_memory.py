@@ -36,10 +36,9 @@ def stage_peak_bytes(plan: Plan, cost: StageMemory, pipeline: int, stage: int) -
     pipeline's largest micro-batch, and the boundary buffers (``CostModel.stage_memory_bytes``)."""
     pipe = plan.pipelines[pipeline]
     actions = actions_of(pipe, stage)
-    pending = max_pending_weights(actions)
     return cost.stage_memory_bytes(pipe.stages[stage], max(pipe.micro_batch_sizes), max_in_flight(actions),
                                    first=stage == 0, last=stage == pipe.depth - 1,
-                                   **({"pending_weights": pending} if pending else {}))
+                                   pending_weights=max_pending_weights(actions))
 
 
 def memory_shortfalls(plan: Plan, cost: CostModel) -> list[Shortfall]:

@@ -71,6 +71,7 @@ class _Step:
     device: torch.device
     probe: LivenessProbe | None
     split: frozenset[int] = frozenset()  # micro-batches whose B is input-only (a W follows)
+    params: list[torch.Tensor] = field(default_factory=list)  # what a split B leaves to its W (trainable ones)
     # micro-batch -> (stage input that needs a gradient, or None on the first stage; what backward starts from)
     stash: dict[int, tuple[torch.Tensor | None, torch.Tensor | GradientEdge]] = field(default_factory=dict)
     weight_work: dict[int, WeightWork] = field(default_factory=dict)  # split micro-batches between B and W
@@ -111,8 +112,7 @@ class _Step:
         grad = None if io.last else received.pop(("grad", mb))
         if mb in self.split:
             assert x is not None, "the first stage has no input gradient to split off"
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            payload, self.weight_work[mb] = self.timed(action, lambda: backward_input(start, grad, x, params),
+            payload, self.weight_work[mb] = self.timed(action, lambda: backward_input(start, grad, x, self.params),
                                                         "B-input")
         else:
             self.timed(action, lambda: torch.autograd.backward(start, grad), "B")  # type: ignore[arg-type]
@@ -171,8 +171,9 @@ def run_stage_step(
         timeline.span(str(action), start, end)
         return out
 
-    state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe,
-                  split_microbatches(actions))
+    split = split_microbatches(actions)
+    state = _Step(module, io, micro_batch_sizes, inputs, targets, loss_scale, timed, device, probe, split,
+                  [p for p in module.parameters() if p.requires_grad] if split else [])
     run_action = {"F": state.forward, "B": state.backward, "W": state.weight}
     batches = p2p_batches(actions, io.peers)
     deferred = deferred_batches(actions)
