@@ -26,13 +26,32 @@ PLAN_VERSION = 1
 class Stage:
     ranks: tuple[int, ...]  # tp ranks of this stage
     device: str  # GPU type id (catalog id, or an emulated type name)
-    layers: tuple[int, int]  # half-open range of decoder blocks
+    layers: tuple[int, int]  # half-open range of decoder blocks (an interleaved stage: its chunk 0)
     tp: int = 1
     recompute: bool = False
+    # An interleaved pipeline's stage holds several model chunks: their layer ranges, chunk 0 first (= layers).
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The stage's layer ranges, one per model chunk (one range unless interleaved)."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def chunk_layers(self) -> tuple[int, ...]:
+        """Layers per model chunk (one entry unless interleaved)."""
+        return tuple(hi - lo for lo, hi in self.layer_ranges)
 
     @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        return sum(self.chunk_layers)
+
+    def holds(self, layer: int) -> bool:
+        return any(lo <= layer < hi for lo, hi in self.layer_ranges)
+
+    def chunk(self, c: int) -> Stage:
+        """Model chunk ``c`` as a one-range stage (what the cost model prices per chunk)."""
+        return Stage(self.ranks, self.device, self.layer_ranges[c], self.tp, self.recompute)
 
 
 @dataclass(frozen=True)
@@ -58,9 +77,15 @@ class Pipeline:
         return tuple(r for s in self.stages for r in s.ranks)
 
     @property
+    def num_chunks(self) -> int:
+        """Model chunks per stage (``interleaved`` schedules hold 2 or more; chunk c of stage s is virtual
+        stage ``c * depth + s``)."""
+        return len(self.stages[0].layer_ranges)
+
+    @property
     def boundaries(self) -> tuple[int, ...]:
-        """Inner stage boundaries (layer indices where a new stage starts)."""
-        return tuple(s.layers[0] for s in self.stages[1:])
+        """Inner stage (virtual-stage) boundaries: layer indices where a new stage or chunk starts."""
+        return tuple(sorted(lo for st in self.stages for lo, _ in st.layer_ranges if lo > 0))
 
 
 @dataclass(frozen=True)
@@ -114,7 +139,7 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
-        return self.pipelines[0].stages[-1].layers[1]
+        return self.pipelines[0].stages[-1].layer_ranges[-1][1]
 
     @property
     def idle_device_indices(self) -> tuple[int, ...]:
@@ -159,8 +184,8 @@ class Plan:
 
     def blocks_of_stage(self, pipeline: int, stage: int) -> tuple[int, ...]:
         """Indices of the blocks held by a stage, ascending (the sync runs them in ``cost/sync.block_sync_order``)."""
-        lo, hi = self.pipelines[pipeline].stages[stage].layers
-        return tuple(i for i, b in enumerate(self.blocks) if lo <= b.layers[0] and b.layers[1] <= hi)
+        st = self.pipelines[pipeline].stages[stage]
+        return tuple(i for i, b in enumerate(self.blocks) if st.holds(b.layers[0]))
 
     # -- (de)serialisation ----------------------------------------------------------
 
@@ -174,8 +199,9 @@ class Plan:
             "pipelines": [
                 {
                     "stages": [
-                        {"ranks": list(s.ranks), "device": s.device, "layers": list(s.layers), "tp": s.tp,
-                         "recompute": s.recompute}
+                        {"ranks": list(s.ranks), "device": s.device,
+                         **({"chunks": [list(r) for r in s.chunks]} if s.chunks else {"layers": list(s.layers)}),
+                         "tp": s.tp, "recompute": s.recompute}
                         for s in p.stages
                     ],
                     "micro_batch_sizes": list(p.micro_batch_sizes),
@@ -228,13 +254,13 @@ class Plan:
 
 def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Block, ...]:
     """Common refinement of every pipeline's stage boundaries, with each block's holders."""
-    num_layers = pipelines[0].stages[-1].layers[1]
+    num_layers = pipelines[0].stages[-1].layer_ranges[-1][1]
     cuts = sorted({0, num_layers, *(b for p in pipelines for b in p.boundaries)})
     blocks = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         ranks: list[int] = []
         for pipe in pipelines:
-            stage = next(s for s in pipe.stages if s.layers[0] <= lo and hi <= s.layers[1])
+            stage = next(s for s in pipe.stages if s.holds(lo))
             ranks.extend(stage.ranks)
         blocks.append(Block((lo, hi), tuple(ranks)))
     return tuple(blocks)

@@ -11,7 +11,7 @@ from typing import Any
 from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
-from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, interleaved_fits
 from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
@@ -38,19 +38,32 @@ def _stage(data: Any, where: str) -> Stage:
     if not isinstance(ranks, list) or not ranks:
         raise UserError(f"plan field '{where}.ranks' must be a non-empty list of ranks")
     ranks_t = tuple(_pos_int(r, f"{where}.ranks", allow_zero=True) for r in ranks)
-    layers = _req(data, "layers", where + ".")
-    if not (isinstance(layers, list) and len(layers) == 2):
-        raise UserError(f"plan field '{where}.layers' must be [start, end)")
-    lo, hi = (_pos_int(x, f"{where}.layers", allow_zero=True) for x in layers)
-    if hi <= lo:
-        raise UserError(f"plan field '{where}.layers' is empty ([{lo}, {hi})): every stage needs at least one layer")
+    if "chunks" in data:
+        if "layers" in data:
+            raise UserError(f"plan field '{where}' has both 'layers' and 'chunks': an interleaved stage lists its "
+                            "chunks' ranges only")
+        raw = data["chunks"]
+        if not isinstance(raw, list) or len(raw) < 2:
+            raise UserError(f"plan field '{where}.chunks' must list 2 or more [start, end) ranges")
+        chunks = tuple(_range(r, f"{where}.chunks[{c}]") for c, r in enumerate(raw))
+    else:
+        chunks = (_range(_req(data, "layers", where + "."), f"{where}.layers"),)
     tp = _pos_int(data.get("tp", 1), f"{where}.tp")
     if tp != len(ranks_t):
         raise UserError(f"plan field '{where}.tp' is {tp} but the stage lists {len(ranks_t)} ranks: they must match")
     device = data.get("device", "cpu")
     if not isinstance(device, str):
         raise UserError(f"plan field '{where}.device' must be a GPU type id string")
-    return Stage(ranks_t, device, (lo, hi), tp, bool(data.get("recompute", False)))
+    return Stage(ranks_t, device, chunks[0], tp, bool(data.get("recompute", False)), chunks if len(chunks) > 1 else ())
+
+
+def _range(layers: Any, where: str) -> tuple[int, int]:
+    if not (isinstance(layers, list) and len(layers) == 2):
+        raise UserError(f"plan field '{where}' must be [start, end)")
+    lo, hi = (_pos_int(x, where, allow_zero=True) for x in layers)
+    if hi <= lo:
+        raise UserError(f"plan field '{where}' is empty ([{lo}, {hi})): every stage needs at least one layer")
+    return lo, hi
 
 
 def _pipeline(data: Any, where: str) -> Pipeline:
@@ -67,19 +80,35 @@ def _pipeline(data: Any, where: str) -> Pipeline:
     schedule = data.get("schedule", DEFAULT_SCHEDULE)
     if schedule not in SCHEDULES:
         raise UserError(f"plan field '{where}.schedule' must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    chunks = {len(st.layer_ranges) for st in parsed}
+    if len(chunks) > 1:
+        raise UserError(f"plan field '{where}.stages' mix stages of {' and '.join(map(str, sorted(chunks)))} chunks: "
+                        "every stage of an interleaved pipeline holds the same number")
+    if (schedule == "interleaved") != (chunks != {1}):
+        raise UserError(f"plan field '{where}.schedule' is {schedule!r} but its stages hold {chunks.pop()} chunk(s): "
+                        "an 'interleaved' pipeline lists 'chunks' per stage, any other lists 'layers'")
+    if schedule == "interleaved" and len(parsed) < 2:
+        raise UserError(f"plan field '{where}.schedule' is 'interleaved' on a single stage: use '1f1b'")
+    if schedule == "interleaved" and not interleaved_fits(len(parsed), len(sizes)):
+        raise UserError(f"plan field '{where}.micro_batch_sizes' lists {len(sizes)} micro-batches for an interleaved "
+                        f"pipeline of {len(parsed)} stages: use at most {len(parsed)} or a multiple of {len(parsed)}, "
+                        "or schedule '1f1b'")
     return Pipeline(parsed, sizes, schedule)
 
 
 def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int) -> None:
     for p_idx, pipe in enumerate(pipes):
         expect = 0
-        for s_idx, stage in enumerate(pipe.stages):
-            if stage.layers[0] != expect:
-                raise UserError(
-                    f"plan field 'pipelines[{p_idx}].stages[{s_idx}].layers' starts at {stage.layers[0]}, "
-                    f"expected {expect}: stages must tile [0, {num_layers}) without gaps or overlaps"
-                )
-            expect = stage.layers[1]
+        for c in range(pipe.num_chunks):  # virtual-stage order: chunk 0 of every stage, then chunk 1, ...
+            for s_idx, stage in enumerate(pipe.stages):
+                lo, hi = stage.layer_ranges[c]
+                field = "layers" if pipe.num_chunks == 1 else f"chunks[{c}]"
+                if lo != expect:
+                    raise UserError(
+                        f"plan field 'pipelines[{p_idx}].stages[{s_idx}].{field}' starts at {lo}, expected {expect}: "
+                        f"stages (chunk by chunk when interleaved) must tile [0, {num_layers}) without gaps or overlaps"
+                    )
+                expect = hi
         if expect != num_layers:
             raise UserError(
                 f"plan field 'pipelines[{p_idx}]' covers layers [0, {expect}) but the model has {num_layers} layers"
@@ -185,7 +214,7 @@ def plan_from_dict(data: Any) -> Plan:
     if not isinstance(raw_pipes, list) or not raw_pipes:
         raise UserError("plan field 'pipelines' must be a non-empty list")
     pipes = tuple(_pipeline(p, f"pipelines[{i}]") for i, p in enumerate(raw_pipes))
-    num_layers = pipes[0].stages[-1].layers[1]
+    num_layers = pipes[0].stages[-1].layer_ranges[-1][1]
     if spec is None:
         try:
             from ethpipe.model_spec import load_model_spec

@@ -25,7 +25,7 @@ from ethpipe.schedule import one_f_one_b
 SPEC = ModelSpec(name="replay", num_layers=16, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,
                  vocab_size=256, max_seq_len=64)
 
-StageDef = tuple[tuple[int, int], int]  # (layers, tp)
+StageDef = tuple[tuple[int, int] | tuple[tuple[int, int], ...], int]  # (layers, or chunks' ranges; tp)
 
 
 def make_plan(pipelines: Sequence[tuple[Sequence[StageDef], Sequence[int]]], spec: ModelSpec = SPEC,
@@ -36,9 +36,11 @@ def make_plan(pipelines: Sequence[tuple[Sequence[StageDef], Sequence[int]]], spe
     for stages, sizes in pipelines:
         built = []
         for layers, tp in stages:
-            built.append(Stage(tuple(range(rank, rank + tp)), "cpu", layers, tp, rank in recompute))
+            chunks = layers if isinstance(layers[0], tuple) else ()
+            built.append(Stage(tuple(range(rank, rank + tp)), "cpu", chunks[0] if chunks else layers, tp,  # type: ignore[arg-type]
+                               rank in recompute, chunks))  # type: ignore[arg-type]
             rank += tp
-        pipes.append(Pipeline(tuple(built), tuple(sizes), schedule))
+        pipes.append(Pipeline(tuple(built), tuple(sizes), "interleaved" if built[0].chunks else schedule))
     return Plan("custom", spec.name, sum(sum(s) for _, s in pipelines), 16, tuple(pipes), compute_blocks(pipes),
                 model_spec=spec)
 
@@ -47,6 +49,17 @@ def even_pipeline(depth: int, sizes: Sequence[int], tps: Sequence[int] | None = 
                   num_layers: int = 16) -> tuple[list[StageDef], list[int]]:
     tps = tps or [1] * depth
     return [((s * num_layers // depth, (s + 1) * num_layers // depth), tps[s]) for s in range(depth)], list(sizes)
+
+
+def interleaved_pipeline(depth: int, sizes: Sequence[int], num_chunks: int = 2, tps: Sequence[int] | None = None,
+                         num_layers: int = 16) -> tuple[list[StageDef], list[int]]:
+    """Layers cut evenly into ``depth * num_chunks`` virtual stages; virtual stage ``c * depth + s`` is stage s's
+    chunk c."""
+    tps = tps or [1] * depth
+    v = depth * num_chunks
+    cut = [k * num_layers // v for k in range(v + 1)]
+    return [(tuple((cut[c * depth + s], cut[c * depth + s + 1]) for c in range(num_chunks)), tps[s])
+            for s in range(depth)], list(sizes)
 
 
 def stage_buckets(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -60,7 +73,7 @@ def stage_buckets(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     stage = pipe.stages[pos.stage]
     with torch.device("meta"):
         module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
-                         tp=TPGroup(None, pos.tp_rank, stage.tp))
+                         tp=TPGroup(None, pos.tp_rank, stage.tp), chunks=stage.chunks)
     _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), spec.tie_embeddings)
     params = dict(module.named_parameters())
     buckets = (ShardedBuckets(params, units, {}, rank, {}, bucket_bytes) if sharded

@@ -44,9 +44,9 @@ class FakeCost:
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return self.optimizer_time_s
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
-                           pending_weights: int = 0) -> int:
-        return 100 * in_flight * micro_batch + stage.num_layers
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
+        return int(100 * in_flight * micro_batch) + stage.num_layers
 
 
 def make_plan(pipelines: Sequence[tuple[Sequence[tuple[int, int]], Sequence[int], str]], seq_len: int = 16) -> Plan:

@@ -118,6 +118,38 @@ def test_a_split_backward_is_paced_as_its_input_and_weight_passes() -> None:
         paced_targets(with_emulation(zb, 3.0, {0: {1: (0.01, 0.02, 0.03)}, 1: {1: (0.01, 0.02, 0.03)}}), 0)
 
 
+def test_an_interleaved_stage_is_paced_chunk_by_chunk() -> None:
+    """Targets per chunk: "size" for chunk 0, "size.c" for chunk c (``pacing_targets`` prices each chunk's
+    own layers, with the embedding in stage 0's chunk 0 and the head in the last stage's last chunk)."""
+    from ethpipe.runtime.emulate import pacing_targets
+
+    stages = (Stage((0,), "fast", (0, 3), chunks=((0, 3), (4, 7))), Stage((1,), "slow", (3, 4), chunks=((3, 4), (7, 8))))
+    pipe = Pipeline(stages, (1, 2), "interleaved")
+    plan = Plan("custom", "tiny", 3, 16, (pipe,), compute_blocks([pipe]), model_presets()["tiny"],
+                extra={"device_speeds": {"fast": 2.0, "slow": 1.0}})
+    targets = {0: {1: (0.01, 0.02), 2: (0.02, 0.04), "1.1": (0.03, 0.05), "2.1": (0.06, 0.1)},
+               1: {1: (0.01, 0.02), 2: (0.02, 0.04), "1.1": (0.01, 0.02), "2.1": (0.02, 0.04)}}
+    paced = PlanType.from_dict(with_emulation(plan, 3.0, targets).to_dict())
+    assert paced_targets(paced, 0) == ((1, 0.01, 0.02, 0.0), ("1.1", 0.03, 0.05, 0.0), (2, 0.02, 0.04, 0.0),
+                                       ("2.1", 0.06, 0.1, 0.0))
+    em = make_emulator(paced, 0)
+    assert (em.target_s("F", 2, 0.0, 0, chunk=1), em.target_s("B", 2, 0.0, 0)) == (0.06, 0.04)
+    del targets[1]["2.1"]
+    with pytest.raises(ValueError, match=r"no target for chunk 1 at micro-batch size 2 \(key \"2.1\"\)"):
+        paced_targets(with_emulation(plan, 3.0, targets), 1)
+
+    class Cost:  # layers, +10 for the embedding, +20 for the head: what each chunk is priced with
+        def stage_compute_s(self, stage: Stage, b: int, *, first: bool, last: bool) -> tuple[float, float]:
+            return b * (stage.num_layers + 10 * first + 20 * last), 0.0
+
+        def weight_grad_s(self, stage: Stage, b: int, *, first: bool, last: bool) -> float:
+            return 0.0
+
+    from_cost = pacing_targets(plan, Cost())
+    assert {k: v[0] for k, v in from_cost[0].items()} == {1: 13, 2: 26, "1.1": 3, "2.1": 6}
+    assert {k: v[0] for k, v in from_cost[1].items()} == {1: 1, 2: 2, "1.1": 21, "2.1": 42}
+
+
 def test_parse_slowdown() -> None:
     assert parse_slowdown("3:2.5@10") == Slowdown(3, 2.5, 10)
     assert parse_slowdown("1:2") == Slowdown(1, 2.0, 0)

@@ -40,8 +40,8 @@ class _Table:
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return 0.0
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
-                           pending_weights: int = 0) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
         return 0
 
 

@@ -61,3 +61,51 @@ def test_validation_errors(path, value, message) -> None:
     with pytest.raises(ValueError, match=message) as err:
         Plan.from_dict(_mutate(path, value))
     assert "\n" not in str(err.value)
+
+
+INTERLEAVED = {  # pipeline 0 runs 2 chunks per stage: stage 0 holds [0, 2) and [4, 6), stage 1 [2, 4) and [6, 8)
+    **BASE,
+    "pipelines": [{"stages": [{"ranks": [0], "device": "fast", "chunks": [[0, 2], [4, 6]]},
+                              {"ranks": [1], "device": "fast", "chunks": [[2, 4], [6, 8]]}],
+                   "micro_batch_sizes": [2, 2, 1, 1], "schedule": "interleaved"},
+                  BASE["pipelines"][1]],
+    "global_batch_size": 10,
+    "blocks": [{"layers": [0, 2], "ranks": [0, 2]}, {"layers": [2, 4], "ranks": [1, 2]},
+               {"layers": [4, 5], "ranks": [0, 2]}, {"layers": [5, 6], "ranks": [0, 3]},
+               {"layers": [6, 8], "ranks": [1, 3]}],
+}
+
+
+def test_interleaved_round_trip_and_chunk_views() -> None:
+    plan = Plan.from_dict(copy.deepcopy(INTERLEAVED))
+    pipe = plan.pipelines[0]
+    assert pipe.num_chunks == 2 and pipe.stages[0].layers == (0, 2) and pipe.stages[0].num_layers == 4
+    assert pipe.stages[1].chunk(1) == Stage((1,), "fast", (6, 8))
+    assert pipe.boundaries == (2, 4, 6) and plan.blocks_of_stage(0, 0) == (0, 2, 3)
+    assert compute_blocks(plan.pipelines) == plan.blocks
+    assert plan.to_dict()["pipelines"][0]["stages"][1]["chunks"] == [[2, 4], [6, 8]]
+    assert "layers" not in plan.to_dict()["pipelines"][0]["stages"][1]
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def _interleaved(**stage0) -> dict:
+    data = copy.deepcopy(INTERLEAVED)
+    data["pipelines"][0]["stages"][0] = {**data["pipelines"][0]["stages"][0], **stage0}
+    return data
+
+
+@pytest.mark.parametrize("data, message", [
+    (_interleaved(layers=[0, 2]), r"stages\[0\]' has both 'layers' and 'chunks'"),
+    (_interleaved(chunks=[[0, 2]]), r"stages\[0\].chunks' must list 2 or more"),
+    (_interleaved(chunks=[[0, 2], [4, 6], [8, 8]]), r"chunks\[2\]' is empty"),
+    (_interleaved(chunks=[[0, 2], [5, 6]]), r"stages\[0\].chunks\[1\]' starts at 5, expected 4"),
+    ({**copy.deepcopy(INTERLEAVED), "pipelines": [{**INTERLEAVED["pipelines"][0], "schedule": "1f1b"},
+                                                  INTERLEAVED["pipelines"][1]]}, "an 'interleaved' pipeline lists"),
+    ({**copy.deepcopy(INTERLEAVED), "pipelines": [{**INTERLEAVED["pipelines"][0], "micro_batch_sizes": [2, 2, 2]},
+                                                  INTERLEAVED["pipelines"][1]]},
+     r"micro_batch_sizes' lists 3 micro-batches for an interleaved pipeline of 2 stages: use at most 2 or a multiple"),
+])
+def test_interleaved_validation_errors(data, message) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        Plan.from_dict(data)
+    assert "\n" not in str(err.value)

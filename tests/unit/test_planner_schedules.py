@@ -46,8 +46,26 @@ def test_zb_h1_lifts_the_bubble_of_the_128_gpu_case(plans: dict[str, Plan]) -> N
         cost = CostModel.for_plan(plan)
         assert simulate(plan, cost).iteration_time_s == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-9)
         assert memory_shortfalls(plan, cost) == []
-    assert zb.extra["search"]["schedules"] == ["1f1b", "zb-h1"] and one.extra["search"]["schedules"] == ["1f1b"]
+    assert zb.extra["search"]["schedules"] == ["1f1b", "zb-h1", "interleaved"]
+    assert one.extra["search"]["schedules"] == ["1f1b"]
     assert Plan.from_dict(json.loads(zb.to_json())) == Plan.from_dict(zb.to_dict())
+
+
+def test_interleaving_lifts_the_bubble_too_and_the_simulator_agrees(plans: dict[str, Plan]) -> None:
+    """With 1F1B and interleaved allowed, every pipeline of the 128-GPU case interleaves 2 chunks per stage;
+    bubble 0.80 -> >= 0.90, faster than 1F1B only, slower than zb-h1 here (each
+    chunk boundary is one more message across nodes), so with all three allowed zb-h1 is kept."""
+    both = make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b", "interleaved"))
+    one = plans["1f1b"]
+    assert {(p.schedule, p.num_chunks) for p in both.pipelines} == {("interleaved", 2)}
+    for pipe in both.pipelines:  # a rank's layers in two near-equal chunks, the larger first
+        assert all(0 <= s.chunk_layers[0] - s.chunk_layers[1] <= 1 for s in pipe.stages)
+    assert both.predicted["efficiency_factors"]["bubble"] >= 0.90 > one.predicted["efficiency_factors"]["bubble"]
+    assert one.predicted["iteration_time_s"] > both.predicted["iteration_time_s"] > plans["all"].predicted["iteration_time_s"]
+    cost = CostModel.for_plan(both)
+    assert simulate(both, cost).iteration_time_s == pytest.approx(both.predicted["iteration_time_s"], rel=1e-9)
+    assert memory_shortfalls(both, cost) == []
+    assert Plan.from_dict(json.loads(both.to_json())) == both
 
 
 def test_baselines_keep_1f1b_unless_told(plans: dict[str, Plan]) -> None:
@@ -91,12 +109,31 @@ def test_cli_schedules_option_and_its_errors(tmp_path) -> None:  # type: ignore[
     assert {p["schedule"] for p in json.loads(out.read_text())["pipelines"]} == {"1f1b"}
     res = runner.invoke(app, [*args, "--out", str(out)])
     assert res.exit_code == 0 and "schedule" in res.output and "zb-h1" in res.output
-    for bad, needle in (("interleaved", "unknown schedule 'interleaved' in --schedules"), (",", "at least one")):
+    for bad, needle in (("gpipe", "unknown schedule 'gpipe' in --schedules"), (",", "at least one")):
         res = runner.invoke(app, [*args, "--schedules", bad])
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
     plan = json.loads(out.read_text())
     plan["pipelines"][0]["schedule"] = "gpipe"
     bad_plan = tmp_path / "bad.json"
     bad_plan.write_text(json.dumps(plan))
-    with pytest.raises(ValueError, match=r"pipelines\[0\].schedule' must be one of 1f1b, zb-h1"):
+    with pytest.raises(ValueError, match=r"pipelines\[0\].schedule' must be one of 1f1b, zb-h1, interleaved"):
         Plan.load(bad_plan)
+
+
+def test_interleaved_of_keeps_each_ranks_layers_and_fixes_the_count() -> None:
+    from ethpipe.plan import Pipeline, Stage
+    from ethpipe.planner.layers.interleave import interleaved_of
+
+    flat = Pipeline((Stage((0,), "a", (0, 5)), Stage((1, 2), "b", (5, 8), tp=2), Stage((3,), "a", (8, 12), recompute=True)),
+                    (2,) * 6)
+    pipe = interleaved_of(flat)
+    assert pipe is not None and pipe.schedule == "interleaved" and pipe.micro_batch_sizes == (2,) * 6
+    # virtual stages in order: chunk 0 of every stage, then chunk 1; 5 layers -> 3 + 2, 3 -> 2 + 1, 4 -> 2 + 2
+    assert [s.chunks for s in pipe.stages] == [((0, 3), (7, 9)), ((3, 5), (9, 10)), ((5, 7), (10, 12))]
+    assert [(s.ranks, s.tp, s.recompute) for s in pipe.stages] == [(s.ranks, s.tp, s.recompute) for s in flat.stages]
+    ragged = interleaved_of(Pipeline(flat.stages, (2, 2, 2, 1)))  # 4 micro-batches over 3 stages: 6 of 7 samples
+    assert ragged is not None and ragged.micro_batch_sizes == (2, 1, 1, 1, 1, 1)
+    assert interleaved_of(Pipeline(flat.stages, (1, 1, 1, 1))) is None  # 6 micro-batches need 6 samples
+    assert interleaved_of(Pipeline(flat.stages, (3, 2))) is not None  # at most depth: as it is
+    assert interleaved_of(Pipeline((Stage((0,), "a", (0, 11)), Stage((1,), "a", (11, 12))), (1,))) is None
+    assert interleaved_of(Pipeline((Stage((0,), "a", (0, 12)),), (1,))) is None

@@ -1,12 +1,12 @@
-"""Schedules (1F1B, zb-h1) read as data, without processes."""
+"""Schedules (1F1B, zb-h1, interleaved) read as data, without processes."""
 
 from __future__ import annotations
 
 import pytest
 
 from ethpipe.schedule import (
-    Action, last_weight_grad_index, max_in_flight, one_f_one_b, pipeline_schedule, split_microbatches, stage_actions,
-    zb_h1,
+    Action, interleaved, interleaved_fits, last_weight_grad_index, max_in_flight, max_in_flight_layers, one_f_one_b,
+    pipeline_schedule, split_microbatches, stage_actions, zb_h1,
 )
 
 
@@ -89,5 +89,39 @@ def test_zb_h1_known_orders_and_unsplit_stages() -> None:
                                                 "W3"]
     assert zb_h1(4, 2, 5, split=False) == one_f_one_b(4, 2, 5)  # a recomputing stage runs whole backwards
     assert stage_actions("zb-h1", 4, 0, 5) == one_f_one_b(4, 0, 5)
-    with pytest.raises(ValueError, match="schedule must be one of 1f1b, zb-h1"):
+    with pytest.raises(ValueError, match="schedule must be one of 1f1b, zb-h1, interleaved"):
+        stage_actions("dualpipe", 4, 0, 5)
+    with pytest.raises(ValueError, match="only 'interleaved' runs several chunks"):
         stage_actions("interleaved", 4, 0, 5)
+    with pytest.raises(ValueError, match="only 'interleaved' runs several chunks"):
+        stage_actions("1f1b", 4, 0, 5, num_chunks=2)
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 2), (3, 2), (4, 3), (5, 4)])
+def test_interleaved_runs_every_chunk_of_every_microbatch_once_backward_after_forward(stages: int, chunks: int) -> None:
+    for m in [n for n in range(1, 3 * stages + 1) if interleaved_fits(stages, n)]:
+        for s in range(stages):
+            acts = stage_actions("interleaved", stages, s, m, num_chunks=chunks)
+            pairs = [(a.kind, a.microbatch, a.chunk) for a in acts]
+            assert sorted(pairs) == sorted((k, j, c) for k in "FB" for j in range(m) for c in range(chunks))
+            assert all(pairs.index(("F", j, c)) < pairs.index(("B", j, c)) for j in range(m) for c in range(chunks))
+            # forwards visit chunk 0 before chunk 1 of a micro-batch, backwards the other way
+            assert all(pairs.index(("F", j, c)) < pairs.index(("F", j, c + 1)) and
+                       pairs.index(("B", j, c + 1)) < pairs.index(("B", j, c)) for j in range(m) for c in range(chunks - 1))
+
+
+def test_interleaved_known_orders_and_refused_counts() -> None:
+    # Megatron's order: groups of `depth` micro-batches through chunk 0 then chunk 1; warm-up 2 (S - s - 1) + (v - 1) S
+    assert [str(a) for a in interleaved(2, 1, 4, 2)] == [
+        "F0", "F1", "F0.1", "B0.1", "F1.1", "B1.1", "F2", "B0", "F3", "B1", "F2.1", "B2.1", "F3.1", "B3.1", "B2", "B3"]
+    assert [str(a) for a in interleaved(2, 0, 4, 2)][:6] == ["F0", "F1", "F0.1", "F1.1", "F2", "B0.1"]
+    assert [a.kind for a in interleaved(3, 1, 3, 2)] == ["F"] * 6 + ["B"] * 6  # one group: every forward first
+    assert max_in_flight(interleaved(2, 0, 4, 2)) == 5  # warm-up 4 (micro-batch, chunk) pairs, then one more
+    assert max_in_flight_layers(interleaved(2, 0, 4, 2), (1, 1)) == 2.5  # ... of half a stage each
+    assert max_in_flight_layers(interleaved(2, 0, 4, 2), (3, 1)) == pytest.approx(3.25)  # F0 F1 F0.1 F1.1 F2, B0.1, F3
+    assert max_in_flight_layers(one_f_one_b(3, 0, 5), (4,)) == 3
+    assert [interleaved_fits(3, m) for m in range(1, 10)] == [True, True, True, False, False, True, False, False, True]
+    with pytest.raises(ValueError, match="runs at most 3 micro-batches or a multiple of 3, not 5: use 3 or 6"):
+        interleaved(3, 0, 5, 2)
+    with pytest.raises(ValueError, match="at least 2 stages and 2 model chunks"):
+        interleaved(1, 0, 2, 2)

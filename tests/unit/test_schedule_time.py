@@ -49,8 +49,8 @@ class _Table:
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return 0.0
 
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
-                           pending_weights: int = 0) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
         return 0
 
 
@@ -127,3 +127,45 @@ def test_planner_zb_h1_time_within_3_percent_of_the_simulator() -> None:
             assert timing.finish_s(n) == pytest.approx(_simulated(stages, unsplit, split_sizes(n, b), "zb-h1"))
     print(f"worst relative error {worst:.4f}")
     assert worst < 0.03, worst
+
+
+class _ChunkTable(_Table):
+    """Per virtual stage (fwd, bwd) seconds per sample (virtual stage v holds layer v), and receives whose
+    seconds depend on the direction (so the ring's wrap-around is priced on its own link)."""
+
+    def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
+        f, b, _ = self.per_sample[stage.layers[0]]
+        return f * micro_batch, b * micro_batch
+
+    def weight_grad_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> float:
+        return 0.0
+
+    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
+        return 0.05 * micro_batch * (1 + src_rank + 2 * (dst_rank < src_rank))
+
+
+def test_the_interleaved_replay_is_the_simulators_timeline_on_300_random_shapes() -> None:
+    """Chunks of any size (a virtual stage per layer here), allowed micro-batch counts up to 4 groups, ragged
+    last micro-batches; receives in the rows as the estimator builds them (``planner.layers.timing``)."""
+    rng = random.Random(23)
+    table = _ChunkTable([])
+    for _ in range(300):
+        depth, v = rng.randint(2, 6), rng.randint(2, 3)
+        counts = [n for n in range(1, 4 * depth + 1) if n <= depth or n % depth == 0]
+        m, b = rng.choice(counts), rng.randint(1, 3)
+        sizes = tuple([b] * (m - 1) + [rng.randint(1, b)])
+        table.per_sample = [(f, f * rng.uniform(1.5, 3.0), 0.0) for f in (rng.uniform(0.3, 3.0) for _ in range(depth * v))]
+        stages = tuple(Stage((s,), "x", (s, s + 1), 1, False, tuple((c * depth + s, c * depth + s + 1) for c in range(v)))
+                       for s in range(depth))
+        pipe = Pipeline(stages, sizes, "interleaved")
+        plan = Plan(method="eth", model="tiny", global_batch_size=sum(sizes), seq_len=16, pipelines=(pipe,),
+                    blocks=compute_blocks([pipe]))
+        exact = np.array([r.flush_s for r in simulate(plan, table).ranks])
+        x = np.array(sizes, dtype=float)
+        rank = [vs % depth for vs in range(depth * v)]
+        f = np.array([[table.per_sample[vs][0] * n + (table.p2p_s(rank[vs - 1], rank[vs], n) if vs else 0.0)
+                       for n in sizes] for vs in range(depth * v)])
+        bw = np.array([[table.per_sample[vs][1] * n + (table.p2p_s(rank[vs + 1], rank[vs], n) if vs + 1 < depth * v
+                                                       else 0.0) for n in sizes] for vs in range(depth * v)])
+        got = replay_finish_s("interleaved", f, bw, num_chunks=v)
+        assert x.size == m and got == pytest.approx(exact, rel=1e-12, abs=1e-12), (depth, v, sizes)

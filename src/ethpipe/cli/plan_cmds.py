@@ -37,7 +37,8 @@ AttentionOpt = Annotated[str, typer.Option("--attention", help="auto (the fused 
                                                              "scores of a Megatron-style runtime).")]
 SchedulesOpt = Annotated[Optional[str], typer.Option(
     "--schedules", help="Pipeline schedules each pipeline may run, comma-separated: 1f1b, zb-h1 (zero-bubble H1: "
-                        "weight gradients deferred into the bubble). Default: all for eth, 1f1b for the baselines.")]
+                        "weight gradients deferred into the bubble), interleaved (2 model chunks per stage; a "
+                        "pipeline that cannot interleave keeps 1f1b). Default: all for eth, 1f1b for the baselines.")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", help="Calibrated constants from `ethpipe calibrate "
                                                                      "--out` (over the shipped ones).")]
 GIB = 2**30
@@ -74,8 +75,8 @@ def _summary(plan: Any) -> Table:
                 "min headroom"):
         table.add_column(col, justify="right" if col not in ("stages (device x tp: layers)",) else "left")
     for p, (pipe, t) in enumerate(zip(plan.pipelines, pred["pipeline_times_s"])):
-        stages = ", ".join(f"{s.device}x{s.tp}:{s.layers[0]}-{s.layers[1]}{'*' if s.recompute else ''}"
-                           for s in pipe.stages)
+        stages = ", ".join(f"{s.device}x{s.tp}:{'+'.join(f'{lo}-{hi}' for lo, hi in s.layer_ranges)}"
+                           f"{'*' if s.recompute else ''}" for s in pipe.stages)
         head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for r in pipe.ranks)
         sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
         mbs = f"{pipe.num_microbatches} (b={'/'.join(map(str, sizes))})"

@@ -14,6 +14,9 @@ rank k of a stage takes its input from rank ``k % a`` of the previous stage (deg
 rank j takes its output gradient from rank ``j % b`` of the next (degree b). So every rank receives
 each tensor exactly once, and a rank sends to every rank that takes from it.
 
+**Interleaved pipelines** (``Pipeline.num_chunks`` > 1) add the ring's wrap-around: the last stage's chunk c
+output is stage 0's chunk c + 1 input (``Peers.wrap_*``, the same TP rule), and each tag names its chunk.
+
 **The whole step** (``step_program``) adds the collectives around the p2p batches, as the runtime
 issues them: one TP collective per action on a tp > 1 stage (all TP ranks run the same code, so its
 all-reduces keep the TP ranks in step), the block gradient sync's all-reduces (asynchronous, in the
@@ -49,10 +52,11 @@ class P2pOp:
     peer: int  # global rank
     payload: Payload
     microbatch: int
+    chunk: int = 0  # the model chunk whose boundary it crosses (interleaved: the receiving side's chunk)
 
     @property
     def tag(self) -> str:
-        return f"{self.payload} {self.microbatch}"
+        return f"{self.payload} {self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 @dataclass(frozen=True)
@@ -63,49 +67,113 @@ class Peers:
     act_to: tuple[int, ...] = ()  # next-stage ranks that take this rank's output
     grad_from: int | None = None  # next-stage rank that sends this rank the gradient of its output
     grad_to: tuple[int, ...] = ()  # previous-stage ranks that take this rank's input gradient
+    # Interleaved only: the ring's wrap-around between the last stage and stage 0 (the other direction)
+    wrap_act_from: int | None = None  # stage 0: the last-stage rank whose chunk c output is its chunk c+1 input
+    wrap_act_to: tuple[int, ...] = ()  # last stage: stage-0 ranks that take its chunk c output
+    wrap_grad_from: int | None = None  # last stage: the stage-0 rank sending its chunk c output's gradient
+    wrap_grad_to: tuple[int, ...] = ()  # stage 0: last-stage ranks that take its chunk c+1 input gradient
+    num_chunks: int = 1
 
 
 def plan_peers(plan: Plan, rank: int) -> Peers:
     """This rank's neighbours under the TP fan-in/fan-out rule (module docstring)."""
     pos = plan.position_of(rank)
-    stages = plan.pipelines[pos.pipeline].stages
+    pipe = plan.pipelines[pos.pipeline]
+    stages = pipe.stages
     i, tp = pos.tp_rank, len(stages[pos.stage].ranks)
     prev = stages[pos.stage - 1].ranks if pos.stage > 0 else ()
     nxt = stages[pos.stage + 1].ranks if pos.stage + 1 < len(stages) else ()
+    chunks = pipe.num_chunks
+    wrap_prev = stages[-1].ranks if chunks > 1 and pos.stage == 0 else ()
+    wrap_next = stages[0].ranks if chunks > 1 and pos.stage == len(stages) - 1 else ()
     return Peers(
         act_from=prev[i % len(prev)] if prev else None,
         act_to=tuple(r for k, r in enumerate(nxt) if k % tp == i),
         grad_from=nxt[i % len(nxt)] if nxt else None,
         grad_to=tuple(r for j, r in enumerate(prev) if j % tp == i),
+        wrap_act_from=wrap_prev[i % len(wrap_prev)] if wrap_prev else None,
+        wrap_act_to=tuple(r for k, r in enumerate(wrap_next) if k % tp == i),
+        wrap_grad_from=wrap_next[i % len(wrap_next)] if wrap_next else None,
+        wrap_grad_to=tuple(r for j, r in enumerate(wrap_prev) if j % tp == i),
+        num_chunks=chunks,
     )
+
+
+def _input_side(action: Action, peers: Peers) -> tuple[int | None, int]:
+    """Who sends ``action`` its input (F: activation; B: output gradient), and that tensor's chunk tag."""
+    c = action.chunk
+    if action.kind == "F":
+        if peers.act_from is None and c > 0:
+            return peers.wrap_act_from, c
+        return peers.act_from, c
+    if peers.grad_from is None and c < peers.num_chunks - 1:
+        return peers.wrap_grad_from, c + 1
+    return peers.grad_from, c
+
+
+def _output_side(action: Action, peers: Peers) -> tuple[tuple[int, ...], int]:
+    """Who takes ``action``'s output (F: activation; B: input gradient), and that tensor's chunk tag (the
+    activation: the receiving chunk; the gradient: the chunk whose input it is, so both sides agree)."""
+    c = action.chunk
+    if action.kind == "F":
+        if not peers.act_to and c < peers.num_chunks - 1:
+            return peers.wrap_act_to, c + 1
+        return peers.act_to, c
+    if not peers.grad_to and c > 0:
+        return peers.wrap_grad_to, c
+    return peers.grad_to, c
+
+
+def recv_key(action: Action, peers: Peers) -> tuple[Payload, int, int]:
+    """(payload, micro-batch, chunk tag) of the tensor ``action`` receives: how the executor finds it."""
+    return ("act" if action.kind == "F" else "grad"), action.microbatch, _input_side(action, peers)[1]
+
+
+def send_key(action: Action, peers: Peers) -> tuple[Payload, int, int]:
+    """(payload, micro-batch, chunk tag) of the tensor ``action`` sends."""
+    return ("act" if action.kind == "F" else "grad"), action.microbatch, _output_side(action, peers)[1]
 
 
 def action_recvs(action: Action, peers: Peers) -> tuple[P2pOp, ...]:
     """What ``action`` needs before it runs: its input activation (F) or its output's gradient (B); W: none."""
     if action.kind == "W":
         return ()
-    src = peers.act_from if action.kind == "F" else peers.grad_from
+    src, chunk = _input_side(action, peers)
     payload: Payload = "act" if action.kind == "F" else "grad"
-    return () if src is None else (P2pOp("recv", src, payload, action.microbatch),)
+    return () if src is None else (P2pOp("recv", src, payload, action.microbatch, chunk),)
 
 
 def action_sends(action: Action, peers: Peers) -> tuple[P2pOp, ...]:
     """What ``action`` produces for its neighbours: its output (F) or its input's gradient (B); W: none."""
     if action.kind == "W":
         return ()
-    dsts, payload = (peers.act_to, "act") if action.kind == "F" else (peers.grad_to, "grad")
-    return tuple(P2pOp("send", d, payload, action.microbatch) for d in dsts)  # type: ignore[arg-type]
+    dsts, chunk = _output_side(action, peers)
+    payload: Payload = "act" if action.kind == "F" else "grad"
+    return tuple(P2pOp("send", d, payload, action.microbatch, chunk) for d in dsts)
+
+
+def p2p_units(actions: Sequence[Action]) -> tuple[int, ...]:
+    """Where each communication unit starts. One action per unit, except in an interleaved list with a
+    steady phase (some B before an F), where each F followed by a B is one unit: Megatron-LM's steady state,
+    both computed back to back and then one batch with both sends and the next unit's receives. Posting the
+    B's receive before its F is what keeps the ring's wrap-around from waiting in a cycle."""
+    kinds = "".join(a.kind for a in actions)
+    steady = any(a.chunk for a in actions) and "BF" in kinds
+    return tuple(k for k in range(len(actions)) if not (steady and kinds[k - 1:k + 1] == "FB"))
 
 
 def p2p_batches(actions: Sequence[Action], peers: Peers) -> tuple[tuple[P2pOp, ...], ...]:
-    """``len(actions) + 1`` batches: batch k (the sends of action k-1 and the receives of action k) is
-    posted and waited right before action k runs; the last one, after the last action."""
-    out: list[tuple[P2pOp, ...]] = []
+    """``len(actions) + 1`` batches: batch k is posted and waited right before action k runs; the last one,
+    after the last action. Before a unit's first action (``p2p_units``): the previous unit's sends and this
+    unit's receives; before its other actions: nothing."""
+    out: list[tuple[P2pOp, ...]] = [()] * (len(actions) + 1)
+    starts = p2p_units(actions) + (len(actions),)
     sends: tuple[P2pOp, ...] = ()
-    for action in actions:
-        out.append(sends + action_recvs(action, peers))
-        sends = action_sends(action, peers)
-    out.append(sends)
+    for lo, hi in zip(starts, starts[1:]):
+        unit = actions[lo:hi]
+        out[lo] = sends + tuple(op for a in unit for op in action_recvs(a, peers))
+        sends = tuple(op for a in unit for op in action_sends(a, peers))
+    out[-1] = sends
     return tuple(out)
 
 
@@ -193,6 +261,10 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
     if warmup:
         post(pipeline_group(pos.pipeline), (Op("collective", tag="warm-up"),))
     last_backward = last_weight_grad_index(actions)
+    # An interleaved stage's later chunks finish their gradients before its last backward (chunk 0's), so the
+    # hooks armed there never see them, and the first buckets in the global order wait for the flush after
+    # the step's last sends: its sync does not overlap the last backward (docs/runtime.md, "Schedules").
+    overlap_sync = overlap_sync and pipe.num_chunks == 1
     for k, action in enumerate(actions):
         post_p2p(batches[k], defer=k in deferred)
         if stage.tp > 1 and action.kind != "W":  # a weight pass has no TP collective (split_backward)

@@ -10,14 +10,42 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ethpipe.cost.model import CostModel
-from ethpipe.plan import Plan, Stage
-from ethpipe.schedule import actions_of, max_in_flight, max_pending_weights
+from ethpipe.plan import Pipeline, Plan, Stage
+from ethpipe.schedule import (
+    Action, actions_of, max_in_flight, max_in_flight_layers, max_pending_weights, max_stashed_inputs,
+)
 
 
 class StageMemory(Protocol):
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: int, *, first: bool, last: bool,
-                           pending_weights: int = 0) -> int:
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
         ...
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a stage's action list keeps at its peak: activations (in micro-batches of the whole stage), the
+    micro-batches waiting for their W, and the received inputs stashed for the backward."""
+
+    in_flight: float
+    pending_weights: int
+    stashed_inputs: int
+
+
+def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = None) -> Held:
+    """``Held`` of stage ``stage`` under its pipeline's schedule (or ``actions``, a list of that schedule)."""
+    actions = actions_of(pipe, stage) if actions is None else actions
+    st = pipe.stages[stage]
+    in_flight = (max_in_flight_layers(actions, st.chunk_layers) if pipe.num_chunks > 1
+                 else max_in_flight(actions))
+    return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, stage == 0))
+
+
+def stage_bytes(cost: StageMemory, pipe: Pipeline, stage: int, micro_batch: int, held: Held) -> int:
+    """``CostModel.stage_memory_bytes`` of one stage holding ``held``."""
+    return cost.stage_memory_bytes(pipe.stages[stage], micro_batch, held.in_flight, first=stage == 0,
+                                   last=stage == pipe.depth - 1, pending_weights=held.pending_weights,
+                                   stashed_inputs=held.stashed_inputs)
 
 
 @dataclass(frozen=True)
@@ -35,10 +63,7 @@ def stage_peak_bytes(plan: Plan, cost: StageMemory, pipeline: int, stage: int) -
     """Peak bytes on each rank of a stage: its state, its schedule's in-flight activations at the
     pipeline's largest micro-batch, and the boundary buffers (``CostModel.stage_memory_bytes``)."""
     pipe = plan.pipelines[pipeline]
-    actions = actions_of(pipe, stage)
-    return cost.stage_memory_bytes(pipe.stages[stage], max(pipe.micro_batch_sizes), max_in_flight(actions),
-                                   first=stage == 0, last=stage == pipe.depth - 1,
-                                   pending_weights=max_pending_weights(actions))
+    return stage_bytes(cost, pipe, stage, max(pipe.micro_batch_sizes), held_of(pipe, stage))
 
 
 def memory_shortfalls(plan: Plan, cost: CostModel) -> list[Shortfall]:

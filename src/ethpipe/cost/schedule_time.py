@@ -11,7 +11,7 @@ numpy operations per stage, over all the variants being priced at once (the data
 last micro-batches).
 
 ``cost/pipeline.py`` prices 1F1B in closed form; this replay prices the split-backward schedules
-(zb-h1), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches and extends
+(zb-h1) and the interleaved one (rows per virtual stage; the ring's wrap-around is one more dependency), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches and extends
 it by the bottleneck stage's per-micro-batch work (the steady state's growth rate; checked against the
 simulator in tests/unit/test_schedule_time.py).
 """
@@ -22,57 +22,61 @@ from functools import lru_cache
 
 import numpy as np
 
-from ethpipe.schedule import pipeline_schedule, split_microbatches
+from ethpipe.schedule import input_source, pipeline_schedule, split_microbatches
 
 _F, _B_WHOLE, _B_INPUT, _W = range(4)
 
 
 @lru_cache(maxsize=4096)
-def _structure(schedule: str, depth: int, m: int,
-               unsplit: tuple[bool, ...]) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]:
-    """Per stage: (duration code, micro-batch, index of the action in the neighbour's list it waits for, or -1)."""
-    lists = pipeline_schedule(depth, m, schedule, unsplit)
-    where = [{(a.kind, a.microbatch): k for k, a in enumerate(acts)} for acts in lists]
+def _structure(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chunks: int = 1
+               ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, np.ndarray, np.ndarray], ...]], ...]:
+    """Per stage: (duration code, virtual-stage row, micro-batch, and per neighbour it waits for: (stage,
+    mask of the actions that wait for it, index of the action in its list each waits for))."""
+    lists = pipeline_schedule(depth, m, schedule, unsplit, num_chunks)
+    where = [{(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(acts)} for acts in lists]
     out = []
     for s, acts in enumerate(lists):
         split = split_microbatches(acts)
-        codes, mbs, deps = [], [], []
+        codes, rows, mbs, srcs, deps = [], [], [], [], []
         for a in acts:
             j = a.microbatch
             codes.append(_F if a.kind == "F" else _W if a.kind == "W" else _B_INPUT if j in split else _B_WHOLE)
+            rows.append(a.chunk * depth + s)
             mbs.append(j)
-            src = s - 1 if a.kind == "F" else s + 1 if a.kind == "B" else -1
-            deps.append(where[src][(a.kind, j)] if 0 <= src < depth else -1)
-        out.append((np.array(codes), np.array(mbs), np.array(deps)))
+            src, sc = input_source(a.kind, s, a.chunk, depth, num_chunks)
+            srcs.append(src)
+            deps.append(where[src][(a.kind, j, sc)] if src >= 0 else -1)
+        src_arr, dep_arr = np.array(srcs), np.array(deps)
+        waits = tuple((int(src), src_arr == src, dep_arr[src_arr == src]) for src in sorted(set(srcs)) if src >= 0)
+        out.append((np.array(codes), np.array(rows), np.array(mbs), waits))
     return tuple(out)
 
 
 def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
-                    unsplit: tuple[bool, ...] = ()) -> np.ndarray:
+                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1) -> np.ndarray:
     """End of each stage's last action (its gradients are final there), shape ``(..., depth)``.
 
-    ``fwd[..., s, j]`` / ``bwd[..., s, j]``: receive + forward / receive + whole backward of stage s on
-    micro-batch j; ``moved`` (split schedules): the part of ``bwd`` its W takes over
-    (``CostModel.weight_grad_s``); ``unsplit[s]``: stage s never splits (it recomputes). Leading axes are
-    independent variants priced together.
+    ``fwd[..., v, j]`` / ``bwd[..., v, j]``: receive + forward / receive + whole backward of virtual stage v
+    (chunk c of stage s is ``c * depth + s``; without chunks, stage s) on micro-batch j; ``moved`` (split
+    schedules): the part of ``bwd`` its W takes over (``CostModel.weight_grad_s``); ``unsplit[s]``: stage s
+    never splits (it recomputes). Leading axes are independent variants priced together.
     """
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     moved = np.zeros_like(fwd) if moved is None else np.asarray(moved, dtype=float)
-    depth, m = fwd.shape[-2:]
-    table = np.stack([fwd, bwd, bwd - moved, moved], axis=-3)  # (..., 4, depth, m)
-    structure = _structure(schedule, depth, m, tuple(unsplit))
-    durations = [table[..., codes, s, mbs] for s, (codes, mbs, _) in enumerate(structure)]
+    rows_total, m = fwd.shape[-2:]
+    depth = rows_total // num_chunks
+    table = np.stack([fwd, bwd, bwd - moved, moved], axis=-3)  # (..., 4, depth * chunks, m)
+    structure = _structure(schedule, depth, m, tuple(unsplit), num_chunks)
+    durations = [table[..., codes, rows, mbs] for codes, rows, mbs, _ in structure]
     prefix = [np.cumsum(d, axis=-1) for d in durations]
     ends = [c.copy() for c in prefix]  # no waiting: a lower bound that the sweeps raise to the longest path
     order = list(range(depth)) + list(range(depth - 2, 0, -1))
     while True:
         moved_any = False
         for s in order + [0] if depth > 1 else [0]:
-            codes, _, deps = structure[s]
             arrive = np.zeros(durations[s].shape)
-            for src, kind in ((s - 1, codes == _F), (s + 1, (codes == _B_WHOLE) | (codes == _B_INPUT))):
-                if 0 <= src < depth and kind.any():
-                    arrive[..., kind] = ends[src][..., deps[kind]]
+            for src, mask, deps in structure[s][3]:
+                arrive[..., mask] = ends[src][..., deps]
             c = prefix[s]
             new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
             if not np.array_equal(new, ends[s]):
@@ -83,11 +87,11 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
 
 
 def stage_finish_of(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
-                    unsplit: tuple[bool, ...] = ()) -> np.ndarray:
+                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1) -> np.ndarray:
     """Each stage's gradients-final time under ``schedule``: 1F1B's closed form (``cost/pipeline.py``), else
     the replay. The pipeline's flush is the max over stages."""
     if schedule == "1f1b":
         from ethpipe.cost.pipeline import stage_finish_s
 
         return stage_finish_s(fwd, bwd)
-    return replay_finish_s(schedule, fwd, bwd, moved, unsplit)
+    return replay_finish_s(schedule, fwd, bwd, moved, unsplit, num_chunks)

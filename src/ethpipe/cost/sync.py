@@ -99,7 +99,7 @@ def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
     out = []
     for block in plan.blocks:
         lo = block.layers[0]
-        out.append([(p, next(i for i, st in enumerate(pipe.stages) if st.layers[0] <= lo < st.layers[1]))
+        out.append([(p, next(i for i, st in enumerate(pipe.stages) if st.holds(lo)))
                     for p, pipe in enumerate(plan.pipelines)])
     return out
 

@@ -52,7 +52,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     it is predicted faster (``planner/devices/sharding.py``; the plan's ``shard_optimizer`` says which).
     ``schedules``: the pipeline schedules each pipeline may run (``ethpipe.schedule.SCHEDULES``); default all
     for eth and 1F1B for the baselines (their published method). Each pipeline gets the fastest one its memory
-    allows (``planner/layers/schedules.py``); the plan records it per pipeline.
+    allows (``planner/layers/schedules.py``; interleaving: ``planner/layers/interleave.py``, a pipeline that
+    cannot interleave keeps 1F1B); the plan records it per pipeline.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")

@@ -29,7 +29,7 @@ import numpy as np
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.schedule import DEFAULT_SCHEDULE
+from ethpipe.schedule import SPLIT_SCHEDULES
 from ethpipe.planner.estimate import Estimate, estimate_plan, full_ideal_time_s, ideal_time_s
 
 FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balance", "optimizer", "grad_sync")
@@ -38,7 +38,7 @@ FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balanc
 def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> float:
     """Pipeline p's flush with every receive removed (stage compute only), by the same closed form."""
     pipe = plan.pipelines[p]
-    key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes,
+    key = (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes,
            pipe.schedule)
     if key not in cache:
         cache[key] = _flush_s(pipe, cost)
@@ -46,15 +46,18 @@ def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> f
 
 
 def _flush_s(pipe: Pipeline, cost: CostModel) -> float:
-    last = pipe.depth - 1
-    split = pipe.schedule != DEFAULT_SCHEDULE
-    per_size = {x: [cost.stage_compute_s(s, x, first=i == 0, last=i == last)
-                    + ((cost.weight_grad_s(s, x, first=i == 0, last=i == last),) if split else ())
-                    for i, s in enumerate(pipe.stages)]
+    """The pipeline's flush with free communication, per virtual stage when interleaved."""
+    split, v = pipe.schedule in SPLIT_SCHEDULES, pipe.depth * pipe.num_chunks
+    parts = [(vs, pipe.stages[vs % pipe.depth]) for vs in range(v)]
+    parts = [(vs, st.chunk(vs // pipe.depth) if pipe.num_chunks > 1 else st) for vs, st in parts]
+    per_size = {x: [cost.stage_compute_s(s, x, first=i == 0, last=i == v - 1)
+                    + ((cost.weight_grad_s(s, x, first=i == 0, last=i == v - 1),) if split else ())
+                    for i, s in parts]
                 for x in set(pipe.micro_batch_sizes)}
-    arrays = [np.array([[per_size[x][i][k] for x in pipe.micro_batch_sizes] for i in range(pipe.depth)])
+    arrays = [np.array([[per_size[x][i][k] for x in pipe.micro_batch_sizes] for i in range(v)])
               for k in range(3 if split else 2)]
-    return float(np.max(stage_finish_of(pipe.schedule, *arrays, unsplit=tuple(s.recompute for s in pipe.stages))))
+    return float(np.max(stage_finish_of(pipe.schedule, *arrays, unsplit=tuple(s.recompute for s in pipe.stages),
+                                        num_chunks=pipe.num_chunks)))
 
 
 def efficiency_factors(plan: Plan, cost: CostModel, est: Estimate | None = None, *,

@@ -23,8 +23,9 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.planner.layers.timing import StageSlot, action_times_s, weight_times_s
-from ethpipe.schedule import DEFAULT_SCHEDULE, actions_of, max_in_flight, max_pending_weights
+from ethpipe.planner.layers.timing import action_times_s, virtual_stages, weight_times_s
+from ethpipe.cost.plan_memory import held_of, stage_bytes
+from ethpipe.schedule import SPLIT_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,16 @@ class Estimate:
 
 
 def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.ndarray:
-    """Each stage's last-backward end (identical pipelines are priced once)."""
+    """Each stage's last-backward end (identical pipelines are priced once). An interleaved pipeline is priced
+    per virtual stage (``virtual_stages``): its rows, its receives over the ring's wrap-around too."""
     pipe = plan.pipelines[p]
-    slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
-    layers = [s.num_layers for s in pipe.stages]
-    rc = [s.recompute for s in pipe.stages]
+    slots, layers, rc = virtual_stages(pipe)
+    ring = list(zip(slots, slots[1:]))
     links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]),
                    cost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1), cost.p2p_link_gbps(b.ranks[0], a.ranks[0], 1))
-                  for a, b in zip(slots, slots[1:]))
-    key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links)
-    split = pipe.schedule != DEFAULT_SCHEDULE
+                  for a, b in ring[:pipe.depth])  # interleaved: the wrap link too
+    key = (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages), links)
+    split = pipe.schedule in SPLIT_SCHEDULES
     if (key, pipe.micro_batch_sizes, pipe.schedule) not in cache:
         per_size = {}
         for x in set(pipe.micro_batch_sizes):
@@ -59,8 +60,8 @@ def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.nda
             per_size[x] = cache[(key, x, split)]
         arrays = [np.stack([per_size[x][k] for x in pipe.micro_batch_sizes], axis=1)
                   for k in range(len(per_size[pipe.micro_batch_sizes[0]]))]
-        cache[(key, pipe.micro_batch_sizes, pipe.schedule)] = stage_finish_of(pipe.schedule, *arrays,
-                                                                              unsplit=tuple(rc))
+        cache[(key, pipe.micro_batch_sizes, pipe.schedule)] = stage_finish_of(
+            pipe.schedule, *arrays, unsplit=tuple(s.recompute for s in pipe.stages), num_chunks=pipe.num_chunks)
     return cache[(key, pipe.micro_batch_sizes, pipe.schedule)]
 
 
@@ -98,15 +99,13 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             no_sync = max(no_sync, float(finish[p][s]) + opt)
             if not detail:
                 continue
-            actions = actions_of(pipe, s)
-            in_flight, pending = max_in_flight(actions), max_pending_weights(actions)
-            detail_key = ("detail", stage.device, stage.tp, stage.num_layers, stage.recompute, first, last,
-                          pipe.micro_batch_sizes, in_flight, pending)  # identical stages of identical pipelines: once
+            held = held_of(pipe, s)
+            detail_key = ("detail", stage.device, stage.tp, stage.chunk_layers, stage.recompute, first, last,
+                          pipe.micro_batch_sizes, held)  # identical stages of identical pipelines: once
             if detail_key not in cache:
                 cache[detail_key] = (
-                    cost.stage_memory_bytes(stage, max(pipe.micro_batch_sizes), in_flight, first=first, last=last,
-                                            pending_weights=pending),
-                    sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))
+                    stage_bytes(cost, pipe, s, max(pipe.micro_batch_sizes), held),
+                    sum(n * sum(cost.stage_compute_s(stage, x, first=first, last=last))  # chunks: the same total
                         for x, n in Counter(pipe.micro_batch_sizes).items()))
             mem, work = cache[detail_key]
             for r in stage.ranks:

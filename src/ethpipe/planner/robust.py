@@ -68,11 +68,14 @@ def _plan_options(plan: Plan) -> dict:
 
 
 def resplit(plan: Plan, cost: CostModel) -> Plan:
-    """The plan with its global batch re-split across pipelines by level 3 under ``cost`` (layers kept)."""
+    """The plan with its global batch re-split across pipelines by level 3 under ``cost`` (layers kept). An
+    interleaved pipeline keeps its samples (its micro-batch count is constrained: ``schedule.interleaved_fits``)."""
     whole = _plan_options(plan).get("fine_grained", True) is False
     groups: dict[tuple, list[int]] = {}
     timings: list[PipelineTiming] = []
     for p, pipe in enumerate(plan.pipelines):
+        if pipe.num_chunks > 1:
+            continue
         slots = tuple(StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages)
         links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]))
                       for a, b in zip(slots, slots[1:]))
@@ -84,13 +87,16 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
             timings.append(timing_of_layers(cost, slots, layers, rc, b, b if whole else 1, pipe.schedule))
         groups[key].append(p)
     members = list(groups.values())
-    samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size)
-    pipelines: list[Pipeline | None] = [None] * len(plan.pipelines)
-    for g, (idx, row) in enumerate(zip(members, samples)):
+    if not members:
+        return plan
+    kept = sum(p.num_samples for p in plan.pipelines if p.num_chunks > 1)
+    samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size - kept)
+    pipelines = list(plan.pipelines)
+    for idx, row in zip(members, samples):
         for p, n in zip(idx, row):
             pipe = plan.pipelines[p]
             pipelines[p] = Pipeline(pipe.stages, split_sizes(n, max(pipe.micro_batch_sizes)), pipe.schedule)
-    return dataclasses.replace(plan, pipelines=tuple(pipelines))  # type: ignore[arg-type]
+    return dataclasses.replace(plan, pipelines=tuple(pipelines))
 
 
 def price_under(plan: Plan, cost: CostModel, scenario: Scenario) -> float:

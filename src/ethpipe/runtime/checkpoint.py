@@ -103,7 +103,7 @@ def owner_stage(plan: Plan, name: str) -> int:
     stages = plan.pipelines[0].stages
     if name.startswith("layers."):
         layer = int(name.split(".")[1])
-        return next(i for i, s in enumerate(stages) if s.layers[0] <= layer < s.layers[1])
+        return next(i for i, s in enumerate(stages) if s.holds(layer))
     return 0 if name.startswith(("tok_emb.", "pos_emb.")) else len(stages) - 1
 
 

@@ -134,16 +134,24 @@ def emulation_time_scale(plan: Plan, num_cores: int | None = None) -> float:
     return auto_time_scale(rank_speeds, num_cores if num_cores is not None else local_cores())
 
 
+def _key_order(key: int | str) -> tuple[int, int]:
+    """A target's key: micro-batch size ``b`` (a stage, or chunk 0 of an interleaved one) or ``"b.c"`` (chunk c)."""
+    size, _, chunk = str(key).partition(".")
+    return int(size), int(chunk or 0)
+
+
 def with_emulation(plan: Plan, time_scale: float,
-                   compute_s: Mapping[int, Mapping[int, tuple[float, ...]]] | None = None,
+                   compute_s: Mapping[int, Mapping[int | str, tuple[float, ...]]] | None = None,
                    profiles: Mapping[str, Any] | None = None) -> Plan:
     """A copy of ``plan`` that pins the emulation time scale and, if given, paced targets
-    (rank -> micro-batch size -> (fwd_s, bwd_s[, wgrad_s])), so a prediction and a run agree on them; or
+    (rank -> micro-batch size, or "size.chunk" for an interleaved stage's chunk c >= 1 -> (fwd_s, bwd_s[,
+    wgrad_s])), so a prediction and a run agree on them; or
     ``profiles`` (device type -> MeasuredProfile of the emulated device), from which any plan's targets follow:
     what a plan re-made for the same emulated devices (`--replan-after`) is paced with."""
     emulation: dict[str, Any] = {"time_scale": float(time_scale)}
     if compute_s is not None:
-        emulation["compute_s"] = {str(r): {str(b): [float(v) for v in times] for b, times in sorted(t.items())}
+        emulation["compute_s"] = {str(r): {str(b): [float(v) for v in times]
+                                           for b, times in sorted(t.items(), key=lambda kv: _key_order(kv[0]))}
                                   for r, t in sorted(compute_s.items())}
     if profiles is not None:
         emulation["profiles"] = {t: p.to_dict() for t, p in sorted(profiles.items())}
@@ -172,22 +180,30 @@ def emulation_profiles(plan: Plan) -> dict[str, Any] | None:
     return {str(t): profile_from_dict(p) for t, p in raw.items()}
 
 
-def pacing_targets(plan: Plan, cost: Any) -> dict[int, dict[int, tuple[float, float, float]]]:
+def pacing_targets(plan: Plan, cost: Any) -> dict[int, dict[int | str, tuple[float, float, float]]]:
     """rank -> micro-batch size -> (fwd_s, bwd_s, wgrad_s) of its stage under ``cost`` (a CostModel): the
-    simulator's compute times, which a paced run's actions last (a split backward's B lasts bwd - wgrad)."""
-    out: dict[int, dict[int, tuple[float, float, float]]] = {}
+    simulator's compute times, which a paced run's actions last (a split backward's B lasts bwd - wgrad). An
+    interleaved stage: size for chunk 0, ``"size.c"`` for chunk c (each chunk priced as the simulator does)."""
+    out: dict[int, dict[int | str, tuple[float, float, float]]] = {}
     for pipe in plan.pipelines:
+        v = pipe.depth * pipe.num_chunks
         for s, stage in enumerate(pipe.stages):
-            first, last = s == 0, s == pipe.depth - 1
-            times = {b: (*cost.stage_compute_s(stage, b, first=first, last=last),
-                         cost.weight_grad_s(stage, b, first=first, last=last))
-                     for b in sorted(set(pipe.micro_batch_sizes))}
+            times: dict[int | str, tuple[float, float, float]] = {}
+            for c in range(pipe.num_chunks):
+                part, vs = (stage.chunk(c) if pipe.num_chunks > 1 else stage), c * pipe.depth + s
+                first, last = vs == 0, vs == v - 1
+                for b in sorted(set(pipe.micro_batch_sizes)):
+                    times[b if c == 0 else f"{b}.{c}"] = (*cost.stage_compute_s(part, b, first=first, last=last),
+                                                          cost.weight_grad_s(part, b, first=first, last=last))
             for rank in stage.ranks:
                 out[rank] = times
     return out
 
 
-def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[tuple[int, float, float, float], ...]:
+Target = tuple[int | str, float, float, float]  # (micro-batch size, or "size.chunk"; fwd_s, bwd_s, wgrad_s)
+
+
+def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tuple[Target, ...]:
     """The targets of ``rank``'s stage from the emulated devices' profiles (fp32 activations, as emulated runs)."""
     from ethpipe.cost.model import CostModel
 
@@ -196,10 +212,10 @@ def _profile_targets(plan: Plan, rank: int, profiles: Mapping[str, Any]) -> tupl
     return tuple((b, *times) for b, times in pacing_targets(plan, cost)[rank].items())
 
 
-def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float, float], ...]:
+def paced_targets(plan: Plan, rank: int) -> tuple[Target, ...]:
     """``(micro_batch, fwd_s, bwd_s, wgrad_s)`` targets of ``rank`` from the plan's ``emulation.compute_s``, else
-    from its ``emulation.profiles`` (or ()). ``wgrad_s`` (a split backward's W) may be left out where the
-    rank's stage never splits its backward."""
+    from its ``emulation.profiles`` (or ()); an interleaved stage's chunk c >= 1 under ``"micro_batch.c"``.
+    ``wgrad_s`` (a split backward's W) may be left out where the rank's stage never splits its backward."""
     section = plan.extra.get("emulation")
     table = section.get("compute_s") if isinstance(section, Mapping) else None
     if table is None:
@@ -212,12 +228,12 @@ def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float, float
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     splits = any(a.kind == "W" for a in actions_of(pipe, pos.stage))
-    sizes = set(pipe.micro_batch_sizes)
-    out = []
+    needed = {b if c == 0 else f"{b}.{c}" for b in pipe.micro_batch_sizes for c in range(pipe.num_chunks)}
+    out: list[Target] = []
     for key, times in table[str(rank)].items():
         try:
             values = [float(v) for v in times]
-            size = int(key)
+            size, chunk = _key_order(key)
         except (TypeError, ValueError):
             raise UserError(f"{where}[{rank}][{key}] must be [fwd_s, bwd_s, wgrad_s]") from None
         if len(values) not in (2, 3) or (splits and len(values) != 3):
@@ -225,11 +241,15 @@ def paced_targets(plan: Plan, rank: int) -> tuple[tuple[int, float, float, float
             raise UserError(f"{where}[{rank}][{key}] must be {need}")
         if min(values) < 0 or (len(values) == 3 and values[2] > values[1]):
             raise UserError(f"{where}[{rank}][{key}] must not be negative, and wgrad_s is part of bwd_s")
-        out.append((size, values[0], values[1], values[2] if len(values) == 3 else 0.0))
-    missing = sizes - {size for size, *_ in out}
+        out.append((size if chunk == 0 else f"{size}.{chunk}", values[0], values[1],
+                    values[2] if len(values) == 3 else 0.0))
+    missing = needed - {key for key, *_ in out}
     if missing:
-        raise UserError(f"{where}[{rank}] has no target for micro-batch size {min(missing)}")
-    return tuple(sorted(out))
+        first = min(missing, key=_key_order)
+        what = f"micro-batch size {first}" if isinstance(first, int) else f"chunk {_key_order(first)[1]} at " \
+            f"micro-batch size {_key_order(first)[0]} (key \"{first}\")"
+        raise UserError(f"{where}[{rank}] has no target for {what}")
+    return tuple(sorted(out, key=lambda t: _key_order(t[0])))
 
 
 def check_emulation(plan: Plan) -> None:
@@ -247,7 +267,7 @@ class Emulator:
     speed: float  # relative to the fastest device type in the plan
     time_scale: float = 1.0  # every device runs this many times slower than the real one
     slowdowns: tuple[Slowdown, ...] = ()
-    paced: tuple[tuple[int, float, float, float], ...] = ()  # (micro_batch, fwd_s, bwd_s, wgrad_s), if paced
+    paced: tuple[Target, ...] = ()  # (micro_batch or "micro_batch.chunk", fwd_s, bwd_s, wgrad_s), if paced
 
     def slowdown(self, step: int) -> float:
         factor = 1.0
@@ -256,22 +276,24 @@ class Emulator:
                 factor *= s.factor
         return factor
 
-    def target_s(self, kind: str, micro_batch: int, compute_s: float, step: int) -> float:
+    def target_s(self, kind: str, micro_batch: int, compute_s: float, step: int, chunk: int = 0) -> float:
         """Emulated duration of a forward (``kind`` "F"), whole backward ("B"), or a split backward's input
-        ("B-input") or weight ("W") pass whose real compute took ``compute_s``."""
+        ("B-input") or weight ("W") pass of model chunk ``chunk`` whose real compute took ``compute_s``."""
+        key = micro_batch if chunk == 0 else f"{micro_batch}.{chunk}"
         for size, fwd, bwd, wgrad in self.paced:
-            if size == micro_batch:
+            if size == key:
                 target = {"F": fwd, "B": bwd, "B-input": bwd - wgrad, "W": wgrad}[kind]
                 return target * self.slowdown(step)
         return compute_s * self.time_scale * self.slowdown(step) / self.speed
 
-    def sleep_s(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int) -> float:
+    def sleep_s(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int,
+                chunk: int = 0) -> float:
         """Sleep that makes an action that has lasted ``elapsed_s`` of wall time last its target."""
-        return max(0.0, self.target_s(kind, micro_batch, compute_s, step) - elapsed_s)
+        return max(0.0, self.target_s(kind, micro_batch, compute_s, step, chunk) - elapsed_s)
 
-    def pace(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int) -> float:
+    def pace(self, kind: str, micro_batch: int, compute_s: float, elapsed_s: float, step: int, chunk: int = 0) -> float:
         """Sleep up to the action's target duration; returns the sleep."""
-        sleep = self.sleep_s(kind, micro_batch, compute_s, elapsed_s, step)
+        sleep = self.sleep_s(kind, micro_batch, compute_s, elapsed_s, step, chunk)
         if sleep > 0:
             time.sleep(sleep)
         return sleep

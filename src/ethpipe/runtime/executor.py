@@ -3,12 +3,13 @@
 Communication is ``ethpipe.comm.program.p2p_batches`` of the actions, posted by ``runtime.p2p``:
 before each action, one ``batch_isend_irecv`` carries the previous action's sends and this action's
 receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"); the batch before a W holds sends
-only and is waited before the next F or B instead (``comm.program.deferred_batches``). Liveness is bounded: a sent payload
+only and is waited before the next F or B instead (``comm.program.deferred_batches``); an interleaved
+steady-state F and the B after it share one batch before the F and one after the B (``p2p_units``). Liveness is bounded: a sent payload
 is dropped as soon as its batch is waited, and a forward's output is not kept for the backward (its
 autograd edge is: ``torch.autograd.graph.get_gradient_edge``), so besides the stashed stage inputs a
-stage holds at most one outgoing and one incoming boundary tensor (the edge would keep the output
-alive only if the stage's last op saved its own result; a decoder stage ends in a residual add, or in
-the boundary cast). Where the list splits a micro-batch's backward (a ``W`` for it: zero-bubble
+stage holds at most one outgoing and one incoming boundary tensor (two of each inside an interleaved
+F-B unit; the edge would keep the output alive only if the stage's last op saved its own result; a
+decoder stage ends in a residual add, or in the boundary cast). Where the list splits a micro-batch's backward (a ``W`` for it: zero-bubble
 schedules), its ``B`` computes and sends the input gradient only and keeps the weight work
 (``runtime.split_backward``) until its ``W``. Micro-batches may have different
 sizes, so every buffer is shaped from the plan's micro-batch size, and any count (also fewer than
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from ethpipe.comm.program import P2pOp, Peers, deferred_batches, p2p_batches
+from ethpipe.comm.program import P2pOp, Peers, deferred_batches, p2p_batches, p2p_units, recv_key, send_key
 from ethpipe.runtime.emulate import Emulator
 from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch, post_sends
 from ethpipe.runtime.split_backward import WeightWork, backward_input, backward_weight
@@ -72,8 +73,9 @@ class _Step:
     probe: LivenessProbe | None
     split: frozenset[int] = frozenset()  # micro-batches whose B is input-only (a W follows)
     params: list[torch.Tensor] = field(default_factory=list)  # what a split B leaves to its W (trainable ones)
-    # micro-batch -> (stage input that needs a gradient, or None on the first stage; what backward starts from)
-    stash: dict[int, tuple[torch.Tensor | None, torch.Tensor | GradientEdge]] = field(default_factory=dict)
+    # (micro-batch, chunk) -> (stage input that needs a gradient, or None on the first stage's chunk 0; what
+    # backward starts from)
+    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | GradientEdge]] = field(default_factory=dict)
     weight_work: dict[int, WeightWork] = field(default_factory=dict)  # split micro-batches between B and W
     loss_total: torch.Tensor | None = None
 
@@ -81,13 +83,23 @@ class _Step:
         return torch.empty(self.sizes[op.microbatch], self.io.seq_len, self.io.hidden_size,
                            dtype=self.io.act_dtype, device=self.device)
 
+    def first(self, action: Action) -> bool:
+        """Does ``action`` run the model's start (embedding) / end (head and loss)? Interleaved: the first stage's
+        chunk 0 / the last stage's last chunk."""
+        return self.io.first and action.chunk == 0
+
+    def last(self, action: Action) -> bool:
+        return self.io.last and action.chunk == self.io.peers.num_chunks - 1
+
     def forward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
-        mb, io = action.microbatch, self.io
-        x = None if io.first else received.pop(("act", mb)).requires_grad_()
+        mb, io, chunk = action.microbatch, self.io, action.chunk
+        first, last = self.first(action), self.last(action)
+        x = None if first else received.pop(recv_key(action, io.peers)).requires_grad_()
 
         def run() -> torch.Tensor:
-            out = self.module(self.inputs[mb] if self.inputs is not None else x.to(io.param_dtype))  # type: ignore[union-attr]
-            if io.last:
+            inp = self.inputs[mb] if first else x.to(io.param_dtype)  # type: ignore[index,union-attr]
+            out = self.module(inp) if io.peers.num_chunks == 1 else self.module(inp, chunk)
+            if last:
                 logits, labels = out.to(io.param_dtype), self.targets[mb]  # type: ignore[index]
                 with torch.autocast(device_type=self.device.type, enabled=False):  # the loss in param_dtype
                     return self.module.loss_sum(logits, labels) * self.loss_scale  # type: ignore[operator]
@@ -95,34 +107,34 @@ class _Step:
 
         out = self.timed(action, run, "F")
         assert out is not None
-        if io.last:
+        if last:
             if io.count_loss:
                 self.loss_total = out.detach() if self.loss_total is None else self.loss_total + out.detach()
-            self.stash[mb] = (x, out)
+            self.stash[(mb, chunk)] = (x, out)
             return {}
-        self.stash[mb] = (x, get_gradient_edge(out))  # the output's memory goes once it is sent
+        self.stash[(mb, chunk)] = (x, get_gradient_edge(out))  # the output's memory goes once it is sent
         payload = out.detach()
         if self.probe is not None:
             self.probe.track(payload, "send")
-        return {("act", mb): payload}
+        return {send_key(action, io.peers): payload}
 
     def backward(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         mb, io = action.microbatch, self.io
-        x, start = self.stash.pop(mb)
-        grad = None if io.last else received.pop(("grad", mb))
+        x, start = self.stash.pop((mb, action.chunk))
+        grad = None if self.last(action) else received.pop(recv_key(action, io.peers))
         if mb in self.split:
             assert x is not None, "the first stage has no input gradient to split off"
             payload, self.weight_work[mb] = self.timed(action, lambda: backward_input(start, grad, x, self.params),
                                                         "B-input")
         else:
             self.timed(action, lambda: torch.autograd.backward(start, grad), "B")  # type: ignore[arg-type]
-            if io.first:
+            if self.first(action):
                 return {}
             assert x is not None and x.grad is not None
             payload = x.grad
         if self.probe is not None:
             self.probe.track(payload, "send")
-        return {("grad", mb): payload}
+        return {send_key(action, io.peers): payload}
 
     def weight(self, action: Action, received: dict[Key, torch.Tensor]) -> dict[Key, torch.Tensor]:
         work = self.weight_work.pop(action.microbatch)
@@ -166,7 +178,7 @@ def run_stage_step(
             # ranks share the core is not work, and pacing on the wall clock absorbs it.
             elapsed = float(end) - float(start)  # type: ignore[arg-type]
             compute = time.thread_time() - start_cpu if device.type == "cpu" else elapsed
-            emulator.pace(kind, micro_batch_sizes[action.microbatch], compute, elapsed, step)
+            emulator.pace(kind, micro_batch_sizes[action.microbatch], compute, elapsed, step, action.chunk)
             end = timeline.mark()
         timeline.span(str(action), start, end)
         return out
@@ -190,24 +202,27 @@ def run_stage_step(
                 else contextlib.nullcontext())
     # One autocast region for the whole step: its cache keeps ONE 16-bit copy of each weight for all
     # micro-batches in flight (a region per forward would keep one copy per in-flight micro-batch).
+    starts = frozenset(p2p_units(actions))  # where a batch is posted (inside an interleaved F-B unit: none)
+    received: dict[Key, torch.Tensor] = {}
     with autocast:
         for k, action in enumerate(actions):
-            if k in deferred:  # before a W: the B's sends go out, the W does not wait for the peer's receive
-                in_flight[0].extend(post_sends(batches[k], outgoing, io.group))
-                in_flight[1].update(outgoing)
-                received: dict[Key, torch.Tensor] = {}
-            else:
-                wait_deferred()
-                received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
-            outgoing = {}  # waited (or held in in_flight): the step no longer references the sent payloads
+            if k in starts:
+                assert not received, f"unused receives {sorted(received)}"
+                if k in deferred:  # before a W: the B's sends go out, the W does not wait for the peer's receive
+                    in_flight[0].extend(post_sends(batches[k], outgoing, io.group))
+                    in_flight[1].update(outgoing)
+                else:
+                    wait_deferred()
+                    received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
+                outgoing = {}  # waited (or held in in_flight): the step no longer references the sent payloads
             if probe is not None:
                 probe.sample(str(action), len(state.stash) + len(state.weight_work))
             if k == last_backward and before_last_backward is not None:
                 before_last_backward()
-            outgoing = run_action[action.kind](action, received)
-            assert not received, f"unused receives {sorted(received)}"
+            outgoing.update(run_action[action.kind](action, received))
             if k == last_backward:
                 timeline.end_phase()
+        assert not received, f"unused receives {sorted(received)}"
         wait_deferred()
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
     timeline.sends_done()

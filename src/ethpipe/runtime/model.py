@@ -183,11 +183,15 @@ class Decoder(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
-                 recompute: bool = False, tp: TPGroup | None = None) -> None:
+                 recompute: bool = False, tp: TPGroup | None = None,
+                 chunks: tuple[tuple[int, int], ...] = ()) -> None:
         super().__init__()
-        if not 0 <= layers[0] < layers[1] <= spec.num_layers:
-            raise ValueError(f"layer range {list(layers)} is outside the model's [0, {spec.num_layers})")
-        self.spec, self.layer_range, self.first, self.last = spec, layers, first, last
+        ranges = chunks or (layers,)
+        for lo, hi in ranges:
+            if not 0 <= lo < hi <= spec.num_layers:
+                raise ValueError(f"layer range {[lo, hi]} is outside the model's [0, {spec.num_layers})")
+        self.spec, self.layer_range, self.first, self.last = spec, ranges[0], first, last
+        self.chunk_ranges = ranges  # an interleaved stage's model chunks: ``forward(x, chunk)`` runs one
         self.recompute = recompute
         self.tp = tp if tp is not None and tp.size > 1 else None  # tensor parallelism (runtime/tensor_parallel.py)
         self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -197,28 +201,32 @@ class Decoder(nn.Module):
                             nn.Embedding(spec.vocab_size, spec.hidden_size))
         if first and spec.position == "learned":  # OPT's table has position_offset unused rows first
             self.pos_emb = nn.Embedding(spec.max_seq_len + spec.position_offset, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for k in range(*layers)})
+        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for lo, hi in ranges for k in range(lo, hi)})
         if last:
             self.norm = make_norm(spec)
             self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
                                     linear(spec.hidden_size, spec.vocab_size, False, "column", self.tp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Chunk ``chunk`` of the stage (the embedding runs in a first stage's chunk 0, the head in a last
+        stage's last chunk)."""
         seq_len = x.shape[1]
         if seq_len > self.spec.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {self.spec.max_seq_len}")
-        if self.first:
+        if self.first and chunk == 0:
             h = self.tok_emb(x)
             if self.spec.position == "learned":
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device) + self.spec.position_offset)
             x = h
         rope = self._rope(seq_len, x.device) if self.spec.position == "rope" else None
-        for layer in self.layers.values():
+        lo, hi = self.chunk_ranges[chunk]
+        for k in range(lo, hi):
+            layer = self.layers[str(k)]
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
-        if self.last:
+        if self.last and chunk == len(self.chunk_ranges) - 1:
             x = self.head(tp_input(self.norm(x), self.tp))
         return x
 
@@ -262,7 +270,8 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int,
 
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
                 device: torch.device | str = "cpu", recompute: bool = False,
-                dtype: torch.dtype = torch.float32, tp: TPGroup | None = None) -> Decoder:
+                dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
+                chunks: tuple[tuple[int, int], ...] = ()) -> Decoder:
     """One pipeline stage: built on meta, then only its own parameters are allocated and initialised.
 
     ``dtype`` is the parameters' (fp32, or fp64 for exactness checks); the init draws fp32
@@ -270,7 +279,7 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     this rank's tensor-parallel group; each parameter holds its slice of the global tensor.
     """
     with torch.device("meta"):
-        module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp).to(dtype)
+        module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp, chunks=chunks).to(dtype)
     module = module.to_empty(device=device)
     full = state_dict_shapes(spec) if module.tp is not None else {}
     for name, param in module.named_parameters():  # a tied last stage's copy is `tok_emb.weight` too: same bits

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ethpipe.comm.program import P2pOp
 
-Key = tuple[str, int]  # (payload, micro-batch)
+Key = tuple[str, int, int]  # (payload, micro-batch, chunk tag): ``comm.program.recv_key`` / ``send_key``
 
 
 @dataclass
@@ -50,17 +50,17 @@ class LivenessProbe:
 def post_batch(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], group: dist.ProcessGroup,
                new_buffer: Callable[[P2pOp], torch.Tensor], probe: LivenessProbe | None = None) -> dict[Key, torch.Tensor]:
     """Post every send (from ``outgoing``) and receive (into ``new_buffer(op)``) of ``batch`` as one
-    ``batch_isend_irecv``, wait for all of them, and return the received tensors by (payload, micro-batch)."""
+    ``batch_isend_irecv``, wait for all of them, and return the received tensors by ``Key``."""
     if not batch:
         return {}
     ops: list[dist.P2POp] = []
     received: dict[Key, torch.Tensor] = {}
     for op in batch:
         if op.kind == "send":
-            tensor = outgoing[(op.payload, op.microbatch)]
+            tensor = outgoing[(op.payload, op.microbatch, op.chunk)]
             ops.append(dist.P2POp(dist.isend, tensor, op.peer, group))
         else:
-            tensor = received[(op.payload, op.microbatch)] = new_buffer(op)
+            tensor = received[(op.payload, op.microbatch, op.chunk)] = new_buffer(op)
             ops.append(dist.P2POp(dist.irecv, tensor, op.peer, group))
             if probe is not None and op.payload == "grad":
                 probe.track(tensor, "recv")
@@ -79,5 +79,5 @@ def post_sends(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor],
     assert all(op.kind == "send" for op in batch), "a deferred batch holds sends only"
     if not batch:
         return []
-    return list(dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch)], op.peer, group)
+    return list(dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch, op.chunk)], op.peer, group)
                                         for op in batch]))

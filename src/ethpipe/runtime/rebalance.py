@@ -128,7 +128,8 @@ def with_split(plan: Plan, counts: Sequence[int]) -> Plan:
     """The launched ``plan`` with each pipeline's samples set to ``counts``; each pipeline keeps its
     micro-batch size (so activation memory per micro-batch is what the planner checked)."""
     assert len(counts) == len(plan.pipelines) and sum(counts) == plan.global_batch_size
-    pipes = tuple(Pipeline(p.stages, micro_batch_sizes(n, max(p.micro_batch_sizes)), p.schedule)
+    pipes = tuple(p if p.num_chunks > 1 and n == p.num_samples  # interleaved: kept (``decide``)
+                  else Pipeline(p.stages, micro_batch_sizes(n, max(p.micro_batch_sizes)), p.schedule)
                   for p, n in zip(plan.pipelines, counts))
     return dataclasses.replace(plan, pipelines=pipes)
 
@@ -164,7 +165,14 @@ def decide(base: Plan, current: Plan, stage_rates_s: Sequence[Sequence[float]], 
     ``base`` is the launched plan (micro-batch sizes), ``current`` the split now running."""
     models = fit_models(base, stage_rates_s)
     old = split_of(current)
-    new = water_fill(models, base.global_batch_size)
+    # An interleaved pipeline keeps its samples (its micro-batch count is constrained: schedule.interleaved_fits).
+    free = [p for p, pipe in enumerate(base.pipelines) if pipe.num_chunks == 1]
+    new_list = list(old)
+    if free:
+        kept = sum(n for p, n in enumerate(old) if p not in free)
+        for p, n in zip(free, water_fill([models[p] for p in free], base.global_batch_size - kept)):
+            new_list[p] = n
+    new = tuple(new_list)
     t_old, t_new = makespan_s(models, old), makespan_s(models, new)
     gain = 1.0 - t_new / t_old if t_old > 0 else 0.0
     rates = tuple(tuple(float(r) for r in row) for row in stage_rates_s)

@@ -69,7 +69,7 @@ class SyncUnit:
 def _holding_stages(plan: Plan, b_idx: int) -> list[tuple[int, ...]]:
     """The ranks of the stage holding block ``b_idx`` in each pipeline, pipeline by pipeline."""
     lo = plan.blocks[b_idx].layers[0]
-    return [next(s.ranks for s in pipe.stages if s.layers[0] <= lo < s.layers[1]) for pipe in plan.pipelines]
+    return [next(s.ranks for s in pipe.stages if s.holds(lo)) for pipe in plan.pipelines]
 
 
 def tied_stages(plan: Plan) -> list[tuple[int, ...]]:

@@ -214,7 +214,8 @@ def _train_on_world(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     param_dtype = PARAM_DTYPES[dtype]
     tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
-                         recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp)
+                         recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
+                         chunks=stage.chunks)
     if config.init_from is not None and start.step_dir is None:
         load_into(module, config.init_from)
     if config.compile:

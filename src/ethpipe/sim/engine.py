@@ -22,7 +22,7 @@ from __future__ import annotations
 from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.schedule import pipeline_actions, split_microbatches
+from ethpipe.schedule import input_source, output_dest, pipeline_actions, split_microbatches
 from ethpipe.sim.report import EventKind, RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
 
@@ -55,17 +55,19 @@ def _simulate_pipeline(
     """Replay one pipeline's schedule; per stage: flush time, last event id, compute s, receive s."""
     pipe = plan.pipelines[p]
     stages, sizes = pipe.stages, pipe.micro_batch_sizes
-    num_stages, num_mb = len(stages), len(sizes)
+    num_stages, num_chunks = len(stages), pipe.num_chunks
     schedules = pipeline_actions(pipe)
     split = [split_microbatches(actions) for actions in schedules]
-    # (stage, size) -> (F, whole B, input-only B, W) seconds
-    durations: dict[tuple[int, int], tuple[float, float, float, float]] = {}
+    # (stage, chunk, size) -> (F, whole B, input-only B, W) seconds
+    durations: dict[tuple[int, int, int], tuple[float, float, float, float]] = {}
     for s, stage in enumerate(stages):
-        first, last = s == 0, s == num_stages - 1
-        for size in set(sizes):
-            fwd, bwd = cost.stage_compute_s(stage, size, first=first, last=last)
-            moved = cost.weight_grad_s(stage, size, first=first, last=last) if split[s] else 0.0
-            durations[(s, size)] = (fwd, bwd, bwd - moved, moved)
+        for c in range(num_chunks):
+            part = stage.chunk(c) if num_chunks > 1 else stage
+            first, last = s == 0 and c == 0, s == num_stages - 1 and c == num_chunks - 1
+            for size in set(sizes):
+                fwd, bwd = cost.stage_compute_s(part, size, first=first, last=last)
+                moved = cost.weight_grad_s(part, size, first=first, last=last) if split[s] else 0.0
+                durations[(s, c, size)] = (fwd, bwd, bwd - moved, moved)
     heads = [st.ranks[0] for st in stages]
     p2p_cache: dict[tuple[int, int, int], float] = {}
 
@@ -75,9 +77,8 @@ def _simulate_pipeline(
             p2p_cache[key] = cost.p2p_s(src, dst, size)
         return p2p_cache[key]
 
-    # sent[s][j] = (time, event id) when the input stage s waits for is ready at its sender.
-    act_in: list[list[tuple[float, int] | None]] = [[None] * num_mb for _ in stages]
-    grad_in: list[list[tuple[float, int] | None]] = [[None] * num_mb for _ in stages]
+    # ready[(kind, stage, micro-batch, chunk)] = (time, event id) when that action's input is ready at its sender.
+    ready: dict[tuple[str, int, int, int], tuple[float, int]] = {}
     free = [0.0] * num_stages
     last_event = [_NO_EVENT] * num_stages
     busy = [0.0] * num_stages
@@ -93,11 +94,11 @@ def _simulate_pipeline(
             ranks = stages[s].ranks
             while pos[s] < len(actions):
                 action = actions[pos[s]]
-                j, is_fwd = action.microbatch, action.kind == "F"
-                src = s - 1 if is_fwd else s + 1 if action.kind == "B" else -1  # W receives nothing
+                j, c, kind = action.microbatch, action.chunk, action.kind
+                src, _ = input_source(kind, s, c, num_stages, num_chunks)
                 start, pred = free[s], last_event[s]
-                if 0 <= src < num_stages:
-                    sent = (act_in if is_fwd else grad_in)[s][j]
+                if src >= 0:
+                    sent = ready.pop((kind, s, j, c), None)
                     if sent is None:
                         break
                     if sent[0] > start:
@@ -106,22 +107,21 @@ def _simulate_pipeline(
                     pred = rec.add(SimEvent(f"recv {action}", "p2p", p, s, ranks, start, end, microbatch=j), pred)
                     recv[s] += end - start
                     start = end
-                which = 0 if is_fwd else 3 if action.kind == "W" else 2 if j in split[s] else 1
-                dur = durations[(s, sizes[j])][which]
+                which = 0 if kind == "F" else 3 if kind == "W" else 2 if j in split[s] else 1
+                dur = durations[(s, c, sizes[j])][which]
                 end = start + dur
                 ev = rec.add(SimEvent(str(action), "compute", p, s, ranks, start, end, microbatch=j), pred)
                 free[s], last_event[s] = end, ev
                 busy[s] += dur
-                dst = s + 1 if is_fwd else s - 1 if action.kind == "B" else -1
-                if 0 <= dst < num_stages:
-                    (act_in if is_fwd else grad_in)[dst][j] = (end, ev)
+                dst, dc = output_dest(kind, s, c, num_stages, num_chunks)
+                if dst >= 0:
+                    ready[(kind, dst, j, dc)] = (end, ev)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         assert progressed, "the action lists deadlocked: schedule and simulator disagree"
         ascending = not ascending
     return free, last_event, busy, recv
-
 
 
 def _collectives(plan: Plan, rec: _Recorder, kind: EventKind, items: list[tuple[str, int, list[tuple[int, int]], float]],

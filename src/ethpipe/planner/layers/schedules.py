@@ -21,9 +21,11 @@ import numpy as np
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
+from ethpipe.planner.layers.interleave import try_interleaving
 from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
 from ethpipe.planner.samples.balance import balance_samples
-from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, max_in_flight, max_pending_weights, stage_actions
+from ethpipe.cost.plan_memory import held_of, stage_bytes
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, stage_actions
 
 
 class BestOfTiming(PipelineTiming):
@@ -51,10 +53,8 @@ def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
     size (at ``depth`` micro-batches or more, the most any sample count reaches)."""
     b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
     for s, stage in enumerate(pipe.stages):
-        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute)
-        need = cost.stage_memory_bytes(stage, b, max_in_flight(actions), first=s == 0, last=s == pipe.depth - 1,
-                                       pending_weights=max_pending_weights(actions))
-        if need > cost.usable_memory_bytes(stage.device):
+        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute, pipe.num_chunks)
+        if stage_bytes(cost, pipe, s, b, held_of(pipe, s, actions)) > cost.usable_memory_bytes(stage.device):
             return False
     return True
 
@@ -69,9 +69,21 @@ def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], 
 def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
                      flat_sync: bool = False) -> tuple[Plan, float]:
     """``plan`` (priced or not) with each pipeline's fastest allowed schedule and the batch re-split for them,
-    if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds."""
+    if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds. Interleaving
+    is tried last, on the pipelines so chosen (``layers/interleave.py``)."""
     assert schedules and all(s in SCHEDULES for s in schedules)
     own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync)
+    flat = [s for s in schedules if s != "interleaved"]
+    resplit = flat not in ([], [DEFAULT_SCHEDULE]) and all(p.num_chunks == 1 for p in plan.pipelines)
+    chosen, chosen_s = _resplit(plan, cost, flat, own_s, flat_sync) if resplit else (plan, own_s)
+    if "interleaved" in schedules:
+        chosen, chosen_s = try_interleaving(chosen, cost, chosen_s, flat_sync=flat_sync)
+    return chosen, chosen_s
+
+
+def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float,
+             flat_sync: bool) -> tuple[Plan, float]:
+    """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``."""
     whole = ((plan.extra.get("search") or {}).get("options") or {}).get("fine_grained", True) is False
     pcost = cost.with_plan_p2p(plan)
     groups: dict[tuple, list[int]] = {}

@@ -21,7 +21,8 @@ from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import equal_sizes_makespans, steady_lines
 from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
-from ethpipe.schedule import DEFAULT_SCHEDULE
+from ethpipe.plan import Pipeline
+from ethpipe.schedule import DEFAULT_SCHEDULE, SPLIT_SCHEDULES
 from ethpipe.planner.layers.partition import Partition, StageOption
 
 ActionTimes = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -129,6 +130,16 @@ def weight_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence
     return (moved,)
 
 
+def virtual_stages(pipe: Pipeline) -> tuple[list[StageSlot], list[int], list[bool]]:
+    """A pipeline's stages as the cost model's rows: (slot, layers, recompute) per stage, or per virtual
+    stage when interleaved (chunk c of stage s is row ``c * depth + s``: the embedding in row 0, the head in
+    the last, and row ``c * depth`` receiving from the last stage)."""
+    slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
+    rows = [(vs % pipe.depth, vs // pipe.depth) for vs in range(pipe.depth * pipe.num_chunks)]
+    layers = [pipe.stages[s].chunk_layers[c] for s, c in rows]
+    return [slots[s] for s, _ in rows], layers, [pipe.stages[s].recompute for s, _ in rows]
+
+
 def split_sizes(num_samples: int, micro_batch: int) -> tuple[int, ...]:
     """Micro-batch sizes: full ones then the remainder."""
     full, rest = divmod(num_samples, micro_batch)
@@ -149,7 +160,7 @@ class PipelineTiming:
     def __init__(self, micro_batch: int, action_times: ActionTimes, granularity: int = 1,
                  schedule: str = DEFAULT_SCHEDULE, weight_times: Callable[[int], tuple[np.ndarray]] | None = None,
                  unsplit: tuple[bool, ...] = ()) -> None:
-        assert (schedule == DEFAULT_SCHEDULE) == (weight_times is None), "a split schedule needs its W times"
+        assert (schedule in SPLIT_SCHEDULES) == (weight_times is not None), "a split schedule needs its W times"
         self.micro_batch = micro_batch
         self.granularity = granularity
         self.schedule = schedule
@@ -268,6 +279,6 @@ def timing_of_partition(cost: CostModel, slots: Sequence[StageSlot], part: Parti
 
 def timing_of_layers(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
                      micro_batch: int, granularity: int = 1, schedule: str = DEFAULT_SCHEDULE) -> PipelineTiming:
-    weights = None if schedule == DEFAULT_SCHEDULE else (lambda x: weight_times_s(cost, slots, layers, recompute, x))
+    weights = (lambda x: weight_times_s(cost, slots, layers, recompute, x)) if schedule in SPLIT_SCHEDULES else None
     return PipelineTiming(micro_batch, lambda x: action_times_s(cost, slots, layers, recompute, x), granularity,
                           schedule, weights, tuple(bool(r) for r in recompute))
