@@ -47,7 +47,9 @@ class Stage:
         return sum(self.chunk_layers)
 
     def holds(self, layer: int) -> bool:
-        return any(lo <= layer < hi for lo, hi in self.layer_ranges)
+        if not self.chunks:  # the common case, on the planner's hot path
+            return self.layers[0] <= layer < self.layers[1]
+        return any(lo <= layer < hi for lo, hi in self.chunks)
 
     def chunk(self, c: int) -> Stage:
         """Model chunk ``c`` as a one-range stage (what the cost model prices per chunk)."""

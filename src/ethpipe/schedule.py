@@ -241,13 +241,19 @@ def max_in_flight(actions: tuple[Action, ...]) -> int:
 
 
 def max_stashed_inputs(actions: tuple[Action, ...], first: bool) -> int:
-    """Peak received stage inputs a stage stashes for their backward: one per live (micro-batch, chunk),
-    except the model's own input (a first stage's chunk 0, which receives nothing)."""
+    """Peak received stage inputs a stage keeps for their backward: one per live (micro-batch, chunk) as in
+    ``max_in_flight`` (a split micro-batch's graph, which holds its input, lives until its W), except the
+    model's own input (a first stage's chunk 0, which receives nothing)."""
+    split = split_microbatches(actions)
     live = peak = 0
     for a in actions:
-        if a.kind != "W" and not (first and a.chunk == 0):
-            live += 1 if a.kind == "F" else -1
-            peak = max(peak, live)
+        if first and a.chunk == 0:
+            continue
+        if a.kind == "F":
+            live += 1
+        elif a.kind == "W" or a.microbatch not in split:
+            live -= 1
+        peak = max(peak, live)
     return peak
 
 
@@ -257,9 +263,12 @@ def max_in_flight_layers(actions: tuple[Action, ...], chunk_layers: Sequence[int
     chunk; what the memory model multiplies a whole stage's per-micro-batch activations by."""
     if len(chunk_layers) == 1:
         return float(max_in_flight(actions))
-    total = sum(chunk_layers)
+    split, total = split_microbatches(actions), sum(chunk_layers)
     live = peak = 0.0
     for a in actions:
-        live += chunk_layers[a.chunk] / total * (1 if a.kind == "F" else -1)
+        if a.kind == "F":
+            live += chunk_layers[a.chunk] / total
+        elif a.kind == "W" or a.microbatch not in split:
+            live -= chunk_layers[a.chunk] / total
         peak = max(peak, live)
     return peak

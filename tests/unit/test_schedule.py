@@ -125,3 +125,17 @@ def test_interleaved_known_orders_and_refused_counts() -> None:
         interleaved(3, 0, 5, 2)
     with pytest.raises(ValueError, match="at least 2 stages and 2 model chunks"):
         interleaved(1, 0, 2, 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_stashed_inputs_live_as_long_as_the_graph_that_holds_them(schedule: str) -> None:
+    """A split micro-batch's input stays referenced by its graph until its W: it counts as stashed until
+    then, as in ``max_in_flight``; a first stage receives no input."""
+    from ethpipe.schedule import max_stashed_inputs
+
+    for stages, m in [(4, 8), (3, 2), (6, 4)]:
+        for s in range(stages):
+            acts = stage_actions(schedule, stages, s, m)
+            assert max_stashed_inputs(acts, first=s == 0) == (0 if s == 0 else max_in_flight(acts))
+    acts = interleaved(3, 0, 6, 2)
+    assert max_stashed_inputs(acts, first=True) < max_stashed_inputs(acts, first=False) == max_in_flight(acts)

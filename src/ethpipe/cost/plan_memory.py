@@ -7,12 +7,13 @@ run's precision differs from the one the plan was made for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan, Stage
 from ethpipe.schedule import (
-    Action, actions_of, max_in_flight, max_in_flight_layers, max_pending_weights, max_stashed_inputs,
+    Action, max_in_flight, max_in_flight_layers, max_pending_weights, max_stashed_inputs, stage_actions,
 )
 
 
@@ -34,11 +35,23 @@ class Held:
 
 def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = None) -> Held:
     """``Held`` of stage ``stage`` under its pipeline's schedule (or ``actions``, a list of that schedule)."""
-    actions = actions_of(pipe, stage) if actions is None else actions
-    st = pipe.stages[stage]
-    in_flight = (max_in_flight_layers(actions, st.chunk_layers) if pipe.num_chunks > 1
-                 else max_in_flight(actions))
-    return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, stage == 0))
+    if actions is None:
+        st = pipe.stages[stage]
+        return _held(pipe.schedule, pipe.depth, stage, pipe.num_microbatches, not st.recompute, st.chunk_layers)
+    return _held_of_actions(actions, pipe.stages[stage].chunk_layers, stage == 0)
+
+
+@lru_cache(maxsize=65536)
+def _held(schedule: str, depth: int, stage: int, num_microbatches: int, split: bool,
+          chunk_layers: tuple[int, ...]) -> Held:
+    """Memoised: the estimator asks for every stage of every pipeline of every candidate plan."""
+    actions = stage_actions(schedule, depth, stage, num_microbatches, split, len(chunk_layers))
+    return _held_of_actions(actions, chunk_layers, stage == 0)
+
+
+def _held_of_actions(actions: tuple[Action, ...], chunk_layers: tuple[int, ...], first: bool) -> Held:
+    in_flight = max_in_flight_layers(actions, chunk_layers) if len(chunk_layers) > 1 else max_in_flight(actions)
+    return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, first))
 
 
 def stage_bytes(cost: StageMemory, pipe: Pipeline, stage: int, micro_batch: int, held: Held) -> int:

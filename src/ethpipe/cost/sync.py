@@ -96,12 +96,18 @@ def tied_sync_shape(plan: Plan, cluster: Cluster, num_bytes: float) -> SyncShape
 
 def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
     """Per block: the (pipeline, stage) holding it in every pipeline, in plan order."""
-    out = []
-    for block in plan.blocks:
-        lo = block.layers[0]
-        out.append([(p, next(i for i, st in enumerate(pipe.stages) if st.holds(lo)))
-                    for p, pipe in enumerate(plan.pipelines)])
-    return out
+    owners: dict[tuple, list[int]] = {}  # a stage layout -> the stage of each layer (pipelines repeat layouts)
+    per_pipe = []
+    for pipe in plan.pipelines:
+        layout = tuple(st.layer_ranges for st in pipe.stages)
+        if layout not in owners:
+            owner = [0] * plan.num_layers
+            for i, ranges in enumerate(layout):
+                for lo, hi in ranges:
+                    owner[lo:hi] = [i] * (hi - lo)
+            owners[layout] = owner
+        per_pipe.append(owners[layout])
+    return [[(p, owner[block.layers[0]]) for p, owner in enumerate(per_pipe)] for block in plan.blocks]
 
 
 def block_sync_shapes(plan: Plan, cluster: Cluster, grad_bytes: Callable[[Block, bool, bool], float]

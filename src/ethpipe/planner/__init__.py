@@ -16,6 +16,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
+from ethpipe.planner.layers.interleave import with_interleaving
 from ethpipe.planner.layers.schedules import with_schedules
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.precision import AUTO, plan_dtype, plan_gpus, without_bf16
@@ -75,6 +76,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration, attention_mode=attention)
+    # eth interleaves its final plan (``layers/interleave.py``; robust: per candidate, by worst case): interleaving
+    # inside the search would change which devices go idle and the sharding rounds compare under it.
+    searched = chosen if robust else (tuple(x for x in chosen if x != "interleaved") or (DEFAULT_SCHEDULE,))
     if method == "eth":
         from ethpipe.planner.devices.eth import plan_eth
         from ethpipe.planner.devices.idle import plan_with_idle
@@ -87,7 +91,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
                             cache=templates.setdefault(on.optimizer_holders, {}), incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full,
-                            schedules=chosen)
+                            schedules=searched)
 
         def plan_eth_on(on: CostModel) -> tuple[Plan, CostModel]:
             nonlocal full
@@ -102,12 +106,14 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
                 return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
                                 robust=robust, cache=templates.setdefault(on.optimizer_holders, {}),
-                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices), schedules=chosen)
+                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices), schedules=searched)
 
             plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
                                        robust=robust, refine_fn=refine_on)
         else:
             plan, cost = plan_eth_on(cost)
+        if searched != chosen:
+            plan = with_interleaving(plan, cost, flat_sync=not (options or PlannerOptions()).block_sync)
     else:
         from ethpipe.planner.baselines.baselines import plan_layer_balanced, plan_uniform
 

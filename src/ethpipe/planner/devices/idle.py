@@ -28,6 +28,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
+from ethpipe.planner.search.bounds import incumbent_bar_s
 from ethpipe.planner.estimate import ideal_time_s
 
 AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process
@@ -63,8 +64,8 @@ def _sub_cluster(cost: CostModel, idle_types: tuple[str, ...]) -> CostModel:
 def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel, float], Plan | None],
                    *, ahead: bool | None = None) -> tuple[Plan, CostModel]:
     """The fastest of ``plan_on(cost, inf)`` and ``plan_on`` on each idle candidate's sub-cluster, with the
-    cost model that priced it. ``plan_on``'s second argument is the best time so far: it may return None when
-    it finds nothing faster, which saves most of a losing candidate's search. The first candidate is planned
+    cost model that priced it. ``plan_on``'s second argument is the best time so far (``incumbent_bar_s``): it may
+    return None when it finds nothing faster, which saves most of a losing candidate's search. The first candidate is planned
     with nothing to beat, so that with ``ahead`` (where ``planner.ahead.can_run_ahead()``) a second process
     plans it while this one plans the whole cluster, with the same result (``ahead=None``: from
     ``AHEAD_MIN_DEVICES`` devices on, where planning takes long enough to repay the fork). Infeasible
@@ -103,7 +104,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
                 if plan is not None and best is not None and _time_s(plan) >= _time_s(best[0]):
                     plan = None  # as a search told the time to beat would say
             else:
-                plan = plan_on(sub, _time_s(best[0]) if best is not None else math.inf)
+                plan = plan_on(sub, incumbent_bar_s(best[0], _time_s(best[0])) if best is not None else math.inf)
         except Infeasible as err:
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue

@@ -21,6 +21,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.search.bounds import incumbent_bar_s
 
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
 
@@ -53,8 +54,8 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
         try:
             if plain is not None and refine_fn is not None:
                 on = dataclasses.replace(plain[1], optimizer_holders=k)
-                bar = _score(best[0] if best is not None else plain[0], robust)
-                found_plan = refine_fn(on, math.inf if robust else bar)
+                beat = best[0] if best is not None else plain[0]
+                found_plan = refine_fn(on, math.inf if robust else incumbent_bar_s(beat, _score(beat, robust)))
                 if found_plan is None:
                     break  # nothing sharded beats the best so far at this k
                 plan = _with_idle_record(found_plan, plain[0])

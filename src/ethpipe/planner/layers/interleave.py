@@ -1,7 +1,8 @@
 """Level 2's interleaving: a pipeline whose stages hold v model chunks each, where that is predicted faster.
 
-The search and the re-split over schedules (``layers/schedules.py``) keep each rank's layer count; this
-pass re-cuts a chosen pipeline into ``depth * v`` virtual stages that keep it: stage s's ``n_s`` layers
+Applied to eth's final plan (``with_interleaving``: devices, idle and sharding decided, so allowing it never
+gives a slower plan; docs/design.md, "Schedules") and, through ``layers/schedules.choose_schedules``, to a
+baseline told to use it and to each robust candidate. This pass re-cuts a chosen pipeline into ``depth * v`` virtual stages that keep it: stage s's ``n_s`` layers
 become v chunks of ``n_s // v`` or one more (the larger first), placed Megatron's way (chunk c of stage s
 is virtual stage ``c * depth + s``). So every rank computes what it did, fill and drain shrink to about
 ``1/v`` of 1F1B's, and each chunk boundary is one more message. Its micro-batch count must be at most the
@@ -15,10 +16,11 @@ is re-balance the batch for interleaved times (docs/design.md, "Schedules").
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.planner.estimate import estimate_iteration_s
+from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
 from ethpipe.schedule import interleaved_fits
 
 NUM_CHUNKS = 2  # Megatron's usual choice: most of the bubble gain, half the extra messages of 3 or 4
@@ -73,3 +75,14 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
             if trial_s < plan_s:
                 plan, plan_s = trial, trial_s
     return plan, plan_s
+
+
+def with_interleaving(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Plan:
+    """A priced plan after ``try_interleaving``, re-priced where it changed (its planning time included)."""
+    started = time.perf_counter()
+    chosen, _ = try_interleaving(plan, cost, float(plan.predicted["iteration_time_s"]), flat_sync=flat_sync)
+    if chosen is plan:
+        return plan
+    old = plan.predicted or {}
+    planning_s = float(old.get("planning_time_s", 0.0)) + time.perf_counter() - started
+    return dataclasses.replace(chosen, predicted={**old, **predicted_metrics(chosen, cost, planning_s, flat_sync=flat_sync)})

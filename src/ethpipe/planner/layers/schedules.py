@@ -70,7 +70,8 @@ def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
                      flat_sync: bool = False) -> tuple[Plan, float]:
     """``plan`` (priced or not) with each pipeline's fastest allowed schedule and the batch re-split for them,
     if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds. Interleaving
-    is tried last, on the pipelines so chosen (``layers/interleave.py``)."""
+    (where allowed) is tried last, on the pipelines so chosen (``layers/interleave.py``); eth's search asks
+    without it and interleaves its final plan (``planner.make_plan``)."""
     assert schedules and all(s in SCHEDULES for s in schedules)
     own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync)
     flat = [s for s in schedules if s != "interleaved"]
