@@ -137,6 +137,12 @@ def interleaved_order(num_stages: int, stage: int, m: int, v: int) -> tuple[Acti
     return tuple(actions + bwd[total - warmup:])
 
 
+def is_action_name(name: str) -> bool:
+    """Whether a span or event name is an action (``F3``, ``B3``, ``W3``, an interleaved chunk's ``F3.1``)."""
+    mb, dot, chunk = name[1:].partition(".")
+    return name[:1] in ("F", "B", "W") and mb.isdigit() and (chunk.isdigit() if dot else True)
+
+
 def input_source(kind: str, stage: int, chunk: int, num_stages: int, num_chunks: int = 1) -> tuple[int, int]:
     """(stage, chunk) whose output an action of ``kind`` on (stage, chunk) waits for; stage -1: none. F waits for
     the previous virtual stage, B for the next (interleaved: the ring wraps from the last stage's chunk c - 1 to

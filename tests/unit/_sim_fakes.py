@@ -45,7 +45,8 @@ class FakeCost:
         return self.optimizer_time_s
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
         return int(100 * in_flight * micro_batch) + stage.num_layers
 
 

@@ -139,3 +139,34 @@ def test_stashed_inputs_live_as_long_as_the_graph_that_holds_them(schedule: str)
             assert max_stashed_inputs(acts, first=s == 0) == (0 if s == 0 else max_in_flight(acts))
     acts = interleaved(3, 0, 6, 2)
     assert max_stashed_inputs(acts, first=True) < max_stashed_inputs(acts, first=False) == max_in_flight(acts)
+
+
+def test_a_last_stage_holds_one_head_graph_per_live_last_chunk_micro_batch() -> None:
+    """1F1B's last stage runs F then B: one head and loss graph at a time; zb-h1 keeps each until its W;
+    interleaved with every forward first keeps all of them (the memory model adds the rest: ``held_of``)."""
+    from ethpipe.cost.plan_memory import held_of
+    from ethpipe.plan import Pipeline, Stage
+
+    flat = (Stage((0,), "x", (0, 4)), Stage((1,), "x", (4, 8)), Stage((2,), "x", (8, 12)))
+    assert held_of(Pipeline(flat, (1,) * 6), 2).live_heads == 1
+    assert held_of(Pipeline(flat, (1,) * 6, "zb-h1"), 2).live_heads == max_in_flight(zb_h1(3, 2, 6)) > 1
+    assert held_of(Pipeline(flat, (1,) * 6), 1).live_heads == 0
+    chunked = tuple(Stage((s,), "x", (2 * s, 2 * s + 2), chunks=((2 * s, 2 * s + 2), (6 + 2 * s, 8 + 2 * s)))
+                    for s in range(3))
+    assert held_of(Pipeline(chunked, (1,) * 3, "interleaved"), 2).live_heads == 3  # every forward first
+    assert held_of(Pipeline(chunked, (1,) * 6, "interleaved"), 2).live_heads == 1
+
+
+def test_action_names_and_the_interleaved_rings_links() -> None:
+    """Runtime spans and trace events are named by ``str(Action)``: chunk actions (``F3.1``) count as compute
+    too; an interleaved pipeline of 3 or more stages has one more boundary, the wrap-around."""
+    from ethpipe.cost.p2p import links
+    from ethpipe.plan import Pipeline, Stage
+    from ethpipe.schedule import is_action_name
+
+    assert all(is_action_name(str(a)) for a in interleaved(3, 0, 6, 2) + zb_h1(3, 1, 4))
+    assert not any(is_action_name(n) for n in ("recv", "Fx", "B3.", "allreduce block 2", "W", "F3.1.2"))
+    chunked = tuple(Stage((s,), "x", (s, s + 1), chunks=((s, s + 1), (3 + s, 4 + s))) for s in range(3))
+    assert [(a.ranks, b.ranks) for a, b in links(Pipeline(chunked, (1,), "interleaved"))] == [
+        ((0,), (1,)), ((1,), (2,)), ((2,), (0,))]
+    assert len(links(Pipeline(tuple(Stage((s,), "x", (2 * s, 2 * s + 2)) for s in range(3)), (1,)))) == 2

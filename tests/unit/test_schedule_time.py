@@ -50,7 +50,8 @@ class _Table:
         return 0.0
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
         return 0
 
 

@@ -138,7 +138,7 @@ def inspect(
     for column in ("pipeline", "depth", "devices", "layers per stage", "micro-batches"):
         pipes.add_column(column)
     for p_idx, pipe in enumerate(info["pipelines"]):
-        layers = " | ".join(f"{lo}-{hi}" for lo, hi in pipe["layers"])
+        layers = " | ".join("+".join(f"{lo}-{hi}" for lo, hi in ranges) for ranges in pipe["layers"])
         pipes.add_row(str(p_idx), str(pipe["depth"]), ", ".join(pipe["devices"]), layers,
                       " ".join(str(b) for b in pipe["micro_batch_sizes"]))
     console.print(pipes)

@@ -124,16 +124,21 @@ class MemoryPricing:
         return measured * ours / theirs
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
         """Peak bytes on each rank of ``stage`` with ``in_flight`` micro-batches of activations held (an
         interleaved stage: in whole-stage units, ``schedule.max_in_flight_layers``), of which
         ``pending_weights`` wait for their W with their recorded gradients (``held_grad_bytes``), and
-        ``stashed_inputs`` received inputs kept for the backward (default: ``in_flight``, none on a first stage)."""
+        ``stashed_inputs`` received inputs kept for the backward (default: ``in_flight``, none on a first stage),
+        and on a last stage ``live_heads`` micro-batches' head and loss graphs alive at once (default 1: 1F1B's
+        F then B; zb-h1 keeps each until its W, an interleaved stage running every forward first all of them)."""
         fixed, per_layer = self.memory_terms(stage.tp, micro_batch, in_flight, stage.recompute, first=first, last=last,  # type: ignore[arg-type]
                                              device=stage.device)
         if stashed_inputs is not None:  # memory_terms counted in_flight of them (none on a first stage)
             counted = 0.0 if first else in_flight
             fixed += (stashed_inputs - counted) * memory.stashed_input_bytes(self.model, self.seq_len,
                                                                              self.dtype_bytes) * micro_batch
+        if last and live_heads is not None and live_heads > 1:
+            fixed += (live_heads - 1) * self._activation_bytes(stage.device, "head", micro_batch, stage.tp)
         held = pending_weights * self.held_grad_bytes(stage, micro_batch, last) if pending_weights else 0  # type: ignore[attr-defined]
         return int(fixed + stage.num_layers * per_layer) + held

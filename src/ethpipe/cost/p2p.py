@@ -5,7 +5,8 @@ node boundary (strided shapes, or pipelines packed on the same nodes), their act
 gradients go through that node's NIC at the same time. A pipeline counts once per node: its own
 sends on one node are ordered by its schedule. Each cross-node flow then gets, on each end,
 ``min(rail, nic / pipelines crossing there)`` (``CostModel.p2p_s``); the block gradient sync
-shares the NIC the same way (``cost/sync.py``).
+shares the NIC the same way (``cost/sync.py``). An interleaved pipeline's ring also wraps from its last
+stage to its first (``links``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ethpipe.cluster import Cluster
-from ethpipe.plan import Plan
+from ethpipe.plan import Pipeline, Plan, Stage
 
 P2pFlows = Mapping[tuple[int, int], tuple[int, int]]  # (src head, dst head) -> (pipelines at src node, at dst node)
+
+
+def links(pipe: Pipeline) -> list[tuple[Stage, Stage]]:
+    """A pipeline's stage boundaries: consecutive stages, and the ring's wrap-around when interleaved."""
+    pairs = list(zip(pipe.stages, pipe.stages[1:]))
+    return pairs + [(pipe.stages[-1], pipe.stages[0])] if pipe.num_chunks > 1 and pipe.depth > 2 else pairs
 
 
 def pipelines_crossing_per_node(plan: Plan, cluster: Cluster) -> dict[int, int]:
@@ -23,8 +30,8 @@ def pipelines_crossing_per_node(plan: Plan, cluster: Cluster) -> dict[int, int]:
     devices = cluster.devices
     per_node: dict[int, int] = {}
     for pipe in plan.pipelines:
-        heads = [devices[st.ranks[0]].node for st in pipe.stages]
-        touched = {n for a, b in zip(heads, heads[1:]) if a != b for n in (a, b)}
+        touched = {n for a, b in links(pipe) if devices[a.ranks[0]].node != devices[b.ranks[0]].node
+                   for n in (devices[a.ranks[0]].node, devices[b.ranks[0]].node)}
         for n in touched:
             per_node[n] = per_node.get(n, 0) + 1
     return per_node
@@ -36,7 +43,7 @@ def p2p_flows(plan: Plan, cluster: Cluster) -> dict[tuple[int, int], tuple[int, 
     per_node = pipelines_crossing_per_node(plan, cluster)
     out: dict[tuple[int, int], tuple[int, int]] = {}
     for pipe in plan.pipelines:
-        for a, b in zip(pipe.stages, pipe.stages[1:]):
+        for a, b in links(pipe):
             ra, rb = a.ranks[0], b.ranks[0]
             na, nb = devices[ra].node, devices[rb].node
             if na != nb:

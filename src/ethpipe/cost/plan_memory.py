@@ -19,18 +19,21 @@ from ethpipe.schedule import (
 
 class StageMemory(Protocol):
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None) -> int:
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
         ...
 
 
 @dataclass(frozen=True)
 class Held:
     """What a stage's action list keeps at its peak: activations (in micro-batches of the whole stage), the
-    micro-batches waiting for their W, and the received inputs stashed for the backward."""
+    micro-batches waiting for their W, the received inputs stashed for the backward, and (a last stage) the
+    micro-batches whose head and loss graph is alive at once (0 elsewhere)."""
 
     in_flight: float
     pending_weights: int
     stashed_inputs: int
+    live_heads: int = 0
 
 
 def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = None) -> Held:
@@ -38,7 +41,7 @@ def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = Non
     if actions is None:
         st = pipe.stages[stage]
         return _held(pipe.schedule, pipe.depth, stage, pipe.num_microbatches, not st.recompute, st.chunk_layers)
-    return _held_of_actions(actions, pipe.stages[stage].chunk_layers, stage == 0)
+    return _held_of_actions(actions, pipe.stages[stage].chunk_layers, stage == 0, stage == pipe.depth - 1)
 
 
 @lru_cache(maxsize=65536)
@@ -46,19 +49,20 @@ def _held(schedule: str, depth: int, stage: int, num_microbatches: int, split: b
           chunk_layers: tuple[int, ...]) -> Held:
     """Memoised: the estimator asks for every stage of every pipeline of every candidate plan."""
     actions = stage_actions(schedule, depth, stage, num_microbatches, split, len(chunk_layers))
-    return _held_of_actions(actions, chunk_layers, stage == 0)
+    return _held_of_actions(actions, chunk_layers, stage == 0, stage == depth - 1)
 
 
-def _held_of_actions(actions: tuple[Action, ...], chunk_layers: tuple[int, ...], first: bool) -> Held:
+def _held_of_actions(actions: tuple[Action, ...], chunk_layers: tuple[int, ...], first: bool, last: bool) -> Held:
     in_flight = max_in_flight_layers(actions, chunk_layers) if len(chunk_layers) > 1 else max_in_flight(actions)
-    return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, first))
+    heads = max_in_flight(tuple(a for a in actions if a.chunk == len(chunk_layers) - 1)) if last else 0
+    return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, first), heads)
 
 
 def stage_bytes(cost: StageMemory, pipe: Pipeline, stage: int, micro_batch: int, held: Held) -> int:
     """``CostModel.stage_memory_bytes`` of one stage holding ``held``."""
     return cost.stage_memory_bytes(pipe.stages[stage], micro_batch, held.in_flight, first=stage == 0,
                                    last=stage == pipe.depth - 1, pending_weights=held.pending_weights,
-                                   stashed_inputs=held.stashed_inputs)
+                                   stashed_inputs=held.stashed_inputs, live_heads=held.live_heads)
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,7 @@ def checkpoint_summary(path: str | Path) -> dict[str, Any]:
     pipelines = [{
         "depth": len(p["stages"]),
         "devices": [s["device"] for s in p["stages"]],
-        "layers": [list(s["layers"]) for s in p["stages"]],
+        "layers": [[list(r) for r in s["chunks"]] if "chunks" in s else [list(s["layers"])] for s in p["stages"]],
         "ranks": [list(s["ranks"]) for s in p["stages"]],
         "micro_batch_sizes": list(p["micro_batch_sizes"]),
     } for p in plan["pipelines"]]

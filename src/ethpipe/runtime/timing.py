@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ethpipe.schedule import is_action_name
+
 Mark = float | torch.cuda.Event
 
 
@@ -92,10 +94,11 @@ class Timeline:
         fwd = bwd = 0.0
         for name, a, b in self._spans:
             duration = self._seconds(a, b)
-            if name[:1] == "F" and name[1:].isdigit():
-                fwd += duration
-            elif name[:1] in ("B", "W") and name[1:].isdigit():
-                bwd += duration
+            if is_action_name(name):  # F3, B3, W3; an interleaved chunk's F3.1
+                if name[0] == "F":
+                    fwd += duration
+                else:
+                    bwd += duration
             if self.record:
                 start = offset + self._seconds(self._start, a)
                 self.events.append((name, start, start + duration))

@@ -16,6 +16,7 @@ from matplotlib.patches import Patch
 from matplotlib.transforms import blended_transform_factory
 
 from ethpipe.atomic import atomic_path
+from ethpipe.schedule import is_action_name
 from ethpipe.errors import UserError
 from ethpipe.sim.trace import Trace, TraceEvent
 
@@ -45,7 +46,7 @@ def _kind(event: TraceEvent) -> str:
     so traces from the runtime (which may categorise differently) draw the same way; a split backward's
     W draws as backward."""
     head = event.name.split(" ")[0]
-    if head[:1] in ("F", "B", "W") and head[1:].isdigit():
+    if is_action_name(head):
         return "forward" if head[0] == "F" else "backward"
     if head in ("recv", "send") or event.cat == "p2p":
         return "p2p"
