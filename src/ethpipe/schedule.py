@@ -232,49 +232,36 @@ def max_pending_weights(actions: tuple[Action, ...]) -> int:
     return peak
 
 
-def max_in_flight(actions: tuple[Action, ...]) -> int:
-    """Peak number of micro-batches whose activations a stage holds (for memory checks): from its ``F`` to
+def _peak_live(actions: tuple[Action, ...], weights: Sequence[float] | None = None) -> float:
+    """Peak sum over live (micro-batch, chunk) pairs of ``weights[chunk]`` (default 1): live from its ``F`` to
     its last backward action (``W`` where split: the autograd graph stays alive for the weight pass)."""
     split = split_microbatches(actions)
-    live = peak = 0
+    live = peak = 0.0
     for a in actions:
+        weight = 1.0 if weights is None else weights[a.chunk]
         if a.kind == "F":
-            live += 1
+            live += weight
         elif a.kind == "W" or a.microbatch not in split:
-            live -= 1
+            live -= weight
         peak = max(peak, live)
     return peak
+
+
+def max_in_flight(actions: tuple[Action, ...]) -> int:
+    """Peak number of (micro-batch, chunk) pairs whose activations a stage holds (for memory checks)."""
+    return int(_peak_live(actions))
 
 
 def max_stashed_inputs(actions: tuple[Action, ...], first: bool) -> int:
     """Peak received stage inputs a stage keeps for their backward: one per live (micro-batch, chunk) as in
     ``max_in_flight`` (a split micro-batch's graph, which holds its input, lives until its W), except the
     model's own input (a first stage's chunk 0, which receives nothing)."""
-    split = split_microbatches(actions)
-    live = peak = 0
-    for a in actions:
-        if first and a.chunk == 0:
-            continue
-        if a.kind == "F":
-            live += 1
-        elif a.kind == "W" or a.microbatch not in split:
-            live -= 1
-        peak = max(peak, live)
-    return peak
+    return max_in_flight(tuple(a for a in actions if not (first and a.chunk == 0)))
 
 
 def max_in_flight_layers(actions: tuple[Action, ...], chunk_layers: Sequence[int]) -> float:
     """Peak activations a stage holds, in micro-batches of the whole stage: each live (micro-batch, chunk)
     counts its chunk's share of the stage's layers (``chunk_layers[c]``). Equals ``max_in_flight`` with one
     chunk; what the memory model multiplies a whole stage's per-micro-batch activations by."""
-    if len(chunk_layers) == 1:
-        return float(max_in_flight(actions))
-    split, total = split_microbatches(actions), sum(chunk_layers)
-    live = peak = 0.0
-    for a in actions:
-        if a.kind == "F":
-            live += chunk_layers[a.chunk] / total
-        elif a.kind == "W" or a.microbatch not in split:
-            live -= chunk_layers[a.chunk] / total
-        peak = max(peak, live)
-    return peak
+    total = sum(chunk_layers)
+    return _peak_live(actions, [n / total for n in chunk_layers])

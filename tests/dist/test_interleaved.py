@@ -19,27 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.torch import load_file
 
-import ethpipe.runtime.executor as executor
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import fails, assert_matches_reference, assert_params_match, assert_stats_match
 from .harness import run_ranks
 from .plans import GPT_LIKE, LLAMA_LIKE
-from .reference import reference_train
+from .schedule_runs import STEPS, ArmAt, exact_config, outputs, reference_of, train_jobs
 
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
-STEPS, LR = 3, 1e-3
 TIED = dataclasses.replace(GPT_LIKE, name="test-gpt-tied", tie_embeddings=True)
 THREE_BY_TWO = [((0, 1), (3, 4)), ((1, 2), (4, 5)), ((2, 3), (5, 6))]  # 6 layers in 6 virtual stages
 TWO_BY_TWO = [((0, 2), (3, 5)), ((2, 3), (5, 6))]  # unequal chunks
@@ -78,7 +73,7 @@ def _armed_at_first_b(actions: tuple) -> int:
     return min(k for k, a in enumerate(actions) if a.kind == "B")
 
 
-RUNS: list[tuple[str, Plan, Callable[[tuple], int] | None]] = [
+RUNS: list[tuple[str, Plan, ArmAt]] = [
     ("mixed", MIXED, None),
     ("tied-tp-recompute", TIED_TP, None),
     ("armed-at-first-b", MIXED, _armed_at_first_b),
@@ -87,23 +82,13 @@ RESUMES = [("interleaved-then-flat", MIXED, FLAT), ("flat-then-interleaved", FLA
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    real = executor.last_weight_grad_index
-
-    def config(name: str, **kw: object) -> TrainConfig:
-        return TrainConfig(data=data, lr=LR, progress=False, timeout_s=60.0, dtype="fp64", clip_grad=0.05,
-                           bucket_bytes=4096, save_final=str(Path(out_dir, f"{name}.safetensors")), **kw)  # type: ignore[arg-type]
-
-    jobs = [(name, plan, arm_at, config(name, steps=STEPS)) for name, plan, arm_at in RUNS]
+    jobs = [(name, plan, arm_at, exact_config(data, out_dir, name, steps=STEPS)) for name, plan, arm_at in RUNS]
     for name, first, then in RESUMES:
         ckpt = str(Path(out_dir, f"ckpt-{name}"))
-        jobs += [(f"{name}-saved", first, None, config(f"{name}-saved", steps=STEPS - 1, checkpoint_dir=ckpt)),
-                 (name, then, None, config(name, steps=STEPS, checkpoint_dir=ckpt, resume=True))]
-    for name, plan, arm_at, cfg in jobs:
-        executor.last_weight_grad_index = arm_at or real  # type: ignore[assignment]
-        records = train(plan, cfg, rank, world_size) if rank < plan.world_size else []
-        if rank == 0:
-            Path(out_dir, f"{name}.json").write_text(json.dumps(records))
-    executor.last_weight_grad_index = real  # type: ignore[assignment]
+        jobs += [(f"{name}-saved", first, None, exact_config(data, out_dir, f"{name}-saved", steps=STEPS - 1,
+                                                             checkpoint_dir=ckpt)),
+                 (name, then, None, exact_config(data, out_dir, name, steps=STEPS, checkpoint_dir=ckpt, resume=True))]
+    train_jobs(rank, world_size, jobs, out_dir)
 
 
 def test_interleaved_matches_single_process_adamw_resumes_across_layouts_and_an_early_sync_does_not(tmp_path: Path) -> None:
@@ -114,16 +99,10 @@ def test_interleaved_matches_single_process_adamw_resumes_across_layouts_and_an_
     assert {p.world_size for _, p, _ in RUNS} == {FLAT.world_size} == {6}
     assert [p.num_chunks for p in MIXED.pipelines] == [2, 2, 1]
     run_ranks(6, _worker, (data, str(tmp_path)), tmp_path, deadline_s=240.0)
-    refs = {}
+    refs: dict = {}
     for name, plan, arm_at in RUNS + [(name, then, None) for name, _, then in RESUMES]:
-        spec = plan.resolve_model()
-        key = (spec.name, plan.global_batch_size)
-        if key not in refs:
-            refs[key] = reference_train(spec, data, plan.global_batch_size, plan.seq_len, STEPS, LR,
-                                        weight_decay=0.1, clip_grad=0.05, seed=0)
-        ref = refs[key]
-        records = json.loads((tmp_path / f"{name}.json").read_text())
-        got = load_file(tmp_path / f"{name}.safetensors")
+        ref = reference_of(plan, data, refs)
+        got, records = outputs(tmp_path, name)
         if name in {n for n, _, _ in RESUMES}:  # one resumed step: its parameters and its step's stats
             assert len(records) == 1
             assert_matches_reference(name, got, records, ref, first_step=STEPS - 1)

@@ -48,7 +48,7 @@ from .harness import run_ranks
 from .plans import LLAMA_LIKE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-from _comm_plans import even_pipeline, make_plan, sync_posts  # noqa: E402  (the replay tests' plans)
+from _comm_plans import even_pipeline, interleaved_pipeline, make_plan, sync_posts  # noqa: E402  (the replay tests' plans)
 
 pytestmark = pytest.mark.dist
 
@@ -64,6 +64,13 @@ def _order_plan():  # type: ignore[no-untyped-def]
                       ([((0, 5), 1), ((5, 8), 1)], [3, 1, 2])], spec=SPEC)
     zb = dataclasses.replace(plan.pipelines[0], schedule="zb-h1")
     return dataclasses.replace(plan, pipelines=(zb, plan.pipelines[1]))
+
+
+def _interleaved_plan():  # type: ignore[no-untyped-def]
+    """Two interleaved rings: 3 stages (tp 1 -> 2 -> 1) x 2 chunks, and 2 stages, where one pair of ranks
+    carries activations one way and gradients the other in the same batches."""
+    return make_plan([interleaved_pipeline(3, [2, 1, 2, 1, 1, 2], tps=[1, 2, 1], num_layers=8),
+                      interleaved_pipeline(2, [1, 2, 1, 2], num_layers=8)], spec=SPEC)
 
 
 def _liveness(rank: int, group: dist.ProcessGroup, leaky: bool) -> dict:
@@ -130,12 +137,13 @@ def _ranks(rank: int, world_size: int, tmp: str, data: str) -> None:
         (tmp_path / f"live-{rank}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group(group)
-    log = CommLog()
     config = TrainConfig(data=data, steps=STEPS, lr=1e-3, progress=False, timeout_s=60.0)
-    with recording(log):
-        train(_order_plan(), config, rank, world_size)
-    steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
-    (tmp_path / f"calls-{rank}.json").write_text(json.dumps(steps))
+    for name, plan in (("order", _order_plan()), ("interleaved", _interleaved_plan())):
+        log = CommLog()
+        with recording(log):
+            train(plan, config, rank, world_size)
+        steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
+        (tmp_path / f"calls-{name}-{rank}.json").write_text(json.dumps(steps))
     _bf16_run(rank, world_size, tmp_path, data)
 
 
@@ -168,10 +176,11 @@ def test_keeping_payloads_until_the_step_ends_breaks_the_bound(ran: Path) -> Non
         assert max(s[1] for s in leaky) >= NUM_MB - 1, rank  # at its last action a stage has sent all but one
 
 
-def test_the_runtime_posts_exactly_the_replayed_program(ran: Path) -> None:
-    plan = _order_plan()
+@pytest.mark.parametrize("name", ["order", "interleaved"])
+def test_the_runtime_posts_exactly_the_replayed_program(ran: Path, name: str) -> None:
+    plan = {"order": _order_plan, "interleaved": _interleaved_plan}[name]()
     for rank in range(plan.world_size):
-        steps = json.loads((ran / f"calls-{rank}.json").read_text())
+        steps = json.loads((ran / f"calls-{name}-{rank}.json").read_text())
         assert len(steps) == STEPS + 1  # the set-up (the plan check's all-gather) + one list per step
         pos = plan.position_of(rank)
         program = step_program(plan, rank, sync_posts(plan, rank))

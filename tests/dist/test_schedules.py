@@ -18,27 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.torch import load_file
 
-import ethpipe.runtime.executor as executor
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import fails, assert_matches_reference, assert_params_match, assert_stats_match
 from .harness import run_ranks
 from .plans import GPT_LIKE, LLAMA_LIKE
-from .reference import reference_train
+from .schedule_runs import STEPS, ArmAt, exact_config, outputs, reference_of, train_jobs
 
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
-STEPS, LR = 3, 1e-3
 TIED = dataclasses.replace(GPT_LIKE, name="test-gpt-tied", tie_embeddings=True)
 
 PipeDef = tuple[list[tuple[tuple[int, ...], tuple[int, int], bool]], tuple[int, ...], str]
@@ -70,7 +65,7 @@ def _armed_at_last_b(actions: tuple) -> int:
     return max(k for k, a in enumerate(actions) if a.kind == "B")
 
 
-RUNS: list[tuple[str, Plan, Callable[[tuple], int] | None]] = [
+RUNS: list[tuple[str, Plan, ArmAt]] = [
     ("three-mixed-schedules", THREE, None),
     ("tied-tp-recompute", TIED_TP, None),
     ("deep", DEEP, None),
@@ -80,15 +75,8 @@ RUNS: list[tuple[str, Plan, Callable[[tuple], int] | None]] = [
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    real = executor.last_weight_grad_index
-    for name, plan, arm_at in RUNS:
-        executor.last_weight_grad_index = arm_at or real  # type: ignore[assignment]
-        config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
-                             clip_grad=0.05, bucket_bytes=4096, save_final=str(Path(out_dir, f"{name}.safetensors")))
-        records = train(plan, config, rank, world_size) if rank < plan.world_size else []
-        if rank == 0:
-            Path(out_dir, f"{name}.json").write_text(json.dumps(records))
-    executor.last_weight_grad_index = real  # type: ignore[assignment]
+    train_jobs(rank, world_size, [(name, plan, arm_at, exact_config(data, out_dir, name, steps=STEPS))
+                                  for name, plan, arm_at in RUNS], out_dir)
 
 
 def test_every_schedule_matches_single_process_adamw_and_a_misplaced_w_does_not(tmp_path: Path) -> None:
@@ -98,16 +86,10 @@ def test_every_schedule_matches_single_process_adamw_and_a_misplaced_w_does_not(
     prepare_tokens([" ".join(rng.choice(words, size=4000))], data)
     assert {p.world_size for _, p, _ in RUNS} == {6}
     run_ranks(6, _worker, (data, str(tmp_path)), tmp_path, deadline_s=240.0)
-    refs = {}
+    refs: dict = {}
     for name, plan, arm_at in RUNS:
-        spec = plan.resolve_model()
-        key = (spec.name, plan.global_batch_size)
-        if key not in refs:
-            refs[key] = reference_train(spec, data, plan.global_batch_size, plan.seq_len, STEPS, LR,
-                                        weight_decay=0.1, clip_grad=0.05, seed=0)
-        ref = refs[key]
-        records = json.loads((tmp_path / f"{name}.json").read_text())
-        got = load_file(tmp_path / f"{name}.safetensors")
+        ref = reference_of(plan, data, refs)
+        got, records = outputs(tmp_path, name)
         if arm_at is None:
             assert_matches_reference(name, got, records, ref)
             assert max(ref.grad_norms) > 0.05, "clipping never engaged"

@@ -53,7 +53,7 @@ def _held(schedule: str, depth: int, stage: int, num_microbatches: int, split: b
 
 
 def _held_of_actions(actions: tuple[Action, ...], chunk_layers: tuple[int, ...], first: bool, last: bool) -> Held:
-    in_flight = max_in_flight_layers(actions, chunk_layers) if len(chunk_layers) > 1 else max_in_flight(actions)
+    in_flight = max_in_flight_layers(actions, chunk_layers)
     heads = max_in_flight(tuple(a for a in actions if a.chunk == len(chunk_layers) - 1)) if last else 0
     return Held(in_flight, max_pending_weights(actions), max_stashed_inputs(actions, first), heads)
 
@@ -74,6 +74,18 @@ class Shortfall:
     device: str
     need_bytes: int
     usable_bytes: int
+
+
+def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
+    """Whether ``pipe`` may run ``schedule`` (the planner's level 2 asks): every stage fits its device with the
+    schedule's in-flight micro-batches at the pipeline's micro-batch size (at ``depth`` micro-batches or more,
+    the most any sample count reaches)."""
+    b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
+    for s, stage in enumerate(pipe.stages):
+        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute, pipe.num_chunks)
+        if stage_bytes(cost, pipe, s, b, held_of(pipe, s, actions)) > cost.usable_memory_bytes(stage.device):
+            return False
+    return True
 
 
 def stage_peak_bytes(plan: Plan, cost: StageMemory, pipeline: int, stage: int) -> int:

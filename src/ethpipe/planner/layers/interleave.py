@@ -19,6 +19,7 @@ import dataclasses
 import time
 
 from ethpipe.cost.model import CostModel
+from ethpipe.cost.plan_memory import fits
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
 from ethpipe.schedule import interleaved_fits
@@ -55,8 +56,6 @@ def interleaved_of(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> Pipeline | N
 def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: bool = False) -> tuple[Plan, float]:
     """``plan`` with each distinct pipeline shape interleaved where that is predicted faster and fits memory
     (module docstring), and its predicted iteration seconds (``plan_s``: ``plan``'s)."""
-    from ethpipe.planner.layers.schedules import fits
-
     shapes: dict[tuple, list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
         shapes.setdefault((tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages),

@@ -24,8 +24,8 @@ from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
 from ethpipe.planner.layers.interleave import try_interleaving
 from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
 from ethpipe.planner.samples.balance import balance_samples
-from ethpipe.cost.plan_memory import held_of, stage_bytes
-from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, stage_actions
+from ethpipe.cost.plan_memory import fits
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES
 
 
 class BestOfTiming(PipelineTiming):
@@ -46,17 +46,6 @@ class BestOfTiming(PipelineTiming):
 
     def fastest(self, num_samples: int) -> PipelineTiming:
         return min(self.timings, key=lambda t: (t.time_s(num_samples), t.schedule != DEFAULT_SCHEDULE))
-
-
-def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
-    """Every stage fits its device with the schedule's in-flight micro-batches at the pipeline's micro-batch
-    size (at ``depth`` micro-batches or more, the most any sample count reaches)."""
-    b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
-    for s, stage in enumerate(pipe.stages):
-        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute, pipe.num_chunks)
-        if stage_bytes(cost, pipe, s, b, held_of(pipe, s, actions)) > cost.usable_memory_bytes(stage.device):
-            return False
-    return True
 
 
 def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], granularity: int) -> list[PipelineTiming]:
