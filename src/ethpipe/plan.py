@@ -7,6 +7,7 @@ starts. This module must not import torch or the planner.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,17 +33,18 @@ class Stage:
     # An interleaved pipeline's stage holds several model chunks: their layer ranges, chunk 0 first (= layers).
     chunks: tuple[tuple[int, int], ...] = ()
 
-    @property
+    # Derived from frozen fields, computed once per stage (the planner reads them millions of times).
+    @functools.cached_property
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """The stage's layer ranges, one per model chunk (one range unless interleaved)."""
         return self.chunks or (self.layers,)
 
-    @property
+    @functools.cached_property
     def chunk_layers(self) -> tuple[int, ...]:
         """Layers per model chunk (one entry unless interleaved)."""
         return tuple(hi - lo for lo, hi in self.layer_ranges)
 
-    @property
+    @functools.cached_property
     def num_layers(self) -> int:
         return sum(self.chunk_layers)
 

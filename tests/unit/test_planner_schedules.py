@@ -22,6 +22,7 @@ from ethpipe.cost.plan_memory import memory_shortfalls
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import make_plan
+from ethpipe.planner.estimate import estimate_iteration_s, plan_layout
 from ethpipe.planner.layers.interleave import interleaved_of
 from ethpipe.planner.layers.schedules import choose_schedules, fits
 from ethpipe.sim import simulate
@@ -105,6 +106,20 @@ def test_a_schedule_that_does_not_fit_is_never_chosen(plans: dict[str, Plan]) ->
     assert not fits(tight, pipe, "zb-h1") and fits(tight, pipe, "1f1b")
     kept, _ = choose_schedules(one, tight, ("1f1b", "zb-h1"))
     assert all(p.schedule == "1f1b" for p in kept.pipelines if p.stages[-1].device == last.device)
+
+
+def test_a_re_split_priced_with_its_layouts_shared_terms_is_priced_as_alone(plans: dict[str, Plan]) -> None:
+    """choose_schedules prices the plan and its re-split with one ``PlanLayout`` (the p2p sharing, holders, sync
+    durations and pricing keys their stages share): the same seconds as pricing the re-split on its own; a
+    layout of other stages is refused."""
+    one = plans["1f1b"]
+    cost = CostModel.for_plan(one)
+    chosen, chosen_s = choose_schedules(one, cost, ("1f1b", "zb-h1"))
+    assert chosen is not one and "zb-h1" in {p.schedule for p in chosen.pipelines}
+    assert chosen_s == estimate_iteration_s(chosen, cost)
+    other = dataclasses.replace(one, pipelines=one.pipelines[1:] + one.pipelines[:1])
+    with pytest.raises(AssertionError, match="a layout of other stages"):
+        estimate_iteration_s(one, cost, layout=plan_layout(other, cost))
 
 
 def test_cli_schedules_option_and_its_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]

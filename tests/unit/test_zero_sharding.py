@@ -81,3 +81,41 @@ def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
     report = simulate(loaded, cost)
     assert report.iteration_time_s == pytest.approx(plan.predicted["iteration_time_s"], rel=0.05)
     assert any(e.kind == "allgather" for e in report.events)  # the gather phase after the optimizer
+
+
+A100_V100 = cluster_from_dict({"nodes": [
+    {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 1600},
+    {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800}]})
+
+
+@pytest.mark.parametrize("cluster, model, batch, rounds", [(A100_V100, "llama2-7b", 16, [2, 4]),  # 2k taken
+                                                           (V100S, "llama2-13b", 64, [2])])  # 2k not needed
+def test_the_next_sharding_round_searched_ahead_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch, cluster,
+                                                                    model: str, batch: int, rounds: list[int]) -> None:
+    """The round at 2k searched in a forked process while this one searches k: the plan is the one the rounds
+    give one after the other, whether 2k is needed or not. (Forced on at 16 and 32 GPUs, and where another
+    test may have left a thread alive, which switches it off in real use.)"""
+    from ethpipe.planner.devices import sharding
+    from ethpipe.planner.search.ahead import Ahead
+
+    started: list[Ahead] = []
+
+    class Counted(Ahead):
+        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(fn)
+            started.append(self)
+
+    monkeypatch.setattr(sharding, "can_run_ahead", lambda: True)
+    monkeypatch.setattr(sharding, "Ahead", Counted)
+    spec = load_model_spec(model)
+    monkeypatch.setattr(sharding, "AHEAD_MIN_DEVICES", 10 ** 9)
+    here = make_plan(cluster, spec, batch, 4096)
+    assert not started
+    monkeypatch.setattr(sharding, "AHEAD_MIN_DEVICES", 1)
+    ahead = make_plan(cluster, spec, batch, 4096)
+    assert len(started) == 1
+    for plan in (here, ahead):
+        assert plan.extra["search"]["shard_optimizer"]["holders_tried"] == rounds
+    assert ahead.pipelines == here.pipelines and ahead.shard_optimizer == here.shard_optimizer
+    timeless = [{k: v for k, v in p.predicted.items() if k != "planning_time_s"} for p in (ahead, here)]
+    assert timeless[0] == timeless[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster, cluster_from_dict
@@ -134,6 +134,13 @@ class CostModel(MemoryPricing, SplitPricing):
                    optimizer_holders=len(plan.pipelines) if plan.shard_optimizer else 1)
         # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
         return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
+
+    def with_optimizer_holders(self, holders: int) -> CostModel:
+        """This pricing with the AdamW moments sharded over ``holders`` ranks (``planner/devices/sharding.py``);
+        the compute memos are shared: kernel and TP times do not depend on it, memory does."""
+        out = replace(self, optimizer_holders=holders)
+        object.__setattr__(out, "_kernel_memo", self._kernel_memo)  # type: ignore[attr-defined]
+        return out
 
     def on_cluster(self, cluster: Cluster) -> CostModel:
         """The same pricing on ``cluster`` (e.g. ``without_devices``); profiles of types it lacks are dropped."""
@@ -295,11 +302,15 @@ class CostModel(MemoryPricing, SplitPricing):
                                      self.cluster.intra_node_latency_s)
 
     def _tp_comm_s(self, device_type: str, tp: int, kind: str, micro_batch: int, backward: bool) -> float:
-        """A layer pass's TP all-reduces."""
+        """A layer pass's TP all-reduces (memoised: the planner's bounds ask for every stage of every shape)."""
         if tp <= 1:
             return 0.0
-        return sum(self.tp_allreduce_s(device_type, tp, micro_batch, n)
-                   for n in self.tp_message_bytes(kind, micro_batch, backward))
+        key = ("tp_comm", device_type, tp, kind, micro_batch, backward)
+        memo = self._kernel_memo  # type: ignore[attr-defined]
+        if key not in memo:
+            memo[key] = sum(self.tp_allreduce_s(device_type, tp, micro_batch, n)
+                            for n in self.tp_message_bytes(kind, micro_batch, backward))
+        return memo[key]  # type: ignore[no-any-return]
 
     def layer_times_s(self, device_type: str, micro_batch: int, tp: int = 1, recompute: bool = False) -> tuple[float, float]:
         """(fwd, bwd) seconds of ONE decoder block for one micro-batch (bwd includes recomputation)."""

@@ -48,7 +48,9 @@ def nic_share_gbps(nic_gbps: float, flow_gbps: float, ranks_here: int, ranks_sha
 
 
 def distinct_gpus(gpus: Iterable[GpuSpec]) -> tuple[GpuSpec, ...]:
-    return tuple(dict.fromkeys(gpus))
+    """Distinct types, first seen first. Devices share their type's spec object, so identity goes first: hashing
+    a spec (all its fields) per device was a tenth of planning time at 4096 GPUs."""
+    return tuple(dict.fromkeys({id(g): g for g in gpus}.values()))
 
 
 def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:

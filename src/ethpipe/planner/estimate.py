@@ -22,7 +22,7 @@ from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
-from ethpipe.plan import Plan
+from ethpipe.plan import Pipeline, Plan, Stage
 from ethpipe.planner.layers.timing import action_times_s, virtual_stages, weight_times_s
 from ethpipe.cost.plan_memory import held_of, stage_bytes
 from ethpipe.schedule import SPLIT_SCHEDULES
@@ -40,18 +40,51 @@ class Estimate:
     no_sync_iteration_s: float = 0.0  # the iteration if gradient sync were free (efficiency factors)
 
 
-def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.ndarray:
-    """Each stage's last-backward end (identical pipelines are priced once). An interleaved pipeline is priced
-    per virtual stage (``virtual_stages``): its rows, its receives over the ring's wrap-around too."""
-    pipe = plan.pipelines[p]
-    slots, layers, rc = virtual_stages(pipe)
-    ring = list(zip(slots, slots[1:]))
-    links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]),
-                   cost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1), cost.p2p_link_gbps(b.ranks[0], a.ranks[0], 1))
-                  for a, b in ring[:pipe.depth])  # interleaved: the wrap link too
-    key = (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages), links)
+@dataclass(frozen=True)
+class PlanLayout:
+    """What pricing a plan takes from its stages and blocks alone, not from its micro-batches or schedules:
+    computed once for the estimates of one layout's re-splits (``layers/schedules.py``), which at thousands of
+    pipelines is most of an estimate."""
+
+    stages: tuple[tuple[Stage, ...], ...]  # per pipeline: the stages this was computed for
+    cost: CostModel  # with the layout's p2p NIC sharing (``CostModel.with_plan_p2p``)
+    keys: tuple[tuple, ...]  # per pipeline: what its stage times depend on (devices, layers, links)
+    holders: list[list[tuple[int, int]]]  # per block: its holder stages (``holder_stages``)
+    sync_s: list[float]  # per block: its all-reduce (sharded: reduce phase)
+    tied_holders: list[tuple[int, int]]
+    tied_sync_s: float
+
+
+def plan_layout(plan: Plan, cost: CostModel) -> PlanLayout:
+    pcost = cost.with_plan_p2p(plan)  # pipelines crossing the same NIC share it (cost/p2p.py)
+    links: dict = {}
+    return PlanLayout(tuple(p.stages for p in plan.pipelines), pcost,
+                      tuple(_pipeline_key(pipe, pcost, links) for pipe in plan.pipelines), holder_stages(plan),
+                      pcost.block_sync_s(plan), tied_holder_stages(plan), pcost.tied_sync_s(plan))
+
+
+def _pipeline_key(pipe: Pipeline, cost: CostModel, links: dict) -> tuple:
+    """Its stages' devices and layers, and each receive's link (an interleaved ring's wrap-around too)."""
+    heads = [st.ranks[0] for st in pipe.stages]
+    ring = heads * pipe.num_chunks if pipe.num_chunks > 1 else heads  # the rows' order (``virtual_stages``)
+    return (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages),
+            tuple(_link(cost, a, b, links) for a, b in zip(ring[:pipe.depth], ring[1:pipe.depth + 1])))
+
+
+def _link(cost: CostModel, a: int, b: int, memo: dict) -> tuple[float, float, float, float]:
+    """What a receive from rank a's stage to rank b's depends on (both directions: the backward's gradient)."""
+    if (a, b) not in memo:
+        memo[(a, b)] = (cost.cluster.link_gbps(a, b), cost.cluster.link_latency_s(a, b),
+                        cost.p2p_link_gbps(a, b, 1), cost.p2p_link_gbps(b, a, 1))
+    return memo[(a, b)]
+
+
+def _pipeline_finish(pipe: Pipeline, cost: CostModel, key: tuple, cache: dict) -> np.ndarray:
+    """Each stage's last-backward end (identical pipelines, same ``key``, are priced once). An interleaved
+    pipeline is priced per virtual stage (``virtual_stages``): its rows, its receives over the wrap-around too."""
     split = pipe.schedule in SPLIT_SCHEDULES
     if (key, pipe.micro_batch_sizes, pipe.schedule) not in cache:
+        slots, layers, rc = virtual_stages(pipe)
         per_size = {}
         for x in set(pipe.micro_batch_sizes):
             if (key, x, split) not in cache:
@@ -65,19 +98,25 @@ def _pipeline_finish(plan: Plan, cost: CostModel, p: int, cache: dict) -> np.nda
     return cache[(key, pipe.micro_batch_sizes, pipe.schedule)]
 
 
-def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detail: bool = True) -> Estimate:
-    """``detail=False`` leaves ``busy_s`` / ``memory_bytes`` empty (robust pricing needs only the times)."""
-    cost = cost.with_plan_p2p(plan)  # pipelines crossing the same NIC share it (cost/p2p.py)
+def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detail: bool = True,
+                  layout: PlanLayout | None = None) -> Estimate:
+    """``detail=False`` leaves ``busy_s`` / ``memory_bytes`` empty (robust pricing needs only the times).
+    ``layout``: ``plan_layout`` of a plan with the same stages and blocks (else computed here)."""
+    if layout is None:
+        layout = plan_layout(plan, cost)
+    assert layout.stages == tuple(p.stages for p in plan.pipelines), "a layout of other stages"
+    cost = layout.cost
     cache: dict = {}
-    finish = [_pipeline_finish(plan, cost, p, cache) for p in range(len(plan.pipelines))]
+    finish = [_pipeline_finish(pipe, cost, key, cache) for pipe, key in zip(plan.pipelines, layout.keys)]
     times = tuple(float(np.max(f)) for f in finish)
     makespan = max(times)
     free = {(p, s): (makespan if flat_sync else float(finish[p][s]))
             for p, pipe in enumerate(plan.pipelines) for s in range(pipe.depth)}
     sync_end = makespan
-    holders_of, durations = holder_stages(plan), cost.block_sync_s(plan)
+    holders_of, durations = layout.holders, layout.sync_s
+    tied_holders, tied_s = layout.tied_holders, layout.tied_sync_s
     syncs = [(holders_of[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
-    syncs.append((tied_holder_stages(plan), cost.tied_sync_s(plan)))  # the runtime's order: the tied matrix last
+    syncs.append((tied_holders, tied_s))  # the runtime's order: the tied matrix last
     for holders, duration in syncs:
         if duration > 0.0:
             start = max(free[h] for h in holders)
@@ -111,17 +150,19 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             for r in stage.ranks:
                 busy[r] = work
                 memory[r] = mem
-    iteration = _after_gathers(plan, cost, free)
+    # Sharded: the all-gathers of the updated shards repeat the reduce phases (``CostModel.block_gather_s``).
+    sharded = cost.optimizer_holders > 1
+    iteration = _after_gathers(plan, free, holders_of, durations if sharded else [0.0] * len(durations),
+                               tied_holders, tied_s if sharded else 0.0)
     return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory, no_sync)
 
 
-def _after_gathers(plan: Plan, cost: CostModel, free: dict[tuple[int, int], float]) -> float:
+def _after_gathers(plan: Plan, free: dict[tuple[int, int], float], holders_of: list[list[tuple[int, int]]],
+                   gather_s: list[float], tied_holders: list[tuple[int, int]], tied_gather_s: float) -> float:
     """The iteration's end: each stage's optimizer end, or, sharded, the all-gathers of the updated shards
     after it, in the runtime's order (the sync's reversed: the tied matrix, then blocks ascending)."""
-    gathers = [(tied_holder_stages(plan), cost.tied_gather_s(plan))]
-    durations = cost.block_gather_s(plan)
-    holders_of = holder_stages(plan)
-    gathers += [(holders_of[k], durations[k]) for k in reversed(block_sync_order(len(plan.blocks)))]
+    gathers = [(tied_holders, tied_gather_s)]
+    gathers += [(holders_of[k], gather_s[k]) for k in reversed(block_sync_order(len(plan.blocks)))]
     for holders, duration in gathers:
         if duration > 0.0:
             start = max(free[h] for h in holders)
@@ -130,9 +171,10 @@ def _after_gathers(plan: Plan, cost: CostModel, free: dict[tuple[int, int], floa
     return max(free.values())
 
 
-def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> float:
+def estimate_iteration_s(plan: Plan, cost: CostModel, *, flat_sync: bool = False,
+                         layout: PlanLayout | None = None) -> float:
     """The planner's closed-form iteration time of any valid plan (the simulator is checked against it)."""
-    return estimate_plan(plan, cost, flat_sync=flat_sync, detail=False).iteration_time_s
+    return estimate_plan(plan, cost, flat_sync=flat_sync, detail=False, layout=layout).iteration_time_s
 
 
 def ideal_time_s(cost: CostModel, global_batch: int) -> float:

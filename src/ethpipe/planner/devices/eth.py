@@ -101,7 +101,7 @@ def _pool_groups(cost: CostModel, pools: Sequence[Pool], i: int, global_batch: i
         if best is None:
             continue
         built += 1
-        group = homogeneous_group(cost, best[1], pool)
+        group = homogeneous_group(cost, best[1], pool, cache)
         score = group_iteration_s(cost, [group], [[share] * count], flat_sync=not options.block_sync)
         scored.append((score, group))
     scored.sort(key=lambda sg: (sg[0], -sg[1].template.devices_per_pipeline))
@@ -171,7 +171,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                                   micro_batches=mbs, cache=cache)
             if scored:
                 own[i] = [[g] for g in _diverse(scored, keep)]
-                splits[i] = split_candidates(cost, pools[i], [g for _, g in scored]) if options.split_pools else []
+                splits[i] = (split_candidates(cost, pools[i], [g for _, g in scored], cache=cache)
+                             if options.split_pools else [])
         needy = [i for i in range(len(pools)) if i not in own]
         if needy and not options.allow_mixed:
             names = ", ".join(pools[i].device for i in needy)

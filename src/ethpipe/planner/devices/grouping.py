@@ -8,13 +8,16 @@ node statistics are gathered when it is made, so a candidate costs O(blocks x gr
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ethpipe.catalog import GpuSpec
+from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_share_gbps
 from ethpipe.errors import Infeasible
@@ -56,30 +59,42 @@ def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[St
     devices = cost.cluster.devices
     stages = []
     for s in range(template.depth):
+        at = [devices[slots[s].ranks[0]] for slots in instances]  # each pipeline's stage-s head
         heads: dict[int, int] = {}
         nic: dict[int, float] = {}
         flow: dict[int, float] = {}
-        intra = float("inf")
-        for slots in instances:
-            d = devices[slots[s].ranks[0]]
+        for d in at:
             heads[d.node] = heads.get(d.node, 0) + 1
             nic[d.node] = d.nic_gbps
             flow[d.node] = d.flow_gbps
-            intra = min(intra, d.gpu.intra_node_gbps)
-        gpus = distinct_gpus(devices[slots[s].ranks[0]].gpu for slots in instances)
-        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra, tuple(flow.items()), gpus))
-    ranks: dict[int, int] = {}
-    for slots in instances:
-        for slot in slots:
-            for r in slot.ranks:
-                ranks[devices[r].node] = ranks.get(devices[r].node, 0) + 1
+        intra = min((d.gpu.intra_node_gbps for d in at), default=float("inf"))
+        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra, tuple(flow.items()),
+                                 distinct_gpus(d.gpu for d in at)))
+    ranks = Counter([devices[r].node for slots in instances for slot in slots for r in slot.ranks])  # first seen first
     return Group(template, tuple(instances), tuple(stages), tuple(ranks.items()))
 
 
-def homogeneous_group(cost: CostModel, template: Template, pool: Pool) -> Group:
-    """Cut a whole pool into pipelines of ``template`` (``span_instances``)."""
-    spans = span_instances(pool, template.depth, template.tp, template.nodes_per_pipeline)
-    return make_group(cost, template, [slots_for([(pool.device, r) for r in ranks], template.tp) for ranks in spans])
+def cluster_memo(cache: dict, cluster: Cluster) -> dict:
+    """The part of a planning cache that depends on ``cluster``'s devices alone (layouts' replicas and node
+    statistics), shared by the caches of every optimizer-holder count (``planner.make_plan`` puts one dict
+    under ``("cluster_memo",)`` in each): the sharded rounds search the unsharded plan's devices again."""
+    shared = cache.setdefault(("cluster_memo",), {})
+    entry = shared.get(id(cluster))
+    if entry is None or entry[0] is not cluster:  # the entry keeps its cluster alive: its id is not reused
+        entry = shared[id(cluster)] = (cluster, {})
+    return entry[1]
+
+
+def homogeneous_group(cost: CostModel, template: Template, pool: Pool, cache: dict | None = None) -> Group:
+    """Cut a whole pool into pipelines of ``template`` (``span_instances``); the node statistics, which depend on
+    the shape alone, memoised in ``cache``'s ``cluster_memo``."""
+    key = ("pool_group", pool.device, pool.nodes, template.depth, template.tp, template.nodes_per_pipeline)
+    memo = cluster_memo(cache, cost.cluster) if cache is not None else {}
+    if key not in memo:
+        spans = span_instances(pool, template.depth, template.tp, template.nodes_per_pipeline)
+        memo[key] = make_group(cost, template, [slots_for([(pool.device, r) for r in ranks], template.tp)
+                                                for ranks in spans])
+    return dataclasses.replace(memo[key], template=template)
 
 
 def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int], SyncShape | None]]:

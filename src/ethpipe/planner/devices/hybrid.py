@@ -301,8 +301,8 @@ def batch_share(cost: CostModel, pools: Sequence[Pool], subset: Sequence[int], g
     return max(1, round(global_batch * sum(speed[i] for i in subset) / sum(speed)))
 
 
-def split_candidates(cost: CostModel, pool: Pool, groups: Sequence[Group], every: bool = False
-                     ) -> list[list[Group]]:
+def split_candidates(cost: CostModel, pool: Pool, groups: Sequence[Group], every: bool = False,
+                     cache: dict | None = None) -> list[list[Group]]:
     """The pool's nodes shared by two of its shapes: the best (``groups[0]``) on a fraction of them, the
     second best on the rest (``every``: every pair of ``groups`` at every node count that both tile)."""
     n = len(pool.nodes)
@@ -315,5 +315,5 @@ def split_candidates(cost: CostModel, pool: Pool, groups: Sequence[Group], every
             if 0 < n_a < n and n_a % ta.nodes_per_pipeline == 0 and (n - n_a) % tb.nodes_per_pipeline == 0:
                 first = Pool(pool.device, pool.gpus_per_node, pool.nodes[:n_a])
                 rest = Pool(pool.device, pool.gpus_per_node, pool.nodes[n_a:])
-                out.append([homogeneous_group(cost, ta, first), homogeneous_group(cost, tb, rest)])
+                out.append([homogeneous_group(cost, ta, first, cache), homogeneous_group(cost, tb, rest, cache)])
     return out

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
 from itertools import pairwise
 
@@ -32,7 +32,7 @@ from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
 from ethpipe.planner.assemble import Found
 from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
-from ethpipe.planner.devices.grouping import Group, evaluate_groups, make_group, sync_shapes
+from ethpipe.planner.devices.grouping import Group, cluster_memo, evaluate_groups, make_group, sync_shapes
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.templates import (
     MICRO_BATCH_CANDIDATES,
@@ -166,8 +166,9 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     bounds = shared_bounds(cost, cache)
     heap: list[tuple[float, int, int, tuple]] = []
     counter = itertools.count()
-    structures: dict[int, list[tuple[tuple[StageSlot, ...], Group]]] = {}
-    representatives: dict[int, Structures] = {}
+    memo = cluster_memo(cache, cost.cluster)  # a layout's replicas depend on the cluster alone: shared by rounds
+    structures: dict[tuple, list[tuple[tuple[StageSlot, ...], Group]]] = memo.setdefault("replicated_structures", {})
+    representatives: dict[tuple, Structures] = memo.setdefault("replicated_representatives", {})
     spaces: list[tuple[Iterator[LazyLayout], bool]] = [(uniform_layouts(cost, global_batch, max_tp), True)
                                                        ] if uniform_space else []
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
@@ -175,7 +176,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     for layouts, uniform in spaces:
         for dp, t, kinds, heads, crossing, layout, reps in layouts:
             share = -(-global_batch // dp)
-            key = next(counter)
+            key = (uniform, dp, t, tuple(kinds.items()))  # the layout (its devices' order): its memo key
             depth = len(next(iter(kinds)))
             layers = equal_layers(cost.model.num_layers, depth) if uniform else None
             sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
@@ -249,7 +250,7 @@ def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: Plann
     return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
 
 
-def _replicas(key: int, reps: Callable[[], Structures], representatives: dict, global_batch: int
+def _replicas(key: Hashable, reps: Callable[[], Structures], representatives: dict, global_batch: int
               ) -> tuple[Structures, int, int]:
     """One replica per structure (built once per layout), the number of pipelines and ceil(B/P)."""
     if key not in representatives:
@@ -259,7 +260,7 @@ def _replicas(key: int, reps: Callable[[], Structures], representatives: dict, g
     return structures, num_pipes, -(-global_batch // num_pipes)
 
 
-def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
+def _split_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Callable[[], Structures],
                  heads: Sequence[int], crossing: bool, b: int, global_batch: int, recompute: str,
                  options: PlannerOptions, cache: dict, representatives: dict) -> float | None:
     """Some pipeline runs >= ceil(B/P) samples: its flush is at least the fastest structure's
@@ -275,7 +276,7 @@ def _split_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[
     return min(flush_s) + bounds.first_stage_sync_s(heads, slots[0].tp, len(slots), crossing, 1)
 
 
-def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callable[[], Structures],
+def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Callable[[], Structures],
                    heads: Sequence[int], crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str,
                    options: PlannerOptions, cache: dict, representatives: dict, cutoff_s: float) -> float | None:
     """A bound from one replica per structure: first the memory-aware bottleneck (no templates), then the
@@ -308,7 +309,7 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: int, reps: Callabl
                   for t in templates))
 
 
-def _price(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: int, b: int, uniform: bool,
+def _price(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: Hashable, b: int, uniform: bool,
            recompute: str, options: PlannerOptions, cache: dict, structures: dict) -> list[Found]:
     """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
     computed once per layout."""

@@ -5,7 +5,9 @@ per pipeline, so a plan's memory depends on its own number of pipelines k, which
 planner solves that by iteration: plan with the moments priced at 1 / k (k first from the unsharded
 plan, at least 2); a plan with P >= k pipelines is valid (its moments take 1 / P <= 1 / k: the price was
 conservative) and is kept, re-priced at its own k = P; P != k re-plans at k = P (P > k: more memory freed
-may allow a better plan) until P = k or ``MAX_ROUNDS``. The cheaper of the unsharded plan and the best valid sharded one wins:
+may allow a better plan) until P = k or ``MAX_ROUNDS``; each round prunes against the unsharded plan (so the next
+one can be searched ahead, in a second process: ``with_sharding``). The cheaper of the unsharded plan and the best
+valid sharded one wins:
 sharding costs time (the sync becomes a reduce and, after the optimizer, an all-gather: ``CostModel.sync_s``)
 and pays where the memory it frees buys fewer stages, less recompute or larger micro-batches.
 """
@@ -21,6 +23,8 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES
+from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.search.bounds import incumbent_bar_s
 
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
@@ -30,13 +34,17 @@ RefineFn = Callable[[CostModel, float], "Plan | None"]
 
 
 def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: bool = False,
-                  refine_fn: RefineFn | None = None) -> tuple[Plan, CostModel]:
+                  refine_fn: RefineFn | None = None, *, ahead: bool | None = None) -> tuple[Plan, CostModel]:
     """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
     ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans.
     ``refine_fn(cost, incumbent_s)``: one search on ``cost``'s devices that returns None unless it beats
     ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose (its idle
     choice stands) and prune against its time, which keeps planning time near one search where sharding
-    does not pay. Without it (or where nothing fits unsharded) each round is a whole ``plan_fn``."""
+    does not pay. Without it (or where nothing fits unsharded) each round is a whole ``plan_fn``.
+    Every refined round prunes against the unsharded plan, so a round depends on the ones before it only
+    through its k: with ``ahead`` (default: from ``AHEAD_MIN_DEVICES`` devices, where ``can_run_ahead()``)
+    the round at 2k, the fixpoint's usual next step, is searched in a second process while this one
+    searches k. Its result is used only if the round at k asks for 2k, so the plan never depends on it."""
     started = time.perf_counter()
     plain: tuple[Plan, CostModel] | None = None
     error: Infeasible | None = None
@@ -45,36 +53,41 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     except Infeasible as err:
         error = err
     k = max(len(plain[0].pipelines), 2) if plain is not None else 2
+    if ahead is None:
+        ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
+    rounds = _Rounds(plain, refine_fn, robust, ahead and can_run_ahead()) if plain is not None and refine_fn else None
     tried: list[int] = []
     best: tuple[Plan, CostModel] | None = None
-    for _ in range(MAX_ROUNDS):
-        if k in tried or k > cost.cluster.num_devices:
-            break
-        tried.append(k)
-        try:
-            if plain is not None and refine_fn is not None:
-                on = dataclasses.replace(plain[1], optimizer_holders=k)
-                beat = best[0] if best is not None else plain[0]
-                found_plan = refine_fn(on, math.inf if robust else incumbent_bar_s(beat, _score(beat, robust)))
-                if found_plan is None:
-                    break  # nothing sharded beats the best so far at this k
-                plan = _with_idle_record(found_plan, plain[0])
+    try:
+        for _ in range(MAX_ROUNDS):
+            if k in tried or k > cost.cluster.num_devices:
+                break
+            tried.append(k)
+            try:
+                if rounds is not None:
+                    found_plan = rounds.search(k, ahead_k=2 * k if 2 * k <= cost.cluster.num_devices else None)
+                    if found_plan is None:
+                        break  # nothing sharded beats the unsharded plan at this k
+                    plan, on = found_plan, rounds.cost_at(k)
+                else:
+                    plan, on = plan_fn(cost.with_optimizer_holders(k))
+            except Infeasible:
+                break
+            num_pipelines = len(plan.pipelines)
+            if num_pipelines == k:  # priced exactly as it will run
+                found = (dataclasses.replace(plan, shard_optimizer=True), on)
+            elif num_pipelines > k:  # valid (its moments take less than priced): re-priced at its own k
+                found = _repriced(plan, on.with_optimizer_holders(num_pipelines), flat_sync, robust)
             else:
-                plan, on = plan_fn(dataclasses.replace(cost, optimizer_holders=k))
-        except Infeasible:
-            break
-        num_pipelines = len(plan.pipelines)
-        if num_pipelines == k:  # priced exactly as it will run
-            found = (dataclasses.replace(plan, shard_optimizer=True), on)
-        elif num_pipelines > k:  # valid (its moments take less than priced): re-priced at its own k
-            found = _repriced(plan, dataclasses.replace(on, optimizer_holders=num_pipelines), flat_sync, robust)
-        else:
-            found = None
-        if found is not None and (best is None or _score(found[0], robust) < _score(best[0], robust)):
-            best = found
-        if num_pipelines < 2 or num_pipelines == k:
-            break
-        k = num_pipelines
+                found = None
+            if found is not None and (best is None or _score(found[0], robust) < _score(best[0], robust)):
+                best = found
+            if num_pipelines < 2 or num_pipelines == k:
+                break
+            k = num_pipelines
+    finally:
+        if rounds is not None:
+            rounds.close()
     if plain is None and best is None:
         assert error is not None
         raise error
@@ -89,6 +102,39 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     predicted = {**choice[0].predicted, "planning_time_s": time.perf_counter() - started}  # both searches
     plan = dataclasses.replace(choice[0], extra={**choice[0].extra, "search": search}, predicted=predicted)
     return plan, choice[1]
+
+
+class _Rounds:
+    """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time), each
+    searched once, the next one possibly ahead in a second process (``with_sharding``)."""
+
+    def __init__(self, plain: tuple[Plan, CostModel], refine_fn: RefineFn, robust: bool, ahead: bool) -> None:
+        self.plain, self.refine_fn, self.ahead = plain, refine_fn, ahead
+        self.bar_s = math.inf if robust else incumbent_bar_s(plain[0], _score(plain[0], robust))
+        self.pending: tuple[int, Ahead] | None = None
+
+    def cost_at(self, k: int) -> CostModel:
+        return self.plain[1].with_optimizer_holders(k)
+
+    def _run(self, k: int) -> Plan | None:
+        found = self.refine_fn(self.cost_at(k), self.bar_s)
+        return None if found is None else _with_idle_record(found, self.plain[0])
+
+    def search(self, k: int, ahead_k: int | None) -> Plan | None:
+        """The round at k (raises ``Infeasible`` as ``refine_fn`` does); the round at ``ahead_k`` starts alongside."""
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] != k:
+            pending[1].cancel()
+            pending = None
+        if pending is None and self.ahead and ahead_k is not None:
+            self.pending = (ahead_k, Ahead(lambda: self._run(ahead_k)))
+        out = pending[1].result() if pending is not None else MISSING
+        return self._run(k) if out is MISSING else out
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending[1].cancel()
+            self.pending = None
 
 
 def _with_idle_record(plan: Plan, plain: Plan) -> Plan:

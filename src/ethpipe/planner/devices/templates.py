@@ -70,9 +70,8 @@ def divisors(n: int) -> list[int]:
 
 def slots_for(devices: Sequence[tuple[str, int]], tp: int) -> tuple[StageSlot, ...]:
     """Consecutive ``tp``-rank stages over (device type, rank) pairs."""
-    return tuple(
-        StageSlot(devices[i][0], tp, tuple(r for _, r in devices[i:i + tp])) for i in range(0, len(devices), tp)
-    )
+    ranks = tuple([r for _, r in devices])
+    return tuple(StageSlot(devices[i][0], tp, ranks[i:i + tp]) for i in range(0, len(devices), tp))
 
 
 def equal_layers(num_layers: int, depth: int) -> list[int]:

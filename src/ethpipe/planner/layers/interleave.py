@@ -62,9 +62,9 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
                            pipe.micro_batch_sizes, pipe.schedule), []).append(p)
     for members in shapes.values():
         switched = list(plan.pipelines)
-        for p in members:
+        for p in members:  # they differ in ranks only, which memory does not depend on: one memory check
             candidate = interleaved_of(plan.pipelines[p])
-            if candidate is None or not fits(cost, candidate, "interleaved"):
+            if candidate is None or (p == members[0] and not fits(cost, candidate, "interleaved")):
                 break
             switched[p] = candidate
         else:

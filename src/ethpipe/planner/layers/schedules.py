@@ -20,7 +20,7 @@ import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
+from ethpipe.planner.estimate import PlanLayout, estimate_iteration_s, plan_layout, predicted_metrics
 from ethpipe.planner.layers.interleave import try_interleaving
 from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
 from ethpipe.planner.samples.balance import balance_samples
@@ -62,20 +62,21 @@ def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
     (where allowed) is tried last, on the pipelines so chosen (``layers/interleave.py``); eth's search asks
     without it and interleaves its final plan (``planner.make_plan``)."""
     assert schedules and all(s in SCHEDULES for s in schedules)
-    own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync)
+    layout = plan_layout(plan, cost)  # shared by the re-split's estimate: same stages
+    own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync, layout=layout)
     flat = [s for s in schedules if s != "interleaved"]
     resplit = flat not in ([], [DEFAULT_SCHEDULE]) and all(p.num_chunks == 1 for p in plan.pipelines)
-    chosen, chosen_s = _resplit(plan, cost, flat, own_s, flat_sync) if resplit else (plan, own_s)
+    chosen, chosen_s = _resplit(plan, cost, flat, own_s, flat_sync, layout) if resplit else (plan, own_s)
     if "interleaved" in schedules:
         chosen, chosen_s = try_interleaving(chosen, cost, chosen_s, flat_sync=flat_sync)
     return chosen, chosen_s
 
 
 def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float,
-             flat_sync: bool) -> tuple[Plan, float]:
+             flat_sync: bool, layout: PlanLayout) -> tuple[Plan, float]:
     """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``."""
     whole = ((plan.extra.get("search") or {}).get("options") or {}).get("fine_grained", True) is False
-    pcost = cost.with_plan_p2p(plan)
+    pcost = layout.cost
     groups: dict[tuple, list[int]] = {}
     timings: list[BestOfTiming] = []
     for p, pipe in enumerate(plan.pipelines):
@@ -98,7 +99,7 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
             pipe = plan.pipelines[p]
             pipelines[p] = Pipeline(pipe.stages, split_sizes(n, max(pipe.micro_batch_sizes)), timing.fastest(n).schedule)
     candidate = dataclasses.replace(plan, pipelines=tuple(pipelines), predicted=None)
-    candidate_s = estimate_iteration_s(candidate, cost, flat_sync=flat_sync)
+    candidate_s = estimate_iteration_s(candidate, cost, flat_sync=flat_sync, layout=layout)
     return (candidate, candidate_s) if candidate_s < own_s else (plan, own_s)
 
 
