@@ -9,7 +9,8 @@ import pytest
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost import memory
-from ethpipe.cost.model import CostModel, sharded_phase_fraction
+from ethpipe.cost.model import CostModel
+from ethpipe.cost.model_comm import sharded_phase_fraction
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import estimate_iteration_s, make_plan

@@ -49,7 +49,6 @@ def _cyclic_gc_paused(fn: _F) -> _F:
 
 
 @_cyclic_gc_paused
-
 def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_len: int, method: str = "eth", *,
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
