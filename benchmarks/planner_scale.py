@@ -37,6 +37,7 @@ NIC_GBIT = {"h100_sxm": 3200, "a100_80gb_sxm": 1600, "a100_40gb_sxm": 1600, "v10
             "v100_16gb": 800, "t4": 200, "l4": 400}
 TOKENS_PER_BATCH = 4 * 1024 * 1024
 ETH_RUNS = 5  # eth planning time: the median of this many runs after a warm-up (this machine is noisy)
+REFERENCE_FROM_GPUS = 1024  # rows from this size record the machine's speed just before eth is timed
 # Clusters users have (issue 6): name -> [(gpu, num_gpus)], 8 GPUs per node.
 REALISTIC = {
     "8xA100-80 + 8xV100-32": [("a100_80gb_sxm", 8), ("v100_32gb_sxm2", 8)],
@@ -78,6 +79,14 @@ def cluster_of(num_gpus: int) -> Cluster:
     return _cluster([(t, 8 * c) for t, c in zip(types, counts)])
 
 
+def reference_loop_s() -> float:
+    """Seconds of a fixed pure-Python loop: this machine's speed at the moment (it varies 2-3x between hours,
+    more than any planner change), so planning times can be read against it."""
+    start = time.perf_counter()
+    sum(i * i for i in range(10**7))
+    return time.perf_counter() - start
+
+
 def _timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -93,6 +102,8 @@ def _row(name: str, cluster: Cluster, model: str, seq: int, batch: int, batch_la
         make_plan(cluster, spec, batch, seq)  # warm-up
     except UserError as err:  # no feasible plan (a bug would propagate)
         return row | {"error": str(err)}
+    if cluster.num_devices >= REFERENCE_FROM_GPUS:
+        row["reference_loop_s"] = reference_loop_s()
     runs = [_timed(lambda: make_plan(cluster, spec, batch, seq)) for _ in range(ETH_RUNS)]
     eth = runs[0][1]
     row |= {"eth_planning_s": statistics.median(t for t, _ in runs), "eth_iteration_s": eth.predicted["iteration_time_s"],
@@ -185,13 +196,17 @@ def _s(value: float | None, timed_out: bool = False) -> str:
     return f"timeout ({value:.0f} s)" if timed_out else f"{value:.3f}"
 
 
-def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path, widened: list[dict] | None = None
-                 ) -> None:
+def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path, widened: list[dict] | None = None,
+                 reference_s: list[float] | None = None) -> None:
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     ok = [r for r in rows if "error" not in r]
     lines = [
         "# Planner benchmark: eth vs layer-balanced vs uniform", "",
         f"Command: `{command}`  ", f"Machine: {machine}  ",
+        *([f"Machine speed: a fixed pure-Python loop (`reference_loop_s`) took {reference_s[0]:.2f} s at the start and "
+           f"{reference_s[-1]:.2f} s at the end (this machine's speed varies between hours, and planning times with it; rows "
+           f"from {REFERENCE_FROM_GPUS} GPUs record it just before eth is timed).  "]
+          if reference_s else []),
         f"Exhaustive searches are capped at {budget_s:.0f} s (\"timeout\": the cap was hit; the best plan found so far "
         "is what is reported).  ",
         f"eth plan s: wall-clock of `make_plan`, the median of {ETH_RUNS} runs after a warm-up (from 256 GPUs eth plans "
@@ -239,6 +254,11 @@ def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path,
         lines += ["", "Slowest eth planning per cluster size (eth s / layer-balanced s, same run): " + "; ".join(
             f"{n} GPUs {max(r['eth_planning_s'] for r in rs):.3f} s / {max(r['lb_planning_s'] for r in rs):.1f} s"
             for n, rs in sorted(by_size.items())) + "."]
+        timed = [r for r in ok if "reference_loop_s" in r]
+        if timed:
+            lines += ["", "Large rows against the machine's speed (eth s, reference loop s just before): " + "; ".join(
+                f"{r['gpus']} GPUs {r['model']} {r['batch']} {r['eth_planning_s']:.3f} / {r['reference_loop_s']:.2f}"
+                for r in timed) + "."]
     if losses:
         lines += ["", "Where eth loses to layer-balanced (predicted): " + "; ".join(
             f"{r['cluster']} {r['model']} {r['batch']} ({r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x, eth sync "
@@ -247,7 +267,8 @@ def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "planner_scale.md").write_text("\n".join(lines) + "\n")
     (out_dir / "planner_scale.json").write_text(json.dumps(
-        {"command": command, "machine": machine, "budget_s": budget_s, "rows": rows, "widened": widened or []},
+        {"command": command, "machine": machine, "budget_s": budget_s, "reference_loop_s": reference_s, "rows": rows,
+         "widened": widened or []},
         indent=2) + "\n")
 
 
@@ -259,9 +280,11 @@ def main() -> None:
     parser.add_argument("--no-widened", action="store_true", help="skip eth vs the widened-space exhaustive search")
     parser.add_argument("--out-dir", type=Path, default=Path("docs/benchmarks"))
     args = parser.parse_args()
+    reference = [reference_loop_s()]
     rows = run([int(s) for s in args.sizes.split(",")], args.budget_s, MODELS, not args.no_realistic)
     widened = None if args.no_widened else run_widened(args.budget_s)
-    write_report(rows, args.budget_s, "python " + " ".join(sys.argv), args.out_dir, widened)
+    reference.append(reference_loop_s())
+    write_report(rows, args.budget_s, "python " + " ".join(sys.argv), args.out_dir, widened, reference)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ starts. This module must not import torch or the planner.
 
 from __future__ import annotations
 
-import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ethpipe.atomic import write_text_atomic
 from ethpipe.errors import UserError
@@ -21,6 +21,23 @@ if TYPE_CHECKING:
     from ethpipe.cluster import Cluster
 
 PLAN_VERSION = 1
+
+_T = TypeVar("_T")
+
+
+class _derived(Generic[_T]):
+    """``functools.cached_property`` without its lock, which Python 3.11 takes on every first read: plans the
+    planner prices are made of fresh stages, each read a few times (first reads were a sixth of an estimate's time
+    at 4096 GPUs). Computed on first read, then an ordinary instance attribute (as Python 3.12 does)."""
+
+    def __init__(self, fn: Callable[[Any], _T]) -> None:
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> _T:
+        if obj is None:
+            return self  # type: ignore[return-value]
+        value = obj.__dict__[self.name] = self.fn(obj)  # frozen: the field setter is bypassed, as cached_property does
+        return value
 
 
 @dataclass(frozen=True)
@@ -34,17 +51,17 @@ class Stage:
     chunks: tuple[tuple[int, int], ...] = ()
 
     # Derived from frozen fields, computed once per stage (the planner reads them millions of times).
-    @functools.cached_property
+    @_derived
     def layer_ranges(self) -> tuple[tuple[int, int], ...]:
         """The stage's layer ranges, one per model chunk (one range unless interleaved)."""
         return self.chunks or (self.layers,)
 
-    @functools.cached_property
+    @_derived
     def chunk_layers(self) -> tuple[int, ...]:
         """Layers per model chunk (one entry unless interleaved)."""
         return tuple(hi - lo for lo, hi in self.layer_ranges)
 
-    @functools.cached_property
+    @_derived
     def num_layers(self) -> int:
         return sum(self.chunk_layers)
 
@@ -259,15 +276,20 @@ class Plan:
 def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Block, ...]:
     """Common refinement of every pipeline's stage boundaries, with each block's holders."""
     num_layers = pipelines[0].stages[-1].layer_ranges[-1][1]
-    cuts = sorted({0, num_layers, *(b for p in pipelines for b in p.boundaries)})
-    blocks = []
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        ranks: list[int] = []
-        for pipe in pipelines:
-            stage = next(s for s in pipe.stages if s.holds(lo))
-            ranks.extend(stage.ranks)
-        blocks.append(Block((lo, hi), tuple(ranks)))
-    return tuple(blocks)
+    owners: dict[tuple, list[int]] = {}  # a stage layout -> the stage of each layer (pipelines repeat layouts)
+    per_pipe = []
+    for pipe in pipelines:
+        layout = tuple(st.layer_ranges for st in pipe.stages)
+        if layout not in owners:
+            owner = [0] * num_layers
+            for i, ranges in enumerate(layout):
+                for lo, hi in ranges:
+                    owner[lo:hi] = [i] * (hi - lo)
+            owners[layout] = owner
+        per_pipe.append(owners[layout])
+    cuts = sorted({0, num_layers, *(lo for layout in owners for ranges in layout for lo, _ in ranges)})
+    return tuple(Block((lo, hi), tuple(r for pipe, owner in zip(pipelines, per_pipe) for r in pipe.stages[owner[lo]].ranks))
+                 for lo, hi in zip(cuts[:-1], cuts[1:]))
 
 
 __all__ = [

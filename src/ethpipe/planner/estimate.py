@@ -65,18 +65,24 @@ def plan_layout(plan: Plan, cost: CostModel) -> PlanLayout:
 
 def _pipeline_key(pipe: Pipeline, cost: CostModel, links: dict) -> tuple:
     """Its stages' devices and layers, and each receive's link (an interleaved ring's wrap-around too)."""
-    heads = [st.ranks[0] for st in pipe.stages]
+    stages = pipe.stages
+    heads = [st.ranks[0] for st in stages]
+    depth = len(stages)
     ring = heads * pipe.num_chunks if pipe.num_chunks > 1 else heads  # the rows' order (``virtual_stages``)
-    return (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages),
-            tuple(_link(cost, a, b, links) for a, b in zip(ring[:pipe.depth], ring[1:pipe.depth + 1])))
+    return (tuple((s.device, s.tp, s.layers, s.chunks, s.recompute) for s in stages),
+            tuple(_link(cost, a, b, links) for a, b in zip(ring[:depth], ring[1:depth + 1])))
 
 
-def _link(cost: CostModel, a: int, b: int, memo: dict) -> tuple[float, float, float, float]:
-    """What a receive from rank a's stage to rank b's depends on (both directions: the backward's gradient)."""
-    if (a, b) not in memo:
-        memo[(a, b)] = (cost.cluster.link_gbps(a, b), cost.cluster.link_latency_s(a, b),
-                        cost.p2p_link_gbps(a, b, 1), cost.p2p_link_gbps(b, a, 1))
-    return memo[(a, b)]
+def _link(cost: CostModel, a: int, b: int, memo: dict) -> tuple:
+    """What a receive from rank a's stage to rank b's depends on, both directions (the backward's gradient):
+    inside a node the two GPU types (their link curves), across nodes each end's rail and NIC and the
+    pipelines sharing them (``CostModel.p2p_link_gbps``); latency follows from which."""
+    key = memo.get((a, b))
+    if key is None:
+        x, y = cost.cluster.devices[a], cost.cluster.devices[b]
+        key = memo[(a, b)] = ((x.gpu.id, y.gpu.id) if x.node == y.node else
+                              (x.flow_gbps, x.nic_gbps, y.flow_gbps, y.nic_gbps, (cost.p2p_flows or {}).get((a, b))))
+    return key
 
 
 def _pipeline_finish(pipe: Pipeline, cost: CostModel, key: tuple, cache: dict) -> np.ndarray:
@@ -107,10 +113,12 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     assert layout.stages == tuple(p.stages for p in plan.pipelines), "a layout of other stages"
     cost = layout.cost
     cache: dict = {}
-    finish = [_pipeline_finish(pipe, cost, key, cache) for pipe, key in zip(plan.pipelines, layout.keys)]
-    times = tuple(float(np.max(f)) for f in finish)
+    arrays = [_pipeline_finish(pipe, cost, key, cache) for pipe, key in zip(plan.pipelines, layout.keys)]
+    as_lists: dict[int, list[float]] = {}  # identical pipelines share one array: converted once
+    finish = [as_lists[id(f)] if id(f) in as_lists else as_lists.setdefault(id(f), f.tolist()) for f in arrays]
+    times = tuple(max(f) for f in finish)
     makespan = max(times)
-    free = {(p, s): (makespan if flat_sync else float(finish[p][s]))
+    free = {(p, s): (makespan if flat_sync else finish[p][s])
             for p, pipe in enumerate(plan.pipelines) for s in range(pipe.depth)}
     sync_end = makespan
     holders_of, durations = layout.holders, layout.sync_s
@@ -134,8 +142,8 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
             opt_max = max(opt_max, opt)
-            free[(p, s)] = max(free[(p, s)], float(finish[p][s])) + opt
-            no_sync = max(no_sync, float(finish[p][s]) + opt)
+            free[(p, s)] = max(free[(p, s)], finish[p][s]) + opt
+            no_sync = max(no_sync, finish[p][s] + opt)
             if not detail:
                 continue
             held = held_of(pipe, s)

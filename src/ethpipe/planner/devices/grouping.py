@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,7 @@ from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.planner.devices.templates import Pool, Template, slots_for, span_instances
-from ethpipe.planner.layers.timing import StageSlot
+from ethpipe.planner.layers.timing import StageSlot, link_key
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,36 @@ def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[St
                                  distinct_gpus(d.gpu for d in at)))
     ranks = Counter([devices[r].node for slots in instances for slot in slots for r in slot.ranks])  # first seen first
     return Group(template, tuple(instances), tuple(stages), tuple(ranks.items()))
+
+
+Structures = list[tuple[tuple[StageSlot, ...], Group]]
+
+
+def link_structures(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]]) -> Structures:
+    """Pipelines grouped by what their template depends on besides the micro-batch size (devices, TP, links:
+    ``build_template``'s key), each group's node statistics computed once: depend on the cluster alone, so
+    memoised in ``cluster_memo`` by the callers; ``with_templates`` fills in one micro-batch size's templates."""
+    members: dict[tuple, list[tuple[StageSlot, ...]]] = {}
+    for slots in instances:
+        members.setdefault((tuple((s.device, s.tp) for s in slots), link_key(cost, slots)), []).append(slots)
+    return [(inst[0], make_group(cost, _placeholder(inst[0]), inst)) for inst in members.values()]
+
+
+def _placeholder(slots: tuple[StageSlot, ...]) -> Template:
+    """make_group only reads the depth; the real template replaces this one per micro-batch size."""
+    return Template(-1, len(slots), slots[0].tp, 1, 1, slots, None, None)  # type: ignore[arg-type]
+
+
+def with_templates(structures: Structures, make: Callable[[tuple[StageSlot, ...]], Template | None]
+                   ) -> list[Group] | None:
+    """Each structure's group with its template (``make``: one per structure); None if one does not fit."""
+    groups = []
+    for slots, group in structures:
+        template = make(slots)
+        if template is None:
+            return None
+        groups.append(dataclasses.replace(group, template=template))
+    return groups
 
 
 def cluster_memo(cache: dict, cluster: Cluster) -> dict:

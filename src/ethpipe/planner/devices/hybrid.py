@@ -34,7 +34,9 @@ from itertools import pairwise
 
 from ethpipe.cost.model import CostModel
 from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
-from ethpipe.planner.devices.grouping import Group, homogeneous_group, make_group
+from ethpipe.planner.devices.grouping import (
+    Group, Structures, cluster_memo, homogeneous_group, link_structures, make_group, with_templates,
+)
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
                                        slots_for, template_flush_bound_s)
@@ -179,6 +181,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             lambda i: cost.gpu(pools[i].device).memory_bytes, lambda i: -cost.gpu(pools[i].device).memory_bytes,
             lambda i: (i != smallest, -cost.device_speed(pools[i].device)))}
     ranks = [[r for node in p.nodes for r in node] for p in pools]
+    memo, pools_key = cluster_memo(cache, cost.cluster), tuple(pools)
     out = []
     keep = INTERLEAVED_SHAPES_SMALL if cost.cluster.num_devices <= SMALL_CLUSTER_DEVICES else INTERLEAVED_SHAPES
     for _, dp, tps, slices in (shapes if every else _per_count_first(shapes, keep)):
@@ -189,6 +192,14 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             def instance(k: int, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:
                 return tuple(s for i in order for s in stages_of[i][k * runs[i]:(k + 1) * runs[i]])
             first = instance(0)  # the others have the same devices: built once one micro-batch size wins
+
+            def structures(dp: int = dp, instance: Callable = instance,
+                           key: tuple = ("interleaved_structures", pools_key, dp, tuple(tps), tuple(slices), order)
+                           ) -> Structures:
+                """The layout's pipelines by structure (``link_structures``; the cluster's memo: rounds share it)."""
+                if key not in memo:
+                    memo[key] = link_structures(cost, [instance(k) for k in range(dp)])
+                return memo[key]  # type: ignore[no-any-return]
 
             @functools.cache
             def linked(dp: int = dp, instance: Callable = instance) -> list[tuple[StageSlot, ...]]:
@@ -203,7 +214,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
             most = share if every else max(1, -(-share // len(first)))
             for b in micro_batches or micro_batch_candidates(most):
                 if every:
-                    groups = structure_groups(cost, [instance(k) for k in range(dp)], b, recompute, options, cache)
+                    groups = structure_groups(cost, structures(), b, recompute, options, cache)
                     out += [groups] if groups is not None else []
                     continue
                 if _cannot_beat(cost, bounds, cutoff, (first, instance(dp - 1), heads, linked), b, share, recompute,
@@ -219,8 +230,8 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                 if best is not None and flush_s >= best[0]:
                     break  # unimodal in b, as for a pool's own shapes
                 best = (flush_s, b)
-            groups = None if best is None else structure_groups(cost, [instance(k) for k in range(dp)], best[1],
-                                                                recompute, options, cache)
+            groups = None if best is None else structure_groups(cost, structures(), best[1], recompute, options,
+                                                                cache)
             out += [groups] if groups is not None else []
     return out
 
@@ -262,16 +273,11 @@ def _per_count_first(shapes: list[tuple], keep: int) -> list[tuple]:
     return kept + [x for x in shapes if x not in kept][:keep - len(kept)]
 
 
-def structure_groups(cost: CostModel, instances: Sequence[tuple], b: int, recompute: str, options: PlannerOptions,
+def structure_groups(cost: CostModel, structures: Structures, b: int, recompute: str, options: PlannerOptions,
                      cache: dict) -> list[Group] | None:
-    """Group pipelines with the same devices and links under one template; None if one does not fit."""
-    members: dict[tuple, list] = {}
-    for slots in instances:
-        tpl = build_template(cost, -1, slots, b, recompute, 0, cache, options)
-        if tpl is None:
-            return None
-        members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)
-    return [make_group(cost, tpl, inst) for tpl, inst in members.values()]
+    """Pipelines with the same devices and links under one template (``link_structures``); None if one does
+    not fit."""
+    return with_templates(structures, lambda slots: build_template(cost, -1, slots, b, recompute, 0, cache, options))
 
 
 def mixed_sets(cost: CostModel, pools: Sequence[Pool], standalone: Sequence[int]) -> list[tuple[int, ...]]:

@@ -27,12 +27,16 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import replace
 from itertools import pairwise
 
+import numpy as np
+
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
 from ethpipe.planner.assemble import Found
 from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
-from ethpipe.planner.devices.grouping import Group, cluster_memo, evaluate_groups, make_group, sync_shapes
+from ethpipe.planner.devices.grouping import (
+    Group, cluster_memo, evaluate_groups, link_structures, sync_shapes, with_templates,
+)
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.templates import (
     MICRO_BATCH_CANDIDATES,
@@ -92,12 +96,11 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
                 def reps(dp: int = dp, replica: Callable = replica) -> Structures:
                     # A replica's links depend only on where its slices start inside their nodes (one pool
                     # per type: same NICs); types spread over several pools: every replica on its own.
-                    keys: dict[tuple, list] = {}
-                    for r in range(dp):
-                        key = tuple((r * counts[i] // dp) % type_pools[types[i]][0].gpus_per_node
-                                    if len(type_pools[types[i]]) == 1 else r for i in range(len(types)))
-                        keys.setdefault(key, [r, 0])[1] += 1
-                    return [(replica(r), c) for r, c in keys.values()]
+                    r = np.arange(dp)
+                    keys = np.stack([(r * counts[i] // dp) % type_pools[types[i]][0].gpus_per_node
+                                     if len(type_pools[types[i]]) == 1 else r for i in range(len(types))], axis=1)
+                    _, first, num = np.unique(keys, axis=0, return_index=True, return_counts=True)
+                    return [(replica(int(first[j])), int(num[j])) for j in np.argsort(first)]  # first seen first
                 heads = [by_type[types[order[0]]][r * counts[order[0]] // dp] for r in range(dp)]
                 yield dp, t, kinds, heads, crossing, build, reps
 
@@ -128,19 +131,6 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                     return [(slots_for(ranked[i * d * t:(i + 1) * d * t], t), c) for i, c in keys.values()]
                 crossing = _disjoint(cost, range(d * t), range(n - d * t, n))
                 yield replicas, t, kinds, [i * d * t for i in range(replicas)], crossing, build, reps
-
-
-def _structure(cost: CostModel, layout: Layout) -> list[tuple[tuple[StageSlot, ...], Group]]:
-    """Replicas grouped by structure (devices, TP, links), with node statistics (template filled in later)."""
-    members: dict[tuple, list[tuple[StageSlot, ...]]] = {}
-    for slots in layout:
-        members.setdefault((tuple((s.device, s.tp) for s in slots), link_key(cost, slots)), []).append(slots)
-    return [(inst[0], make_group(cost, _placeholder(inst[0]), inst)) for inst in members.values()]
-
-
-def _placeholder(slots: tuple[StageSlot, ...]) -> Template:
-    """make_group only reads the depth; the real template replaces this one per micro-batch size."""
-    return Template(-1, len(slots), slots[0].tp, 1, 1, slots, None, None)  # type: ignore[arg-type]
 
 
 def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recompute: str, granularity: int,
@@ -314,15 +304,9 @@ def _price(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key
     """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
     computed once per layout."""
     if key not in structures:
-        structures[key] = _structure(cost, layout())
-    make = _make(cost, uniform, b, recompute, options, cache)
-    groups = []
-    for slots, group in structures[key]:
-        tpl = make(slots)
-        if tpl is None:
-            return []
-        groups.append(replace(group, template=tpl))
-    return _evaluations(cost, groups, global_batch, options, b)
+        structures[key] = link_structures(cost, layout())
+    groups = with_templates(structures[key], _make(cost, uniform, b, recompute, options, cache))
+    return [] if groups is None else _evaluations(cost, groups, global_batch, options, b)
 
 
 def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, options: PlannerOptions, b: int

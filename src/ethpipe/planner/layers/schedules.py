@@ -37,9 +37,13 @@ class BestOfTiming(PipelineTiming):
         self.timings = list(timings)
 
     def _extend(self, upper: int) -> np.ndarray:
-        tables = [t._extend(upper) for t in self.timings]
-        size = min(t.size for t in tables)
-        return np.minimum.reduce([t[:size] for t in tables])
+        """Kept until a longer one is asked for: each table only grows at its end (``PipelineTiming._extend``),
+        so the min of their prefixes stays what it was."""
+        if self._table is None or self._table.size < upper:
+            tables = [t._extend(upper) for t in self.timings]
+            size = min(t.size for t in tables)
+            self._table = np.minimum.reduce([t[:size] for t in tables])
+        return self._table
 
     def finish_s(self, num_samples: int) -> np.ndarray:
         return self.fastest(num_samples).finish_s(num_samples)
@@ -80,10 +84,7 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
     groups: dict[tuple, list[int]] = {}
     timings: list[BestOfTiming] = []
     for p, pipe in enumerate(plan.pipelines):
-        links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), pcost.p2p_link_gbps(a.ranks[0], b.ranks[0], 1))
-                      for a, b in zip(pipe.stages, pipe.stages[1:]))
-        key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links,
-               max(pipe.micro_batch_sizes))
+        key = (layout.keys[p], max(pipe.micro_batch_sizes))  # devices, layers and links: identical timings
         if key not in groups:
             groups[key] = []
             options = pipeline_timings(pcost, pipe, schedules, max(pipe.micro_batch_sizes) if whole else 1)
