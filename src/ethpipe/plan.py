@@ -8,7 +8,7 @@ starts. This module must not import torch or the planner.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -276,8 +276,16 @@ class Plan:
 def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Block, ...]:
     """Common refinement of every pipeline's stage boundaries, with each block's holders."""
     num_layers = pipelines[0].stages[-1].layer_ranges[-1][1]
-    owners: dict[tuple, list[int]] = {}  # a stage layout -> the stage of each layer (pipelines repeat layouts)
-    per_pipe = []
+    owners = layer_owners(pipelines, num_layers)
+    cuts = sorted({0, num_layers, *(b for p in pipelines for b in p.boundaries)})
+    return tuple(Block((lo, hi), tuple(r for pipe, owner in zip(pipelines, owners) for r in pipe.stages[owner[lo]].ranks))
+                 for lo, hi in zip(cuts[:-1], cuts[1:]))
+
+
+def layer_owners(pipelines: Sequence[Pipeline], num_layers: int) -> list[list[int]]:
+    """Per pipeline, the stage holding each layer (computed once per stage layout: pipelines repeat them)."""
+    owners: dict[tuple, list[int]] = {}
+    out = []
     for pipe in pipelines:
         layout = tuple(st.layer_ranges for st in pipe.stages)
         if layout not in owners:
@@ -286,13 +294,11 @@ def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Bl
                 for lo, hi in ranges:
                     owner[lo:hi] = [i] * (hi - lo)
             owners[layout] = owner
-        per_pipe.append(owners[layout])
-    cuts = sorted({0, num_layers, *(lo for layout in owners for ranges in layout for lo, _ in ranges)})
-    return tuple(Block((lo, hi), tuple(r for pipe, owner in zip(pipelines, per_pipe) for r in pipe.stages[owner[lo]].ranks))
-                 for lo, hi in zip(cuts[:-1], cuts[1:]))
+        out.append(owners[layout])
+    return out
 
 
 __all__ = [
-    "PLAN_VERSION", "Block", "IdleDevice", "Pipeline", "Plan", "RankPosition", "Stage", "compute_blocks",
+    "PLAN_VERSION", "Block", "IdleDevice", "Pipeline", "Plan", "RankPosition", "Stage", "compute_blocks", "layer_owners",
     "spec_from_dict", "write_text_atomic",
 ]

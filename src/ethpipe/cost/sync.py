@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster
 from ethpipe.cost import comm, links
-from ethpipe.plan import Block, Plan
+from ethpipe.plan import Block, Plan, layer_owners
 
 
 @dataclass(frozen=True)
@@ -98,17 +98,7 @@ def tied_sync_shape(plan: Plan, cluster: Cluster, num_bytes: float) -> SyncShape
 
 def holder_stages(plan: Plan) -> list[list[tuple[int, int]]]:
     """Per block: the (pipeline, stage) holding it in every pipeline, in plan order."""
-    owners: dict[tuple, list[int]] = {}  # a stage layout -> the stage of each layer (pipelines repeat layouts)
-    per_pipe = []
-    for pipe in plan.pipelines:
-        layout = tuple(st.layer_ranges for st in pipe.stages)
-        if layout not in owners:
-            owner = [0] * plan.num_layers
-            for i, ranges in enumerate(layout):
-                for lo, hi in ranges:
-                    owner[lo:hi] = [i] * (hi - lo)
-            owners[layout] = owner
-        per_pipe.append(owners[layout])
+    per_pipe = layer_owners(plan.pipelines, plan.num_layers)
     return [[(p, owner[block.layers[0]]) for p, owner in enumerate(per_pipe)] for block in plan.blocks]
 
 

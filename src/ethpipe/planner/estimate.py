@@ -115,7 +115,10 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     cache: dict = {}
     arrays = [_pipeline_finish(pipe, cost, key, cache) for pipe, key in zip(plan.pipelines, layout.keys)]
     as_lists: dict[int, list[float]] = {}  # identical pipelines share one array: converted once
-    finish = [as_lists[id(f)] if id(f) in as_lists else as_lists.setdefault(id(f), f.tolist()) for f in arrays]
+    for f in arrays:
+        if id(f) not in as_lists:
+            as_lists[id(f)] = f.tolist()
+    finish = [as_lists[id(f)] for f in arrays]
     times = tuple(max(f) for f in finish)
     makespan = max(times)
     free = {(p, s): (makespan if flat_sync else finish[p][s])
