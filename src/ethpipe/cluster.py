@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -81,6 +82,22 @@ class Device:
 
 
 @dataclass(frozen=True)
+class DeviceColumns:
+    """Per-rank device fields as arrays (index: rank), for the planner's vectorised node statistics: at
+    thousands of GPUs, reading them device by device was a fifth of planning time."""
+
+    node: np.ndarray
+    nic_gbps: np.ndarray
+    flow_gbps: np.ndarray
+    intra_gbps: np.ndarray  # the GPU type's intra-node bandwidth
+    gpu: np.ndarray  # index into ``gpus``
+    gpus: tuple[GpuSpec, ...]  # the devices' spec objects, by identity, first seen first
+    gpu_type: np.ndarray  # index into ``gpu_types`` (the spec's id)
+    gpu_types: tuple[str, ...]
+    link: np.ndarray  # index of the rank's (flow_gbps, nic_gbps): what a cross-node link depends on at this end
+
+
+@dataclass(frozen=True)
 class Cluster:
     devices: tuple[Device, ...]
     inter_node_latency_s: float
@@ -121,6 +138,27 @@ class Cluster:
                 kept.append(replace(d, rank=len(kept), local_rank=local))
         idle = self.idle_devices + tuple(replace(self.devices[i], rank=full_index[i]) for i in drop)
         return replace(self, devices=tuple(kept), idle_devices=tuple(sorted(idle, key=lambda d: d.rank)))
+
+    @functools.cached_property  # fields are frozen: built once per cluster
+    def columns(self) -> DeviceColumns:
+        gpus: dict[int, int] = {}
+        specs: list[GpuSpec] = []
+        types: dict[str, int] = {}
+        links: dict[tuple[float, float], int] = {}
+        for d in self.devices:
+            if id(d.gpu) not in gpus:
+                gpus[id(d.gpu)] = len(specs)
+                specs.append(d.gpu)
+            types.setdefault(d.gpu.id, len(types))
+            links.setdefault((d.flow_gbps, d.nic_gbps), len(links))
+        devs = self.devices
+        return DeviceColumns(
+            np.array([d.node for d in devs], dtype=np.int64), np.array([d.nic_gbps for d in devs], dtype=np.float64),
+            np.array([d.flow_gbps for d in devs], dtype=np.float64),
+            np.array([d.gpu.intra_node_gbps for d in devs], dtype=np.float64),
+            np.array([gpus[id(d.gpu)] for d in devs], dtype=np.int64), tuple(specs),
+            np.array([types[d.gpu.id] for d in devs], dtype=np.int64), tuple(types),
+            np.array([links[(d.flow_gbps, d.nic_gbps)] for d in devs], dtype=np.int64))
 
     @property
     def gpu_types(self) -> tuple[str, ...]:

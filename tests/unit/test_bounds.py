@@ -66,7 +66,7 @@ def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform:
     layers = equal_layers(cost.model.num_layers, depth) if uniform else None
     sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
     share = -(-global_batch // dp)
-    found = _price(cost, global_batch, layout, 0, b, uniform, recompute, options, cache, {})
+    found = _price(cost, global_batch, layout, t, 0, b, uniform, recompute, options, cache, {})
     if not found:
         return 0
     price = min(score for score, _, _ in found)
@@ -134,7 +134,7 @@ def test_bounds_are_tight_enough_to_prune() -> None:
         dp, t, kinds, heads, crossing, layout, _ = lazy
         bound_s = bounds.first_stage_sync_s(heads, t, len(next(iter(kinds))), crossing) + bounds.makespan_s(
             kinds, t, 2, 32, None, "auto")
-        found = _price(cost, 32, layout, 0, 2, False, "auto", PlannerOptions(), {}, {})
+        found = _price(cost, 32, layout, t, 0, 2, False, "auto", PlannerOptions(), {}, {})
         ratios.append(bound_s / min(score for score, _, _ in found))
     assert ratios and all(0.5 < r <= 1 + TOL for r in ratios), ratios
 
@@ -147,7 +147,7 @@ def test_refined_bound_of_unequal_replicas_counts_their_capacity() -> None:
         {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400}]}), load_model_spec("gpt3-350m"), 512)
     bounds, ratios = LowerBounds(cost), []
     for dp, t, kinds, heads, crossing, layout, reps in uniform_layouts(cost, 64, 1):
-        found = _price(cost, 64, layout, 0, 2, True, "auto", PlannerOptions(), {}, {})
+        found = _price(cost, 64, layout, t, 0, 2, True, "auto", PlannerOptions(), {}, {})
         if found and len(kinds) > 1:
             refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, 2, True, 64, "auto", PlannerOptions(), {},
                                      {}, math.inf)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +22,8 @@ from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_sh
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.samples.balance import balance_samples
-from ethpipe.planner.devices.templates import Pool, Template, slots_for, span_instances
+from ethpipe.planner.devices.instances import RankRows
+from ethpipe.planner.devices.templates import Pool, Template, span_instances
 from ethpipe.planner.layers.timing import StageSlot, link_key
 
 
@@ -42,7 +42,7 @@ class Group:
     """``instances`` pipelines that all follow ``template`` (same layer split and timing)."""
 
     template: Template
-    instances: tuple[tuple[StageSlot, ...], ...]
+    instances: Sequence[tuple[StageSlot, ...]]  # a tuple, or ``RankRows`` (built when a plan is assembled)
     stages: tuple[StageNodes, ...]
     ranks_per_node: tuple[tuple[int, int], ...]  # (node, ranks of this group on it)
 
@@ -55,24 +55,48 @@ class Group:
         return len(self.ranks_per_node)
 
 
-def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[StageSlot, ...]]) -> Group:
-    devices = cost.cluster.devices
+def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[StageSlot, ...]],
+               heads: np.ndarray | None = None, ranks: np.ndarray | None = None) -> Group:
+    """``instances`` as one group, with its node statistics. ``heads`` (pipeline x stage: each stage's first
+    rank) and ``ranks`` (every rank, pipeline by pipeline, stage by stage): the instances' own, where the
+    caller has them as arrays (``RankRows``); else read from the instances."""
+    if heads is None or ranks is None:
+        heads = np.array([[slots[s].ranks[0] for s in range(template.depth)] for slots in instances],
+                         dtype=np.int64).reshape(len(instances), template.depth)
+        ranks = np.fromiter((r for slots in instances for slot in slots for r in slot.ranks), dtype=np.int64)
+    cols = cost.cluster.columns
+    depth = template.depth
+    node, count, last, at = _first_seen(cols.node[heads])
+    last_heads = heads.reshape(-1, order="F")[last]  # the last head on each node gives its NIC figures
+    nic, flow = cols.nic_gbps[last_heads].tolist(), cols.flow_gbps[last_heads].tolist()
+    gpu, _, _, gpu_at = _first_seen(cols.gpu[heads])
+    intra = cols.intra_gbps[heads].min(axis=0).tolist() if len(heads) else [float("inf")] * depth
     stages = []
-    for s in range(template.depth):
-        at = [devices[slots[s].ranks[0]] for slots in instances]  # each pipeline's stage-s head
-        heads: dict[int, int] = {}
-        nic: dict[int, float] = {}
-        flow: dict[int, float] = {}
-        for d in at:
-            heads[d.node] = heads.get(d.node, 0) + 1
-            nic[d.node] = d.nic_gbps
-            flow[d.node] = d.flow_gbps
-        intra = min((d.gpu.intra_node_gbps for d in at), default=float("inf"))
-        stages.append(StageNodes(tuple((n, c, nic[n]) for n, c in heads.items()), intra, tuple(flow.items()),
-                                 distinct_gpus(d.gpu for d in at)))
-    ranks = Counter([devices[r].node for slots in instances for slot in slots for r in slot.ranks])  # first seen first
-    return Group(template, tuple(instances), tuple(stages), tuple(ranks.items()))
+    for s in range(depth):
+        lo, hi = at[s], at[s + 1]
+        nodes = node[lo:hi]
+        stages.append(StageNodes(tuple(zip(nodes, count[lo:hi], nic[lo:hi])), intra[s], tuple(zip(nodes, flow[lo:hi])),
+                                 distinct_gpus(cols.gpus[i] for i in gpu[gpu_at[s]:gpu_at[s + 1]])))
+    node, first, count = np.unique(cols.node[ranks], return_index=True, return_counts=True)
+    order = np.argsort(first, kind="stable")
+    return Group(template, instances if isinstance(instances, RankRows) else tuple(instances), tuple(stages),
+                 tuple(zip(node[order].tolist(), count[order].tolist())))
 
+
+def _first_seen(values: np.ndarray) -> tuple[list[int], list[int], np.ndarray, list[int]]:
+    """Each column's distinct values of ``values`` (pipeline x stage), column by column, each column's first seen
+    first; how often each occurs; where it last occurs (an index into the column-by-column flattening); and
+    where each column's values start (one more at the end): what a per-pipeline loop filling a dict per
+    column would see, for every column at once."""
+    cols = values.shape[1]
+    span = int(values.max()) + 1 if values.size else 1
+    keys = (values + np.arange(cols, dtype=np.int64) * span).reshape(-1, order="F")
+    uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    _, from_end = np.unique(keys[::-1], return_index=True)
+    order = np.argsort(first, kind="stable")  # column by column (the flattening's order), first seen first
+    uniq = uniq[order]
+    at = np.searchsorted(uniq // span, np.arange(cols + 1)).tolist()
+    return (uniq % span).tolist(), counts[order].tolist(), (len(keys) - 1 - from_end)[order], at
 
 Structures = list[tuple[tuple[StageSlot, ...], Group]]
 
@@ -85,6 +109,28 @@ def link_structures(cost: CostModel, instances: Sequence[tuple[StageSlot, ...]])
     for slots in instances:
         members.setdefault((tuple((s.device, s.tp) for s in slots), link_key(cost, slots)), []).append(slots)
     return [(inst[0], make_group(cost, _placeholder(inst[0]), inst)) for inst in members.values()]
+
+
+def rank_structures(cost: CostModel, ranks: np.ndarray, tp: int) -> Structures:
+    """``link_structures`` of the pipelines whose ranks are ``ranks``' rows (stage by stage, ``tp`` ranks each),
+    grouped with arrays: the same groups, in the same order, their instances built only when used."""
+    cols = cost.cluster.columns
+    heads = ranks[:, ::tp]
+    link = cols.link[heads]
+    cross = cols.node[heads[:, 1:]] != cols.node[heads[:, :-1]]
+    codes = np.where(cross, 1 + link[:, :-1] * (int(cols.link.max()) + 1) + link[:, 1:], 0)  # 0: inside a node
+    types = cols.gpu_type[heads]
+    _, first, inverse = np.unique(np.concatenate([types, codes], axis=1), axis=0, return_index=True,
+                                  return_inverse=True)
+    inverse = inverse.reshape(-1)
+    by_structure = np.argsort(inverse, kind="stable")  # each structure's rows together, in row order
+    ends = np.cumsum(np.bincount(inverse)).tolist()
+    out: Structures = []
+    for g in np.argsort(first, kind="stable").tolist():  # structures first seen first
+        rows = by_structure[(ends[g - 1] if g else 0):ends[g]]
+        inst = RankRows([cols.gpu_types[t] for t in types[rows[0]].tolist()], tp, ranks[rows])
+        out.append((inst[0], make_group(cost, _placeholder(inst[0]), inst, heads[rows], ranks[rows].reshape(-1))))
+    return out
 
 
 def _placeholder(slots: tuple[StageSlot, ...]) -> Template:
@@ -121,9 +167,9 @@ def homogeneous_group(cost: CostModel, template: Template, pool: Pool, cache: di
     key = ("pool_group", pool.device, pool.nodes, template.depth, template.tp, template.nodes_per_pipeline)
     memo = cluster_memo(cache, cost.cluster) if cache is not None else {}
     if key not in memo:
-        spans = span_instances(pool, template.depth, template.tp, template.nodes_per_pipeline)
-        memo[key] = make_group(cost, template, [slots_for([(pool.device, r) for r in ranks], template.tp)
-                                                for ranks in spans])
+        ranks = np.array(span_instances(pool, template.depth, template.tp, template.nodes_per_pipeline), dtype=np.int64)
+        memo[key] = make_group(cost, template, RankRows((pool.device,) * template.depth, template.tp, ranks),
+                               ranks[:, ::template.tp], ranks.reshape(-1))
     return dataclasses.replace(memo[key], template=template)
 
 

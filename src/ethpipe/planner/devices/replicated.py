@@ -35,7 +35,7 @@ from ethpipe.plan import Stage
 from ethpipe.planner.assemble import Found
 from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
 from ethpipe.planner.devices.grouping import (
-    Group, cluster_memo, evaluate_groups, link_structures, sync_shapes, with_templates,
+    Group, cluster_memo, evaluate_groups, rank_structures, sync_shapes, with_templates,
 )
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.templates import (
@@ -51,11 +51,11 @@ from ethpipe.planner.devices.templates import (
 )
 from ethpipe.planner.layers.timing import StageSlot, link_key, rank_link, timing_of_partition
 
-Layout = tuple[tuple[StageSlot, ...], ...]
 Structures = list[tuple[tuple[StageSlot, ...], int]]
 # (DP, TP, replica device sequences, first stages' head ranks, whether every block's all-reduce crosses
-# nodes, replicas on demand, one replica of each structure (devices, links) with its count, on demand)
-LazyLayout = tuple[int, int, Counter, list[int], bool, Callable[[], Layout], Callable[[], Structures]]
+# nodes, the replicas' ranks on demand (one row each, stage by stage), one replica of each structure
+# (devices, links) with its count, on demand)
+LazyLayout = tuple[int, int, Counter, list[int], bool, Callable[[], np.ndarray], Callable[[], Structures]]
 
 
 def _disjoint(cost: CostModel, a: Sequence[int], b: Sequence[int]) -> bool:
@@ -90,8 +90,9 @@ def layer_balanced_layouts(cost: CostModel, global_batch: int, max_tp: int) -> I
                     return slots_for([(types[i], rank) for i in order
                                       for rank in by_type[types[i]][r * counts[i] // dp:(r + 1) * counts[i] // dp]], t)
 
-                def build(dp: int = dp, replica: Callable = replica) -> Layout:
-                    return tuple(replica(r) for r in range(dp))
+                def build(dp: int = dp, order: tuple[int, ...] = order) -> np.ndarray:
+                    return np.concatenate([np.asarray(by_type[types[i]], dtype=np.int64).reshape(dp, counts[i] // dp)
+                                           for i in order], axis=1)
 
                 def reps(dp: int = dp, replica: Callable = replica) -> Structures:
                     # A replica's links depend only on where its slices start inside their nodes (one pool
@@ -118,8 +119,8 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
             if d <= cost.model.num_layers and replicas <= global_batch:
                 kinds = Counter(tuple(ranked[i * d * t + j * t][0] for j in range(d)) for i in range(replicas))
 
-                def build(d: int = d, t: int = t, replicas: int = replicas) -> Layout:
-                    return tuple(slots_for(ranked[i * d * t:(i + 1) * d * t], t) for i in range(replicas))
+                def build(d: int = d, t: int = t, replicas: int = replicas) -> np.ndarray:
+                    return np.arange(n, dtype=np.int64).reshape(replicas, d * t)
 
                 def reps(d: int = d, t: int = t, replicas: int = replicas) -> Structures:
                     keys: dict[tuple, list] = {}
@@ -210,7 +211,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             if refined is not None:
                 heapq.heappush(heap, (max(bound, refined), next(counter), 3, item))
             continue
-        for found in _price(cost, global_batch, layout, key, b, uniform, recompute, options, cache, structures):
+        for found in _price(cost, global_batch, layout, t, key, b, uniform, recompute, options, cache, structures):
             priced += 1
             if found[0] < bar_s():
                 best = found
@@ -299,12 +300,12 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Ca
                   for t in templates))
 
 
-def _price(cost: CostModel, global_batch: int, layout: Callable[[], Layout], key: Hashable, b: int, uniform: bool,
-           recompute: str, options: PlannerOptions, cache: dict, structures: dict) -> list[Found]:
+def _price(cost: CostModel, global_batch: int, layout: Callable[[], np.ndarray], tp: int, key: Hashable, b: int,
+           uniform: bool, recompute: str, options: PlannerOptions, cache: dict, structures: dict) -> list[Found]:
     """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
     computed once per layout."""
     if key not in structures:
-        structures[key] = link_structures(cost, layout())
+        structures[key] = rank_structures(cost, layout(), tp)
     groups = with_templates(structures[key], _make(cost, uniform, b, recompute, options, cache))
     return [] if groups is None else _evaluations(cost, groups, global_batch, options, b)
 
