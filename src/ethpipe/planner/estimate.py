@@ -21,8 +21,8 @@ import numpy as np
 from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
-from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
-from ethpipe.plan import Pipeline, Plan, Stage
+from ethpipe.cost.sync import block_sync_order
+from ethpipe.plan import Pipeline, Plan, Stage, layer_owners
 from ethpipe.planner.layers.timing import action_times_s, virtual_stages, weight_times_s
 from ethpipe.cost.plan_memory import held_of, stage_bytes
 from ethpipe.schedule import SPLIT_SCHEDULES
@@ -44,23 +44,34 @@ class Estimate:
 class PlanLayout:
     """What pricing a plan takes from its stages and blocks alone, not from its micro-batches or schedules:
     computed once for the estimates of one layout's re-splits (``layers/schedules.py``), which at thousands of
-    pipelines is most of an estimate."""
+    pipelines is most of an estimate. Pipelines with one key (same stages' devices, layers and links) hold the
+    same blocks at the same stages: the sync is replayed per key class, not per pipeline."""
 
     stages: tuple[tuple[Stage, ...], ...]  # per pipeline: the stages this was computed for
     cost: CostModel  # with the layout's p2p NIC sharing (``CostModel.with_plan_p2p``)
     keys: tuple[tuple, ...]  # per pipeline: what its stage times depend on (devices, layers, links)
-    holders: list[list[tuple[int, int]]]  # per block: its holder stages (``holder_stages``)
+    key_class: tuple[int, ...]  # per pipeline: its key's index among the distinct keys, first seen first
+    holders: list[list[tuple[int, int]]]  # per block: its holder stages as (key class, stage) (``holder_stages``)
     sync_s: list[float]  # per block: its all-reduce (sharded: reduce phase)
-    tied_holders: list[tuple[int, int]]
+    tied_holders: list[tuple[int, int]]  # (key class, stage)
     tied_sync_s: float
 
 
 def plan_layout(plan: Plan, cost: CostModel) -> PlanLayout:
     pcost = cost.with_plan_p2p(plan)  # pipelines crossing the same NIC share it (cost/p2p.py)
     links: dict = {}
-    return PlanLayout(tuple(p.stages for p in plan.pipelines), pcost,
-                      tuple(_pipeline_key(pipe, pcost, links) for pipe in plan.pipelines), holder_stages(plan),
-                      pcost.block_sync_s(plan), tied_holder_stages(plan), pcost.tied_sync_s(plan))
+    keys = tuple(_pipeline_key(pipe, pcost, links) for pipe in plan.pipelines)
+    index: dict[tuple, int] = {}
+    key_class = tuple(index.setdefault(k, len(index)) for k in keys)
+    firsts: dict[int, int] = {}
+    for p, c in enumerate(key_class):
+        firsts.setdefault(c, p)  # classes are numbered first seen first: in class order
+    one_each = [plan.pipelines[p] for p in firsts.values()]
+    owners = layer_owners(one_each, plan.num_layers)
+    holders = [[(c, owner[block.layers[0]]) for c, owner in enumerate(owners)] for block in plan.blocks]
+    tied = [(c, s) for c, pipe in enumerate(one_each) for s in dict.fromkeys((0, pipe.depth - 1))]
+    return PlanLayout(tuple(p.stages for p in plan.pipelines), pcost, keys, key_class, holders,
+                      pcost.block_sync_s(plan), tied, pcost.tied_sync_s(plan))
 
 
 def _pipeline_key(pipe: Pipeline, cost: CostModel, links: dict) -> tuple:
@@ -114,19 +125,35 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     cost = layout.cost
     cache: dict = {}
     arrays = [_pipeline_finish(pipe, cost, key, cache) for pipe, key in zip(plan.pipelines, layout.keys)]
-    as_lists: dict[int, list[float]] = {}  # identical pipelines share one array: converted once
-    for f in arrays:
-        if id(f) not in as_lists:
-            as_lists[id(f)] = f.tolist()
-    finish = [as_lists[id(f)] for f in arrays]
-    times = tuple(max(f) for f in finish)
-    makespan = max(times)
-    free = {(p, s): (makespan if flat_sync else finish[p][s])
-            for p, pipe in enumerate(plan.pipelines) for s in range(pipe.depth)}
+    # Identical pipelines (one key, micro-batches and schedule) share one array: one class, priced once. A key
+    # class's pipelines hold the same blocks at the same stages, so every member of a class is free at the
+    # same times and the sync below runs per class (``free[(class, stage)]``) with the same result.
+    of_array: dict[int, int] = {}
+    rows: list[list[float]] = []  # per class: its stages' finishes
+    first_of: list[int] = []  # per class: its first pipeline
+    of_key: list[list[int]] = [[] for _ in range(max(layout.key_class, default=-1) + 1)]
+    cls = []
+    for p, f in enumerate(arrays):
+        c = of_array.get(id(f))
+        if c is None:
+            c = of_array[id(f)] = len(rows)
+            rows.append(f.tolist())
+            first_of.append(p)
+            of_key[layout.key_class[p]].append(c)
+        cls.append(c)
+    class_times = [max(row) for row in rows]
+    times = tuple(class_times[c] for c in cls)
+    makespan = max(class_times)
+    depths = [plan.pipelines[p].depth for p in first_of]
+    free = {(c, s): (makespan if flat_sync else row[s]) for c, row in enumerate(rows) for s in range(depths[c])}
     sync_end = makespan
-    holders_of, durations = layout.holders, layout.sync_s
-    tied_holders, tied_s = layout.tied_holders, layout.tied_sync_s
-    syncs = [(holders_of[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
+
+    def members(holders: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(c, s) for k, s in holders for c in of_key[k]]
+
+    blocks = [members(h) for h in layout.holders]
+    tied_holders, tied_s, durations = members(layout.tied_holders), layout.tied_sync_s, layout.sync_s
+    syncs = [(blocks[k], durations[k]) for k in block_sync_order(len(plan.blocks))]
     syncs.append((tied_holders, tied_s))  # the runtime's order: the tied matrix last
     for holders, duration in syncs:
         if duration > 0.0:
@@ -135,9 +162,8 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
     opt_max, no_sync = 0.0, 0.0
-    busy: dict[int, float] = {}
-    memory: dict[int, int] = {}
-    for p, pipe in enumerate(plan.pipelines):
+    for c, row in enumerate(rows):
+        pipe = plan.pipelines[first_of[c]]
         for s, stage in enumerate(pipe.stages):
             first, last = s == 0, s == pipe.depth - 1
             opt_key = ("opt", stage.device, stage.tp, stage.num_layers, first, last)
@@ -145,10 +171,13 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
             opt_max = max(opt_max, opt)
-            free[(p, s)] = max(free[(p, s)], finish[p][s]) + opt
-            no_sync = max(no_sync, finish[p][s] + opt)
-            if not detail:
-                continue
+            free[(c, s)] = max(free[(c, s)], row[s]) + opt
+            no_sync = max(no_sync, row[s] + opt)
+    busy: dict[int, float] = {}
+    memory: dict[int, int] = {}
+    for pipe in plan.pipelines if detail else ():
+        for s, stage in enumerate(pipe.stages):
+            first, last = s == 0, s == pipe.depth - 1
             held = held_of(pipe, s)
             detail_key = ("detail", stage.device, stage.tp, stage.chunk_layers, stage.recompute, first, last,
                           pipe.micro_batch_sizes, held)  # identical stages of identical pipelines: once
@@ -163,7 +192,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 memory[r] = mem
     # Sharded: the all-gathers of the updated shards repeat the reduce phases (``CostModel.block_gather_s``).
     sharded = cost.optimizer_holders > 1
-    iteration = _after_gathers(plan, free, holders_of, durations if sharded else [0.0] * len(durations),
+    iteration = _after_gathers(plan, free, blocks, durations if sharded else [0.0] * len(durations),
                                tied_holders, tied_s if sharded else 0.0)
     return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory, no_sync)
 
