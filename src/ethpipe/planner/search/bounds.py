@@ -137,7 +137,7 @@ class LowerBounds:
         without), which a greedy fill minimises exactly; inf if the model cannot fit."""
         depth, n = len(stages), num_samples
         x = n - (-(-n // b) - 1) * b
-        options = [sorted(self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute))
+        options = [self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute)
                    for i, (d, t) in enumerate(stages)]
         es = [self.ends_per_sample_s(d, t, b, i == 0, i == depth - 1) for i, (d, t) in enumerate(stages)]
         if layers is not None:
@@ -146,7 +146,7 @@ class LowerBounds:
                 u = k * min((per for per, fit in opts if fit >= k), default=math.inf) + e
                 best, fill = max(best, x * fill + n * u), fill + u
             return best
-        hulls = [_hull(opts) for opts in options]  # (slope, layers) segments, slopes non-decreasing
+        hulls = [self._hull(opts) for opts in options]  # (slope, layers) segments, slopes non-decreasing
         if not all(hulls) or sum(length for hull in hulls for _, length in hull) < self.cost.model.num_layers:
             return math.inf
         cs = [hull[0][0] for hull in hulls]  # the first layer's per-sample cost
@@ -195,16 +195,10 @@ class LowerBounds:
         heap: list[tuple[float, int, int, list[tuple[float, int]]]] = []
         total, first = 0, 0.0
         for options in opts:
-            segments: list[tuple[float, int]] = []  # (per-layer seconds, last layer at that price)
-            held = 0
-            for per, fit in sorted(options):
-                if fit > held:
-                    held = min(fit, num_layers)
-                    segments.append((per, held))
-                if held >= num_layers:
-                    break
+            segments = self._segments(options)
             if not segments:
                 return math.inf
+            held = segments[-1][1]
             total += held
             first = max(first, segments[0][0])
             heap.append((segments[0][0], 1, 0, segments))
@@ -221,6 +215,30 @@ class LowerBounds:
                     continue
             heapq.heapreplace(heap, (k * segments[s][0], k, s, segments))
         return max(first, heap[0][0])
+
+    def _segments(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
+        """A position's (per-layer seconds, last layer at that price), cheapest first (memoised: positions
+        repeat across the orders and depths of a search)."""
+        key = ("segments", options)
+        if key not in self._memo:
+            num_layers = self.cost.model.num_layers
+            segments: list[tuple[float, int]] = []
+            held = 0
+            for per, fit in sorted(options):
+                if fit > held:
+                    held = min(fit, num_layers)
+                    segments.append((per, held))
+                if held >= num_layers:
+                    break
+            self._memo[key] = segments
+        return self._memo[key]
+
+    def _hull(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
+        """``_hull`` of a position's options (memoised like ``_segments``)."""
+        key = ("hull", options)
+        if key not in self._memo:
+            self._memo[key] = _hull(sorted(options))
+        return self._memo[key]
 
     def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None,
                 any_order: bool = False) -> float:
