@@ -79,14 +79,16 @@ def prescore_s(bounds: LowerBounds, stages: Counter, num_samples: float, recompu
     # held is piecewise linear, with kinks where an option fills up or one option overtakes another.
     kinks = sorted({0.0} | {per * fit for _, o in opts for per, fit in o} | {
         per * fit for _, o in opts for per, _ in o for _, fit in o})
-    lo = 0.0
-    for hi in kinks:
-        if held(hi) >= num_layers:
-            below = held(lo)
-            bottleneck_s = lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
-            return bottleneck_s * (num_samples + sum(stages.values()) - 1)
-        lo = hi
-    return math.inf
+    if held(kinks[-1]) < num_layers:  # held is constant past the last kink
+        return math.inf
+    first, last = 0, len(kinks) - 1  # the first kink that holds the model: held is non-decreasing (in floats too)
+    while first < last:
+        mid = (first + last) // 2
+        first, last = (first, mid) if held(kinks[mid]) >= num_layers else (mid + 1, last)
+    lo, hi = (kinks[first - 1] if first else 0.0), kinks[first]
+    below = held(lo)
+    bottleneck_s = lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
+    return bottleneck_s * (num_samples + sum(stages.values()) - 1)
 
 
 def _screened(scored: Sequence[tuple[float, tuple[int, ...]]], keep: int | None) -> list[tuple[int, ...]]:

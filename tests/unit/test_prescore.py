@@ -1,0 +1,62 @@
+"""The interleaved family's pre-score finds its threshold by bisection over the kinks of a non-decreasing
+piecewise-linear function; it must be exactly what scanning every kink in order finds."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from ethpipe.planner.devices.hybrid import prescore_s
+
+
+class _Bounds:
+    """What ``prescore_s`` reads from ``LowerBounds``: the model's layers and each stage type's options."""
+
+    def __init__(self, num_layers: int, options: dict[tuple[str, int], tuple[tuple[float, int], ...]]) -> None:
+        self.cost = SimpleNamespace(model=SimpleNamespace(num_layers=num_layers))
+        self.options = options
+
+    def position_options(self, device: str, tp: int, b: int, in_flight: int, recompute: str):  # noqa: ANN201
+        return self.options[(device, tp)]
+
+
+def _scan(bounds: _Bounds, stages: Counter, num_samples: float, recompute: str) -> float:
+    """The definition: every kink in increasing order until the stages hold the model."""
+    num_layers = bounds.cost.model.num_layers
+    opts = [(n, bounds.position_options(d, t, 1, 1, recompute)) for (d, t), n in stages.items()]
+    caps = [max(fit for _, fit in o) for _, o in opts]
+    if sum(n * cap for (n, _), cap in zip(opts, caps)) < num_layers or min(caps) < 1:
+        return math.inf
+
+    def held(x: float) -> float:
+        return sum(n * max(min(fit, x / per) for per, fit in o) for n, o in opts)
+    kinks = sorted({0.0} | {per * fit for _, o in opts for per, fit in o} | {
+        per * fit for _, o in opts for per, _ in o for _, fit in o})
+    lo = 0.0
+    for hi in kinks:
+        if held(hi) >= num_layers:
+            below = held(lo)
+            return (lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)) * (
+                num_samples + sum(stages.values()) - 1)
+        lo = hi
+    return math.inf
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_bisection_is_the_scan(seed: int) -> None:
+    rng = random.Random(seed)
+    finite = 0
+    for _ in range(300):
+        types = [(f"gpu{i}", rng.choice([1, 2, 4])) for i in range(rng.randint(1, 4))]
+        options = {t: tuple((rng.uniform(1e-4, 1e-2), rng.randint(0, 12)) for _ in range(rng.randint(1, 3)))
+                   for t in types}
+        bounds = _Bounds(rng.randint(2, 96), options)
+        stages = Counter({t: rng.randint(1, 8) for t in types})
+        want = _scan(bounds, stages, 64.0, "auto")
+        assert prescore_s(bounds, stages, 64.0, "auto") == want  # type: ignore[arg-type]
+        finite += math.isfinite(want)
+    assert 50 < finite < 300  # both outcomes are exercised
