@@ -15,6 +15,7 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 
 from ethpipe.cost.model import CostModel
@@ -25,35 +26,41 @@ from ethpipe.plan import Plan
 class LowerBounds:
     """Order-free lower bounds on a replica's pipeline time (compute only, memoised per device)."""
 
-    def __init__(self, cost: CostModel, device_memo: tuple[dict, dict] | None = None) -> None:
-        """``device_memo``: the per-device memos of another ``LowerBounds`` of the same model, dtype and GPU
-        types (the idle search's sub-clusters): everything but the sync bounds depends on device types only."""
+    def __init__(self, cost: CostModel, device_memo: dict | None = None, compute_memo: dict | None = None) -> None:
+        """``device_memo``: the memory-aware memos of another ``LowerBounds`` of the same model, dtype, GPU types
+        and optimizer holders (the idle search's sub-clusters): everything but the sync bounds depends on device
+        types only. ``compute_memo``: the compute-only ones, which do not depend on the holders either (the
+        sharding rounds share them)."""
         self.cost = cost
-        self._per_sample: dict[tuple[str, int, int], float] = {} if device_memo is None else device_memo[0]
-        self._memo: dict[tuple, float] = {} if device_memo is None else device_memo[1]
+        self._memo: dict[tuple, Any] = {} if device_memo is None else device_memo  # memory decides these
+        self._compute: dict[tuple, Any] = {} if compute_memo is None else compute_memo  # compute (and content) only
         self._sync: dict[tuple, float] = {}  # ranks and nodes: this cluster's own
         self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
 
     @property
-    def device_memo(self) -> tuple[dict, dict]:
-        return self._per_sample, self._memo
+    def device_memo(self) -> dict:
+        return self._memo
+
+    @property
+    def compute_memo(self) -> dict:
+        return self._compute
 
     def per_sample_s(self, device: str, tp: int, b: int) -> float:
         """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
-        key = (device, tp, b)
-        if key not in self._per_sample:
-            self._per_sample[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
-        return self._per_sample[key]
+        key = ("per_sample", device, tp, b)
+        if key not in self._compute:
+            self._compute[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
+        return self._compute[key]
 
     def ends_per_sample_s(self, device: str, tp: int, b: int, first: bool, last: bool) -> float:
         """Cheapest embedding and/or head seconds per sample over micro-batches of at most b samples."""
         if not (first or last):
             return 0.0
         key = ("ends", device, tp, b, first, last)
-        if key not in self._memo:
-            self._memo[key] = min(sum(self.cost.end_times_s(device, x, tp, first=first, last=last)) / x
+        if key not in self._compute:
+            self._compute[key] = min(sum(self.cost.end_times_s(device, x, tp, first=first, last=last)) / x
                                   for x in range(1, b + 1))
-        return self._memo[key]
+        return self._compute[key]
 
     def per_sample_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, layers: Sequence[int] | None,
                                 any_order: bool = False) -> float:
@@ -67,7 +74,7 @@ class LowerBounds:
             return max(e + k * self.per_sample_s(d, tp, b) for d, k, e in zip(devices, layers, ends))
         ends_at = (None, None) if any_order else (devices[0], devices[-1])
         key = ("bottleneck", tuple(sorted(Counter(devices).items())), *ends_at, tp, b)
-        if key not in self._memo:
+        if key not in self._compute:
             ends = [0.0 if any_order else self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1)
                     for i, d in enumerate(devices)]
             groups = Counter((self.per_sample_s(d, tp, b), e) for d, e in zip(devices, ends))
@@ -81,8 +88,8 @@ class LowerBounds:
                 if held >= self.cost.model.num_layers:
                     break
                 heapq.heappush(merge, (e + (k + 1) * c, c, e, n, k + 1))
-            self._memo[key] = max(max(e + c for c, e in groups), value)
-        return self._memo[key]
+            self._compute[key] = max(max(e + c for c, e in groups), value)
+        return self._compute[key]
 
     def _position(self, device: str, tp: int, b: int, in_flight: int, first: bool, last: bool, recompute: str
                   ) -> tuple[tuple[float, int], ...]:
@@ -93,10 +100,10 @@ class LowerBounds:
             out = []
             for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
                 per_key = ("per_rc", device, tp, b, rc)
-                if per_key not in self._memo:  # the same at every position: only memory depends on it
-                    self._memo[per_key] = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x
+                if per_key not in self._compute:  # the same at every position: only memory depends on it
+                    self._compute[per_key] = min(sum(self.cost.layer_times_s(device, x, tp, rc)) / x
                                               for x in range(1, b + 1))
-                per = self._memo[per_key]
+                per = self._compute[per_key]
                 fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
                 out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
             self._memo[key] = tuple(out)
@@ -220,7 +227,7 @@ class LowerBounds:
         """A position's (per-layer seconds, last layer at that price), cheapest first (memoised: positions
         repeat across the orders and depths of a search)."""
         key = ("segments", options)
-        if key not in self._memo:
+        if key not in self._compute:
             num_layers = self.cost.model.num_layers
             segments: list[tuple[float, int]] = []
             held = 0
@@ -230,15 +237,15 @@ class LowerBounds:
                     segments.append((per, held))
                 if held >= num_layers:
                     break
-            self._memo[key] = segments
-        return self._memo[key]
+            self._compute[key] = segments
+        return self._compute[key]
 
     def _hull(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
         """``_hull`` of a position's options (memoised like ``_segments``)."""
         key = ("hull", options)
-        if key not in self._memo:
-            self._memo[key] = _hull(sorted(options))
-        return self._memo[key]
+        if key not in self._compute:
+            self._compute[key] = _hull(sorted(options))
+        return self._compute[key]
 
     def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None,
                 any_order: bool = False) -> float:
@@ -248,15 +255,15 @@ class LowerBounds:
         firsts, lasts = (set(devices), set(devices)) if any_order else ({devices[0]}, {devices[-1]})
         key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
                tuple(sorted(firsts)), tuple(sorted(lasts)), len(devices), tp, b, x)
-        if key not in self._memo:
+        if key not in self._compute:
             per = [self.per_sample_s(d, tp, b) for d in devices]
             ends = min(sum(self.cost.end_times_s(d, x, tp, first=True, last=len(devices) == 1)) for d in firsts) + (
                 min(sum(self.cost.end_times_s(d, x, tp, first=False, last=True)) for d in lasts)
                 if len(devices) > 1 else 0.0)
             work = sum(c * k for c, k in zip(per, layers)) if layers is not None else (
                 sum(per) + (self.cost.model.num_layers - len(per)) * min(per))
-            self._memo[key] = x * work + ends
-        return self._memo[key]
+            self._compute[key] = x * work + ends
+        return self._compute[key]
 
     def makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
                    recompute: str | None = None, any_order: bool = False) -> float:
@@ -268,9 +275,10 @@ class LowerBounds:
             (kind,) = kinds
             ends_at = (None, None) if any_order else (kind[0], kind[-1])
             key = ("makespan", tuple(sorted(kind)), *ends_at, tp, b, global_batch, num_pipes, recompute)
-            if key not in self._memo:
-                self._memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
-            return self._memo[key]
+            memo = self._compute if recompute is None else self._memo  # with recompute: memory-aware
+            if key not in memo:
+                memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
+            return memo[key]
         return self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
 
     def _makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
@@ -346,8 +354,10 @@ def shared_bounds(cost: CostModel, cache: dict) -> LowerBounds:
     """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it);
     a new cluster in the same cache (``plan_eth`` drops the old bounds) keeps the per-device memos."""
     if ("lower_bounds",) not in cache:
-        cache[("lower_bounds",)] = LowerBounds(cost, cache.get(("device_bounds",)))
-        cache[("device_bounds",)] = cache[("lower_bounds",)].device_memo
+        bounds = cache[("lower_bounds",)] = LowerBounds(cost, cache.get(("device_bounds",)),
+                                                         cache.get(("compute_bounds",)))
+        cache[("device_bounds",)] = bounds.device_memo
+        cache.setdefault(("compute_bounds",), bounds.compute_memo)
     return cache[("lower_bounds",)]
 
 
