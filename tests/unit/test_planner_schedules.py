@@ -122,6 +122,27 @@ def test_a_re_split_priced_with_its_layouts_shared_terms_is_priced_as_alone(plan
         estimate_iteration_s(one, cost, layout=plan_layout(other, cost))
 
 
+def test_pipeline_timings_kept_across_layouts_and_holder_counts_price_the_same(plans: dict[str, Plan]) -> None:
+    """``choose_schedules(timings=memo)`` (the planning run's T(n) memo, shared by the sharding rounds) gives the
+    plan and seconds it gives without one, reuses the tables for a plan of the same layout at another holder
+    count, and keys them by the layout's pricing keys (devices, layers, links with their NIC sharing): one
+    table per distinct pipeline, not per pipeline."""
+    one = plans["1f1b"]
+    cost = CostModel.for_plan(one)
+    memo: dict = {}
+    want = choose_schedules(one, cost, ("1f1b", "zb-h1"))
+    assert choose_schedules(one, cost, ("1f1b", "zb-h1"), timings=memo) == want
+    kept = dict(memo)
+    assert kept and all(k[-1] in ("1f1b", "zb-h1") for k in kept)
+    sharded = cost.with_optimizer_holders(len(one.pipelines))
+    assert choose_schedules(one, sharded, ("1f1b", "zb-h1"), timings=memo) == choose_schedules(
+        one, sharded, ("1f1b", "zb-h1"))
+    assert memo.keys() == kept.keys() and all(memo[k] is kept[k] for k in kept)  # reused, none added
+    layout = plan_layout(one, cost)
+    assert len(set(layout.keys)) < len(one.pipelines)  # pipelines share keys: one table each, not per pipeline
+    assert {k[0] for k in memo} <= set(layout.keys)
+
+
 def test_cli_schedules_option_and_its_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
     runner = CliRunner()
     out = tmp_path / "p.json"

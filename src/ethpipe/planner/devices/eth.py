@@ -233,7 +233,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         for found in sorted(candidates, key=lambda f: f[0]):
             if found[0] >= final_s and not split:
                 break  # the sharing only slows a plan down: no later candidate can price under final_s
-            pipelines, estimate_s = _pipelines(cost, global_batch, found, search, options, schedules)
+            pipelines, estimate_s = _pipelines(cost, global_batch, found, search, options, schedules,
+                                               cache.get(("schedule_timings",)))
             final, final_s = ((found, pipelines), estimate_s) if estimate_s < final_s else (final, final_s)
         assert final is not None
         if final_s >= incumbent_s:
@@ -243,13 +244,14 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
 
 
 def _pipelines(cost: CostModel, global_batch: int, found: Found, search: dict, options: PlannerOptions,
-               schedules: Sequence[str]) -> tuple[tuple[Pipeline, ...], float]:
-    """A search result's pipelines with the fastest schedules allowed, and the plan's predicted seconds."""
+               schedules: Sequence[str], timings: dict | None = None) -> tuple[tuple[Pipeline, ...], float]:
+    """A search result's pipelines with the fastest schedules allowed, and the plan's predicted seconds
+    (``timings``: the planning run's memo of pipelines' T(n), ``layers/schedules.pipeline_timings``)."""
     plan = unpriced_plan("eth", cost, global_batch, found_pipelines(found), search)
     flat = not options.block_sync
     if tuple(schedules) == (DEFAULT_SCHEDULE,):
         return plan.pipelines, estimate_iteration_s(plan, cost, flat_sync=flat)
-    chosen, chosen_s = choose_schedules(plan, cost, schedules, flat_sync=flat)
+    chosen, chosen_s = choose_schedules(plan, cost, schedules, flat_sync=flat, timings=timings)
     return chosen.pipelines, chosen_s
 
 

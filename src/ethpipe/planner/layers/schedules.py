@@ -52,32 +52,44 @@ class BestOfTiming(PipelineTiming):
         return min(self.timings, key=lambda t: (t.time_s(num_samples), t.schedule != DEFAULT_SCHEDULE))
 
 
-def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], granularity: int) -> list[PipelineTiming]:
+def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], granularity: int,
+                     memo: dict | None = None, key: tuple | None = None) -> list[PipelineTiming]:
+    """The pipeline's T(n) under each schedule that fits its memory. ``memo`` keeps them by ``key`` (what the
+    times depend on: ``estimate.PlanLayout.keys``, its links' NIC sharing included) across layouts and
+    optimizer-holder counts: a split schedule's table is an exact replay, the dearest part of a re-split."""
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
     layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
     b = max(pipe.micro_batch_sizes)
-    return [timing_of_layers(cost, slots, layers, rc, b, granularity, sch) for sch in schedules if fits(cost, pipe, sch)]
+    out = []
+    for sch in (x for x in schedules if fits(cost, pipe, x)):  # memory: this holder count's own
+        if memo is None or key is None:
+            out.append(timing_of_layers(cost, slots, layers, rc, b, granularity, sch))
+            continue
+        if (key, b, granularity, sch) not in memo:
+            memo[(key, b, granularity, sch)] = timing_of_layers(cost, slots, layers, rc, b, granularity, sch)
+        out.append(memo[(key, b, granularity, sch)])
+    return out
 
 
 def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
-                     flat_sync: bool = False) -> tuple[Plan, float]:
+                     flat_sync: bool = False, timings: dict | None = None) -> tuple[Plan, float]:
     """``plan`` (priced or not) with each pipeline's fastest allowed schedule and the batch re-split for them,
     if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds. Interleaving
     (where allowed) is tried last, on the pipelines so chosen (``layers/interleave.py``); eth's search asks
-    without it and interleaves its final plan (``planner.make_plan``)."""
+    without it and interleaves its final plan (``planner.make_plan``). ``timings``: ``pipeline_timings``'s memo."""
     assert schedules and all(s in SCHEDULES for s in schedules)
     layout = plan_layout(plan, cost)  # shared by the re-split's estimate: same stages
     own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync, layout=layout)
     flat = [s for s in schedules if s != "interleaved"]
     resplit = flat not in ([], [DEFAULT_SCHEDULE]) and all(p.num_chunks == 1 for p in plan.pipelines)
-    chosen, chosen_s = _resplit(plan, cost, flat, own_s, flat_sync, layout) if resplit else (plan, own_s)
+    chosen, chosen_s = _resplit(plan, cost, flat, own_s, flat_sync, layout, timings) if resplit else (plan, own_s)
     if "interleaved" in schedules:
         chosen, chosen_s = try_interleaving(chosen, cost, chosen_s, flat_sync=flat_sync)
     return chosen, chosen_s
 
 
 def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float,
-             flat_sync: bool, layout: PlanLayout) -> tuple[Plan, float]:
+             flat_sync: bool, layout: PlanLayout, memo: dict | None = None) -> tuple[Plan, float]:
     """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``."""
     whole = ((plan.extra.get("search") or {}).get("options") or {}).get("fine_grained", True) is False
     pcost = layout.cost
@@ -87,7 +99,8 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
         key = (layout.keys[p], max(pipe.micro_batch_sizes))  # devices, layers and links: identical timings
         if key not in groups:
             groups[key] = []
-            options = pipeline_timings(pcost, pipe, schedules, max(pipe.micro_batch_sizes) if whole else 1)
+            options = pipeline_timings(pcost, pipe, schedules, max(pipe.micro_batch_sizes) if whole else 1,
+                                       memo, layout.keys[p])
             if not options:
                 return plan, own_s  # the plan's own schedules are the only ones that fit
             timings.append(BestOfTiming(options))
