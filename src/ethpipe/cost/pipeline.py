@@ -53,12 +53,15 @@ def _warmup(fwd: np.ndarray, bwd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _first_backward(end_f: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     depth, m = end_f.shape
-    first_b = np.empty(depth)
+    rows = np.arange(depth)
+    last_warmup = end_f[rows, np.minimum(depth - 1 - rows, m - 1)].tolist()  # as floats: a plain loop follows
+    first_bwd = bwd[:, 0].tolist()
+    first_b = [0.0] * depth
     below = 0.0
     for a in range(depth - 1, -1, -1):
-        below = max(below, end_f[a, min(depth - 1 - a, m - 1)]) + bwd[a, 0]
+        below = max(below, last_warmup[a]) + first_bwd[a]
         first_b[a] = below
-    return first_b
+    return np.array(first_b)
 
 
 def stage_finish_s(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:

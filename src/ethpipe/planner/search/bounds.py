@@ -121,9 +121,19 @@ class LowerBounds:
         """``memory_bottleneck_s`` of (device, TP) stages in order, each with its own TP degree (memoised)."""
         key = ("stages", tuple(stages), b, recompute)
         if key not in self._memo:
+            self._memo[key] = self._capped_bottleneck_s(self._stage_terms(stages, b, recompute)[0])
+        return self._memo[key]
+
+    def _stage_terms(self, stages: Sequence[tuple[str, int]], b: int, recompute: str
+                     ) -> tuple[list[tuple[tuple[float, int], ...]], list[float]]:
+        """Each (device, TP) stage's ``_position`` options and per-sample ends in this order (memoised: the
+        order bounds and the interleaved family's cutoff ask for the same stages twice)."""
+        key = ("stage_terms", tuple(stages), b, recompute)
+        if key not in self._memo:
             depth = len(stages)
-            self._memo[key] = self._capped_bottleneck_s([self._position(d, t, b, depth - i, i == 0, i == depth - 1,
-                                                                        recompute) for i, (d, t) in enumerate(stages)])
+            self._memo[key] = ([self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute)
+                                for i, (d, t) in enumerate(stages)],
+                               [self.ends_per_sample_s(d, t, b, i == 0, i == depth - 1) for i, (d, t) in enumerate(stages)])
         return self._memo[key]
 
     def fits(self, stages: Sequence[tuple[str, int]], layers: Sequence[int], b: int, recompute: str) -> bool:
@@ -144,9 +154,7 @@ class LowerBounds:
         without), which a greedy fill minimises exactly; inf if the model cannot fit."""
         depth, n = len(stages), num_samples
         x = n - (-(-n // b) - 1) * b
-        options = [self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute)
-                   for i, (d, t) in enumerate(stages)]
-        es = [self.ends_per_sample_s(d, t, b, i == 0, i == depth - 1) for i, (d, t) in enumerate(stages)]
+        options, es = self._stage_terms(stages, b, recompute)
         if layers is not None:
             best, fill = 0.0, 0.0
             for opts, e, k in zip(options, es, layers):
