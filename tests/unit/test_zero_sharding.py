@@ -120,3 +120,32 @@ def test_the_next_sharding_round_searched_ahead_gives_the_same_plan(monkeypatch:
     assert ahead.pipelines == here.pipelines and ahead.shard_optimizer == here.shard_optimizer
     timeless = [{k: v for k, v in p.predicted.items() if k != "planning_time_s"} for p in (ahead, here)]
     assert timeless[0] == timeless[1]
+
+
+def test_a_shape_whose_split_did_not_move_keeps_its_timing_across_holder_counts() -> None:
+    """``build_template`` keeps a shape's T(n) for the planning run (``("template_timings",)``): a sharding
+    round that splits the shape as the unsharded search did gets the same table object, one whose split moved
+    gets its own, and both price as a template built without the memo."""
+    from ethpipe.planner.devices.templates import build_template, pools_of, shape_slots
+
+    cost = CostModel(cluster_from_dict({"nodes": [{"gpu": "a100_40gb_sxm", "num_nodes": 2, "gpus_per_node": 8,
+                                                   "nic_gbit_s": 100}]}), load_model_spec("llama2-7b"), 4096)
+    shared: dict = {}
+    pool = pools_of(cost)[0]
+    same = moved = 0
+    for depth in (2, 4, 8, 16):
+        slots = shape_slots(pool, depth, 1, 1 if depth <= 8 else 2)
+        alone = build_template(cost, 0, slots, 1, "auto", 1, {})
+        plain = build_template(cost, 0, slots, 1, "auto", 1, {("template_timings",): shared})
+        sharded = build_template(cost.with_optimizer_holders(64), 0, slots, 1, "auto", 1, {("template_timings",): shared})
+        if alone is None or sharded is None:
+            continue
+        assert plain is not None and plain.partition == alone.partition
+        assert plain.timing.time_s(40) == alone.timing.time_s(40)
+        if sharded.partition == plain.partition:
+            same += 1
+            assert sharded.timing is plain.timing
+        else:
+            moved += 1
+            assert sharded.timing is not plain.timing
+    assert same and moved  # memory moves some splits of a 7B model on 40 GB A100s, not all

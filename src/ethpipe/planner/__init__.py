@@ -111,11 +111,13 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         per_cluster: dict = {}  # what depends on a cluster's devices alone, shared by every holder count's cache
         compute_bounds: dict = {}  # the lower bounds that memory does not decide (``search.bounds.shared_bounds``)
         timings: dict = {}  # finalists' pipelines' T(n) per schedule (``layers/schedules.pipeline_timings``)
+        template_timings: dict = {}  # shapes' T(n) per layer split (``devices/templates.build_template``)
 
         def cache_of(on: CostModel) -> dict:
             return templates.setdefault(on.optimizer_holders, {("cluster_memo",): per_cluster,
                                                                 ("compute_bounds",): compute_bounds,
-                                                                ("schedule_timings",): timings})
+                                                                ("schedule_timings",): timings,
+                                                                ("template_timings",): template_timings})
 
         full = cost
 

@@ -107,11 +107,25 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
             part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute,
                                    cache)
         granularity = 1 if options.fine_grained else micro_batch
-        cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, micro_batch, granularity))
+        cache[key] = None if part is None else (part, _timing(cost, slots, part, micro_batch, granularity, key, cache))
     hit = cache[key]
     if hit is None:
         return None
     return Template(pool_index, len(slots), slots[0].tp, micro_batch, nodes_per_pipeline, tuple(slots), *hit)
+
+
+def _timing(cost: CostModel, slots: Sequence[StageSlot], part: Partition, micro_batch: int, granularity: int,
+            key: tuple, cache: dict) -> PipelineTiming:
+    """The shape's T(n) and finishes for this split, kept for the planning run where the caller's cache has a
+    ``("template_timings",)`` memo (``planner.make_plan``): they depend on devices, links and the split, not on
+    memory, so a sharding round whose split of a shape did not move reuses the tables and finish times."""
+    shared = cache.get(("template_timings",))
+    if shared is None:
+        return timing_of_partition(cost, slots, part, micro_batch, granularity)
+    timing_key = (key[:3], part.num_layers, part.recompute, granularity)
+    if timing_key not in shared:
+        shared[timing_key] = timing_of_partition(cost, slots, part, micro_batch, granularity)
+    return shared[timing_key]
 
 
 def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str,
