@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ethpipe.planner.devices.hybrid import prescore_s
+from ethpipe.planner.devices.hybrid import crossing_s, held_curve, prescore_s
 
 
 class _Bounds:
@@ -27,21 +27,14 @@ class _Bounds:
 def _scan(bounds: _Bounds, stages: Counter, num_samples: float, recompute: str) -> float:
     """The definition: every kink in increasing order until the stages hold the model."""
     num_layers = bounds.cost.model.num_layers
-    opts = [(n, bounds.position_options(d, t, 1, 1, recompute)) for (d, t), n in stages.items()]
-    caps = [max(fit for _, fit in o) for _, o in opts]
-    if sum(n * cap for (n, _), cap in zip(opts, caps)) < num_layers or min(caps) < 1:
+    curve = held_curve(bounds, stages, recompute)  # type: ignore[arg-type]
+    if curve is None:
         return math.inf
-
-    def held(x: float) -> float:
-        return sum(n * max(min(fit, x / per) for per, fit in o) for n, o in opts)
-    kinks = sorted({0.0} | {per * fit for _, o in opts for per, fit in o} | {
-        per * fit for _, o in opts for per, _ in o for _, fit in o})
+    held, kinks = curve
     lo = 0.0
     for hi in kinks:
         if held(hi) >= num_layers:
-            below = held(lo)
-            return (lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)) * (
-                num_samples + sum(stages.values()) - 1)
+            return crossing_s(held, lo, hi, num_layers) * (num_samples + sum(stages.values()) - 1)
         lo = hi
     return math.inf
 

@@ -65,29 +65,45 @@ def tp_vectors(cost: CostModel, pools: Sequence[Pool], max_tp: int, per_type: bo
     return common + ([v for v in itertools.product(*degrees) if len(set(v)) > 1] if per_type else [])
 
 
-def prescore_s(bounds: LowerBounds, stages: Counter, num_samples: float, recompute: str) -> float:
-    """1F1B at b=1 on the balanced per-sample bottleneck of these (device, TP) stages, each holding at most
-    what fits as a last stage (continuous layers); inf if even that cannot hold the model."""
+def held_curve(bounds: LowerBounds, stages: Counter, recompute: str
+               ) -> tuple[Callable[[float], float], list[float]] | None:
+    """How many layers these (device, TP) stages hold, each as a last stage (continuous layers), when every
+    layer may cost up to x seconds per sample, and the kinks of that piecewise-linear, non-decreasing function
+    (where an option fills up or one option overtakes another); None if even all of it cannot hold the model."""
     num_layers = bounds.cost.model.num_layers
     opts = [(n, bounds.position_options(d, t, 1, 1, recompute)) for (d, t), n in stages.items()]
     caps = [max(fit for _, fit in o) for _, o in opts]
     if sum(n * cap for (n, _), cap in zip(opts, caps)) < num_layers or min(caps) < 1:
-        return math.inf
+        return None
 
     def held(x: float) -> float:
         return sum(n * max(min(fit, x / per) for per, fit in o) for n, o in opts)
-    # held is piecewise linear, with kinks where an option fills up or one option overtakes another.
     kinks = sorted({0.0} | {per * fit for _, o in opts for per, fit in o} | {
         per * fit for _, o in opts for per, _ in o for _, fit in o})
+    return held, kinks
+
+
+def crossing_s(held: Callable[[float], float], lo: float, hi: float, num_layers: int) -> float:
+    """Where ``held`` reaches ``num_layers`` between consecutive kinks ``lo`` < ``hi`` (linear there)."""
+    below = held(lo)
+    return lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
+
+
+def prescore_s(bounds: LowerBounds, stages: Counter, num_samples: float, recompute: str) -> float:
+    """1F1B at b=1 on the balanced per-sample bottleneck of these (device, TP) stages, each holding at most
+    what fits as a last stage (``held_curve``); inf if even that cannot hold the model."""
+    num_layers = bounds.cost.model.num_layers
+    curve = held_curve(bounds, stages, recompute)
+    if curve is None:
+        return math.inf
+    held, kinks = curve
     if held(kinks[-1]) < num_layers:  # held is constant past the last kink
         return math.inf
     first, last = 0, len(kinks) - 1  # the first kink that holds the model: held is non-decreasing (in floats too)
     while first < last:
         mid = (first + last) // 2
         first, last = (first, mid) if held(kinks[mid]) >= num_layers else (mid + 1, last)
-    lo, hi = (kinks[first - 1] if first else 0.0), kinks[first]
-    below = held(lo)
-    bottleneck_s = lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
+    bottleneck_s = crossing_s(held, kinks[first - 1] if first else 0.0, kinks[first], num_layers)
     return bottleneck_s * (num_samples + sum(stages.values()) - 1)
 
 

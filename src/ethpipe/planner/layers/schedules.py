@@ -60,15 +60,12 @@ def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], 
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
     layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
     b = max(pipe.micro_batch_sizes)
-    out = []
-    for sch in (x for x in schedules if fits(cost, pipe, x)):  # memory: this holder count's own
-        if memo is None or key is None:
-            out.append(timing_of_layers(cost, slots, layers, rc, b, granularity, sch))
-            continue
-        if (key, b, granularity, sch) not in memo:
-            memo[(key, b, granularity, sch)] = timing_of_layers(cost, slots, layers, rc, b, granularity, sch)
-        out.append(memo[(key, b, granularity, sch)])
-    return out
+    store = memo if memo is not None and key is not None else {}
+    fitting = [sch for sch in schedules if fits(cost, pipe, sch)]  # memory: this holder count's own
+    for sch in fitting:
+        if (key, b, granularity, sch) not in store:
+            store[(key, b, granularity, sch)] = timing_of_layers(cost, slots, layers, rc, b, granularity, sch)
+    return [store[(key, b, granularity, sch)] for sch in fitting]
 
 
 def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
