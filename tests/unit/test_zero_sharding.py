@@ -149,3 +149,31 @@ def test_a_shape_whose_split_did_not_move_keeps_its_timing_across_holder_counts(
             moved += 1
             assert sharded.timing is not plain.timing
     assert same and moved  # memory moves some splits of a 7B model on 40 GB A100s, not all
+
+
+def test_memory_terms_after_another_holder_count_equal_a_fresh_models() -> None:
+    """The holder-independent parts of a stage's memory terms are kept in the compute memo that
+    ``with_optimizer_holders`` shares: a sharding round that reads them after the unsharded search must get the
+    very floats a cost model built at its holder count computes, for every position, recompute choice, end and
+    type (a profile-less V100, an A100 with materialised attention)."""
+    cluster = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100},
+                                           {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8,
+                                            "nic_gbit_s": 100}]})
+    for attention in ("auto", "materialised"):
+        unsharded = CostModel(cluster, load_model_spec("llama2-7b"), 4096, attention_mode=attention)
+        cases = [(tp, b, k, rc, first, last, device) for tp in (1, 2) for b in (1, 3) for k in (1, 5)
+                 for rc in (False, True) for first in (False, True) for last in (False, True)
+                 for device in ("a100_80gb_sxm", "v100_32gb_sxm2")]
+        for tp, b, k, rc, first, last, device in cases:  # fills the shared memo at one holder
+            unsharded.memory_terms(tp, b, k, rc, first=first, last=last, device=device)
+        for holders in (1, 8, 64):
+            reused = unsharded.with_optimizer_holders(holders)
+            for tp, b, k, rc, first, last, device in cases:  # each against a model that computed nothing before
+                fresh = CostModel(cluster, load_model_spec("llama2-7b"), 4096, attention_mode=attention,
+                                  optimizer_holders=holders)
+                got = reused.memory_terms(tp, b, k, rc, first=first, last=last, device=device)
+                assert got == fresh.memory_terms(tp, b, k, rc, first=first, last=last, device=device)
+        sharded_fixed, sharded_per_layer = unsharded.with_optimizer_holders(64).memory_terms(
+            1, 1, 1, False, first=True, last=False, device="a100_80gb_sxm")
+        fixed, per_layer = unsharded.memory_terms(1, 1, 1, False, first=True, last=False, device="a100_80gb_sxm")
+        assert sharded_fixed < fixed and sharded_per_layer < per_layer  # the moments' share did move

@@ -83,24 +83,45 @@ class MemoryPricing:
 
     def _memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
                       device: str | None) -> tuple[float, float]:
-        m, s, d = self.model, self.seq_len, self.dtype_bytes
         bpp = self._state_bpp  # type: ignore[attr-defined]
+        layer_params, per_layer_rest, end_params, fixed_rest = self._memory_parts(
+            tp, micro_batch, in_flight, recompute, first, last, device)
+        per_layer = bpp * layer_params / tp + per_layer_rest[0] + per_layer_rest[1]
+        fixed = bpp * end_params / tp
+        for part in fixed_rest:
+            fixed += part
+        return fixed, per_layer
+
+    def _memory_parts(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
+                      device: str | None) -> tuple[int, tuple[float, float], int, tuple[float, ...]]:
+        """What ``_memory_terms`` adds to the parameter state, which alone depends on the optimizer holders: kept
+        in the compute memo, which ``with_optimizer_holders`` shares (the sharding rounds ask for the same
+        positions). Each term is the same float, added in the same order, as when it was summed in one go."""
+        key = ("memory_parts", tp, micro_batch, in_flight, recompute, first, last, device)
+        memo = self._kernel_memo  # type: ignore[attr-defined]
+        if key in memo:
+            return memo[key]  # type: ignore[no-any-return]
+        m, s, d = self.model, self.seq_len, self.dtype_bytes
         full = self._activation_bytes(device, "block", micro_batch, tp)
         # Recompute keeps each block's input: the residual stream, in the weights' fp32 under 16-bit autocast.
         kept = memory.block_input_bytes(m, s, max(d, memory.GRAD_BYTES_PER_PARAM)) * micro_batch if recompute else full
-        per_layer = (bpp * m.params_per_layer() / tp + in_flight * kept
-                     + memory.autocast_weight_bytes(m.params_per_layer(), d, tp))
-        fixed = bpp * ((m.embedding_params() if first else 0) + (m.head_params() if last else 0)) / tp
-        fixed += memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp) if last else 0.0  # head
-        fixed += full if recompute else 0.0
+        layer_params = m.params_per_layer()
+        per_layer_rest = (in_flight * kept, memory.autocast_weight_bytes(layer_params, d, tp))
+        end_params = (m.embedding_params() if first else 0) + (m.head_params() if last else 0)
+        fixed_rest = []
+        if last:  # the head's autocast copy
+            fixed_rest.append(memory.autocast_weight_bytes(m.vocab_size * m.hidden_size, d, tp))
+        if recompute:
+            fixed_rest.append(full)
         if last:
-            fixed += (self._activation_bytes(device, "head", micro_batch, tp)
-                      + memory.loss_transient_bytes(m, s, tp) * micro_batch)
+            fixed_rest.append(self._activation_bytes(device, "head", micro_batch, tp)
+                              + memory.loss_transient_bytes(m, s, tp) * micro_batch)
         if not (first and last):  # the payload in flight and the receive buffer (memory.P2P_BUFFERS)
-            fixed += memory.P2P_BUFFERS * memory.boundary_bytes(m, s, d) * micro_batch
+            fixed_rest.append(memory.P2P_BUFFERS * memory.boundary_bytes(m, s, d) * micro_batch)
         if not first:
-            fixed += in_flight * memory.stashed_input_bytes(m, s, d) * micro_batch
-        return fixed, per_layer
+            fixed_rest.append(in_flight * memory.stashed_input_bytes(m, s, d) * micro_batch)
+        memo[key] = (layer_params, per_layer_rest, end_params, tuple(fixed_rest))
+        return memo[key]  # type: ignore[no-any-return]
 
     def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
         """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the

@@ -77,12 +77,15 @@ def stage_finish_s(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     end_f, first_b = _warmup(fwd, bwd)
     e = first_b[:, None]
     k0 = np.minimum(w, m - 1) + 1  # forwards before B(a, 0)
+    cf_k0 = np.take_along_axis(cf, k0, axis=1)  # (depth, 1): broadcast below, the same values as a full gather
+    cb_next = cb[:, 1:]  # cb[a, j + 1] for every j
+    cf_ahead = cf[rows, np.minimum(j + w + 1, m)]  # forwards up to F(a, j + w): issued before B(a, j)
     steady = j >= w + 1  # F(a, j) runs after B(a, 0)
-    after_b0 = (cf[rows, np.minimum(j + w, m - 1) + 1] - cf[rows, k0]) + (cb[rows, j + 1] - cb[:, 1:2])
-    to_fj = np.where(steady, e + (cf[rows, j + 1] - cf[rows, k0]) + (cb[rows, np.clip(j - w, 1, m)] - cb[:, 1:2]),
+    after_b0 = (cf_ahead - cf_k0) + (cb_next - cb[:, 1:2])
+    to_fj = np.where(steady, e + (cf[:, 1:] - cf_k0) + (cb[rows, np.clip(j - w, 1, m)] - cb[:, 1:2]),
                      end_f)  # end of F(a, j)
     v = np.maximum(e + after_b0, to_fj + _excl_suffix(fwd + bwd) + bwd)  # end of B(a, j)
-    rest = (cb[:, -1:] - cb[rows, j + 1]) + (cf[:, -1:] - cf[rows, np.minimum(j + w + 1, m)])  # after B(k, j)
+    rest = (cb[:, -1:] - cb_next) + (cf[:, -1:] - cf_ahead)  # after B(k, j)
     pb = _excl_cumsum(bwd)
     up = np.maximum.accumulate((v + pb)[::-1], axis=0)[::-1] - pb + rest
     down = np.full((depth, m), -np.inf)

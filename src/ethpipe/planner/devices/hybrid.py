@@ -83,27 +83,59 @@ def held_curve(bounds: LowerBounds, stages: Counter, recompute: str
     return held, kinks
 
 
-def crossing_s(held: Callable[[float], float], lo: float, hi: float, num_layers: int) -> float:
-    """Where ``held`` reaches ``num_layers`` between consecutive kinks ``lo`` < ``hi`` (linear there)."""
-    below = held(lo)
-    return lo + (hi - lo) * (num_layers - below) / max(held(hi) - below, 1e-300)
+def crossing_s(lo: float, hi: float, held_lo: float, held_hi: float, num_layers: int) -> float:
+    """Where a held curve reaches ``num_layers`` between consecutive kinks ``lo`` < ``hi`` (linear there), given
+    what it holds at both."""
+    return lo + (hi - lo) * (num_layers - held_lo) / max(held_hi - held_lo, 1e-300)
+
+
+class _KinkTable:
+    """``held_curve``'s parts that do not depend on the stage counts, for (device, TP) types in one order: each
+    type's cap, the kinks, and what one stage of each type holds at a kink (the same floats ``held`` computes),
+    filled in as the bisections ask (``prescore_s``: the same types come back at every pipeline count)."""
+
+    def __init__(self, bounds: LowerBounds, types: tuple[tuple[str, int], ...], recompute: str) -> None:
+        self.opts = [bounds.position_options(d, t, 1, 1, recompute) for d, t in types]
+        self.caps = [max(fit for _, fit in o) for o in self.opts]
+        self.kinks = sorted({0.0} | {per * fit for o in self.opts for per, fit in o} | {
+            per * fit for o in self.opts for per, _ in o for _, fit in o})
+        self._columns: list[tuple[float, ...] | None] = [None] * len(self.kinks)
+
+    def column(self, i: int) -> tuple[float, ...]:
+        """What one stage of each type holds at kink i."""
+        col = self._columns[i]
+        if col is None:
+            x = self.kinks[i]
+            col = self._columns[i] = tuple(max(min(fit, x / per) for per, fit in o) for o in self.opts)
+        return col
 
 
 def prescore_s(bounds: LowerBounds, stages: Counter, num_samples: float, recompute: str) -> float:
     """1F1B at b=1 on the balanced per-sample bottleneck of these (device, TP) stages, each holding at most
-    what fits as a last stage (``held_curve``); inf if even that cannot hold the model."""
+    what fits as a last stage (``held_curve``, from a memoised ``_KinkTable``); inf if even that cannot hold
+    the model."""
     num_layers = bounds.cost.model.num_layers
-    curve = held_curve(bounds, stages, recompute)
-    if curve is None:
+    types = tuple(stages)
+    key = ("held_table", types, recompute)
+    memo = bounds.device_memo
+    table = memo.get(key)
+    if table is None:
+        table = memo[key] = _KinkTable(bounds, types, recompute)
+    counts = [stages[t] for t in types]
+    if sum(n * cap for n, cap in zip(counts, table.caps)) < num_layers or min(table.caps) < 1:
         return math.inf
-    held, kinks = curve
-    if held(kinks[-1]) < num_layers:  # held is constant past the last kink
+
+    def held_at(i: int) -> float:
+        return sum(n * h for n, h in zip(counts, table.column(i)))
+    kinks = table.kinks
+    if held_at(len(kinks) - 1) < num_layers:  # held is constant past the last kink
         return math.inf
     first, last = 0, len(kinks) - 1  # the first kink that holds the model: held is non-decreasing (in floats too)
     while first < last:
         mid = (first + last) // 2
-        first, last = (first, mid) if held(kinks[mid]) >= num_layers else (mid + 1, last)
-    bottleneck_s = crossing_s(held, kinks[first - 1] if first else 0.0, kinks[first], num_layers)
+        first, last = (first, mid) if held_at(mid) >= num_layers else (mid + 1, last)
+    below = max(first - 1, 0)  # kinks[0] is 0.0
+    bottleneck_s = crossing_s(kinks[below], kinks[first], held_at(below), held_at(first), num_layers)
     return bottleneck_s * (num_samples + sum(stages.values()) - 1)
 
 

@@ -262,17 +262,16 @@ def _balanced_counts(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_laye
     back = np.where(back >= 0, back, n + 1)  # -> an always-infeasible slot
     best = np.full(n + 2, np.inf)
     best[0] = 0.0
-    choice = np.zeros((depth, n + 1), dtype=np.int64)
+    totals = []  # per stage, (end, layers - 1): the argmin is taken only on the row the backtrack visits
     for i in range(depth):
         total = best[back[:, :most[i]]] + tables[i, 1:most[i] + 1]
-        arg = np.argmin(total, axis=1)
-        choice[i] = arg + 1
-        best[:n + 1] = total[rows, arg]
+        totals.append(total)
+        best[:n + 1] = total.min(axis=1)
     if not np.isfinite(best[n]):
         return None
     counts, end = [], n
     for i in range(depth - 1, -1, -1):
-        k = int(choice[i, end])
+        k = int(np.argmin(totals[i][end])) + 1
         counts.append(k)
         end -= k
     return counts[::-1]

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, distinct_gpus
@@ -165,6 +166,12 @@ class LowerBounds:
         if not all(hulls) or sum(length for hull in hulls for _, length in hull) < self.cost.model.num_layers:
             return math.inf
         cs = [hull[0][0] for hull in hulls]  # the first layer's per-sample cost
+        index, slopes, lengths = [], [], []  # every stage's segments, flat (the first layer is paid apart)
+        for j, hull in enumerate(hulls):
+            for k, (slope, length) in enumerate(hull):
+                index.append(j)
+                slopes.append(slope)
+                lengths.append(length - (k == 0))
         equalising, tail = [0.0] * depth, 0.0  # makes every c_j a_j equal: the spare layers cost the same anywhere
         for j in range(depth - 1, -1, -1):
             equalising[j] = max(1.0 / cs[j] - x * tail, 0.0) / n
@@ -176,9 +183,7 @@ class LowerBounds:
                 a[j] = n * w[j] + x * after
                 after += w[j]
             total, left = sum((c + e) * aj for c, e, aj in zip(cs, es, a)), self.cost.model.num_layers - depth
-            segments = sorted((slope * aj, length - (k == 0)) for hull, aj in zip(hulls, a)
-                              for k, (slope, length) in enumerate(hull))
-            for cost_s, length in segments:
+            for cost_s, length in sorted(zip([slope * a[j] for j, slope in zip(index, slopes)], lengths)):
                 if left <= 0:
                     break
                 total += cost_s * min(length, left)
@@ -205,51 +210,43 @@ class LowerBounds:
         """The least X such that every position holds >= 1 layer and all hold >= L, each layer at most X: a
         position's k-th layer costs k times its cheapest option that holds k layers (options: (per-layer
         seconds, layers that fit)), so X is the larger of every position's first layer and the L-th smallest
-        of these thresholds (a merge of the positions' increasing sequences); inf if the model cannot fit."""
+        of these thresholds (``_thresholds``; a selection, not a merge: only the value matters); inf if the
+        model cannot fit."""
         num_layers = self.cost.model.num_layers
-        heap: list[tuple[float, int, int, list[tuple[float, int]]]] = []
-        total, first = 0, 0.0
+        parts, total, first = [], 0, 0.0
         for options in opts:
-            segments = self._segments(options)
-            if not segments:
+            thresholds = self._thresholds(options)
+            if not thresholds.size:
                 return math.inf
-            held = segments[-1][1]
-            total += held
-            first = max(first, segments[0][0])
-            heap.append((segments[0][0], 1, 0, segments))
+            total += thresholds.size
+            first = max(first, float(thresholds[0]))
+            parts.append(thresholds)
         if total < num_layers:
             return math.inf
-        heapq.heapify(heap)
-        for _ in range(num_layers - 1):  # consume the L-1 smallest thresholds
-            _, k, s, segments = heap[0]
-            k += 1
-            if k > segments[s][1]:
-                s += 1
-                if s == len(segments):
-                    heapq.heappop(heap)
-                    continue
-            heapq.heapreplace(heap, (k * segments[s][0], k, s, segments))
-        return max(first, heap[0][0])
+        return max(first, float(np.partition(np.concatenate(parts), num_layers - 1)[num_layers - 1]))
 
-    def _segments(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
-        """A position's (per-layer seconds, last layer at that price), cheapest first (memoised: positions
-        repeat across the orders and depths of a search)."""
-        key = ("segments", options)
+    def _thresholds(self, options: tuple[tuple[float, int], ...]) -> np.ndarray:
+        """A position's k-th layer's threshold for k = 1.. (at most L), increasing: k times the cheapest option
+        that holds k layers (memoised: positions repeat across the orders and depths of a search)."""
+        key = ("thresholds", options)
         if key not in self._compute:
             num_layers = self.cost.model.num_layers
-            segments: list[tuple[float, int]] = []
+            runs: list[np.ndarray] = []
             held = 0
             for per, fit in sorted(options):
                 if fit > held:
-                    held = min(fit, num_layers)
-                    segments.append((per, held))
+                    upto = min(fit, num_layers)
+                    runs.append(np.arange(held + 1, upto + 1, dtype=float) * per)
+                    held = upto
                 if held >= num_layers:
                     break
-            self._compute[key] = segments
-        return self._compute[key]
+            thresholds = np.concatenate(runs) if runs else np.empty(0)
+            thresholds.setflags(write=False)  # shared by every position with these options
+            self._compute[key] = thresholds
+        return self._compute[key]  # type: ignore[no-any-return]
 
     def _hull(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
-        """``_hull`` of a position's options (memoised like ``_segments``)."""
+        """``_hull`` of a position's options (memoised like ``_thresholds``)."""
         key = ("hull", options)
         if key not in self._compute:
             self._compute[key] = _hull(sorted(options))
