@@ -3,6 +3,10 @@
 One forked 3-rank world runs the same plan twice: statically, and with `rebalance every=1` while
 rank 0 is emulated 4x slower from step 1 on (so the measured rates call for a new split). Both
 runs must follow plain single-process PyTorch step by step (loss) and end at its parameters.
+
+The ranks are paced to fixed targets (``emulation.compute_s``), tens of milliseconds per action: pacing a
+~1 ms real compute by its CPU time (the measured mode) let a scheduler hiccup of one action outweigh the 4x
+straggler on a loaded 2-core machine (CI once saw the split move *towards* it), which is noise, not a finding.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ethpipe.runtime.data import prepare_tokens, step_sample_ids
-from ethpipe.runtime.emulate import Slowdown
+from ethpipe.runtime.emulate import Slowdown, with_emulation
 from ethpipe.runtime.rebalance import RebalanceConfig
 from ethpipe.runtime.train import TrainConfig, train
 
@@ -27,8 +31,15 @@ from .reference import reference_train
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 STEPS, LR = 5, 1e-3
-PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 2, 2)), ([(2, (0, 6))], (3, 3))],
-                 extra={"device_speeds": {"cpu": 1.0}})
+LAYERS_OF_RANK = {0: 3, 1: 3, 2: 6}
+FWD_S_PER_LAYER_SAMPLE = 0.004  # a backward twice that: with 4x on rank 0, pipeline 0 is the slower by 2x
+PLAN = with_emulation(
+    make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 2, 2)), ([(2, (0, 6))], (3, 3))],
+              extra={"device_speeds": {"cpu": 1.0}}),
+    time_scale=1.0,
+    compute_s={rank: {b: (FWD_S_PER_LAYER_SAMPLE * layers * b, 2 * FWD_S_PER_LAYER_SAMPLE * layers * b)
+                      for b in (1, 2, 3)}  # every size a re-split can run
+               for rank, layers in LAYERS_OF_RANK.items()})
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, TrainConfig]], out_dir: str) -> None:
