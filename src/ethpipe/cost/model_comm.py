@@ -50,11 +50,12 @@ class CommPricing:
         for the same links for every template and micro-batch size)."""
         key = (src_rank, dst_rank, micro_batch)
         memo = self._p2p  # type: ignore[attr-defined]
-        if key not in memo:
+        hit = memo.get(key)  # one hash per call: read for every slot of every template
+        if hit is None:
             num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
-            memo[key] = comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
-                                   self.cluster.link_latency_s(src_rank, dst_rank))
-        return memo[key]
+            hit = memo[key] = comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
+                                         self.cluster.link_latency_s(src_rank, dst_rank))
+        return hit  # type: ignore[no-any-return]
 
     def allreduce_s(self, ranks: Sequence[int], num_bytes: int, *, nic_share: float = 1.0) -> float:
         """All-reduce among ``ranks``; each node's NIC is shared ``nic_share`` ways (concurrent collectives)."""

@@ -77,9 +77,10 @@ class MemoryPricing:
         """
         key = ("terms", tp, micro_batch, in_flight, recompute, first, last, device)
         memo = self._memo  # type: ignore[attr-defined]
-        if key not in memo:
-            memo[key] = self._memory_terms(tp, micro_batch, in_flight, recompute, first, last, device)
-        return memo[key]
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = self._memory_terms(tp, micro_batch, in_flight, recompute, first, last, device)
+        return hit  # type: ignore[no-any-return]
 
     def _memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, first: bool, last: bool,
                       device: str | None) -> tuple[float, float]:

@@ -32,13 +32,15 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class StageOption:
-    """One way to run a stage: time ``fixed_s + k * per_layer_s`` for k layers, at most ``max_layers``."""
+class StageOption(NamedTuple):
+    """One way to run a stage: time ``fixed_s + k * per_layer_s`` for k layers, at most ``max_layers``.
+    A named tuple rather than a frozen dataclass: the planner keys memos on whole pipelines of options, and a
+    tuple hashes and compares in C (a dataclass's ``__hash__`` runs in Python for every option)."""
 
     fixed_s: float
     per_layer_s: float
@@ -225,6 +227,8 @@ def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int
 def _caps(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], threshold_s: float) -> np.ndarray:
     """Each stage's ``max(o.layers_within(threshold))`` over its options, vectorised (same arithmetic)."""
     fixed, per, most = arrays
+    if per.min() > 0:  # every option slows with its layers (all but degenerate inputs): the same arithmetic
+        return np.minimum(np.floor((threshold_s - fixed) / per * (1 + 1e-12) + 1e-12), most).max(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         k = np.floor((threshold_s - fixed) / per * (1 + 1e-12) + 1e-12)
     k = np.where(per <= 0, np.where(fixed <= threshold_s, most, 0.0), np.minimum(k, most))

@@ -49,9 +49,10 @@ class LowerBounds:
     def per_sample_s(self, device: str, tp: int, b: int) -> float:
         """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
         key = ("per_sample", device, tp, b)
-        if key not in self._compute:
-            self._compute[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
-        return self._compute[key]
+        hit = self._compute.get(key)  # one hash per call: these memos are read ~10^5 times a plan
+        if hit is None:
+            hit = self._compute[key] = min(sum(self.cost.layer_times_s(device, x, tp)) / x for x in range(1, b + 1))
+        return hit  # type: ignore[no-any-return]
 
     def ends_per_sample_s(self, device: str, tp: int, b: int, first: bool, last: bool) -> float:
         """Cheapest embedding and/or head seconds per sample over micro-batches of at most b samples."""
@@ -96,7 +97,8 @@ class LowerBounds:
                   ) -> tuple[tuple[float, int], ...]:
         """(per-sample per-layer seconds, layers that fit) of each recompute choice of a stage position."""
         key = ("position", device, tp, b, in_flight, first, last, recompute)
-        if key not in self._memo:
+        hit = self._memo.get(key)
+        if hit is None:
             usable = self.cost.usable_memory_bytes(device)
             out = []
             for rc in {"auto": (False, True), "never": (False,), "always": (True,)}[recompute]:
@@ -107,8 +109,8 @@ class LowerBounds:
                 per = self._compute[per_key]
                 fixed, per_layer = self.cost.memory_terms(tp, b, in_flight, rc, first=first, last=last, device=device)
                 out.append((per, int((usable - fixed) // per_layer) if usable >= fixed else 0))
-            self._memo[key] = tuple(out)
-        return self._memo[key]
+            hit = self._memo[key] = tuple(out)
+        return hit  # type: ignore[no-any-return]
 
     def memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
         """Per-sample bottleneck of one device order with memory: each position holds at most what fits
@@ -229,7 +231,8 @@ class LowerBounds:
         """A position's k-th layer's threshold for k = 1.. (at most L), increasing: k times the cheapest option
         that holds k layers (memoised: positions repeat across the orders and depths of a search)."""
         key = ("thresholds", options)
-        if key not in self._compute:
+        hit = self._compute.get(key)
+        if hit is None:
             num_layers = self.cost.model.num_layers
             runs: list[np.ndarray] = []
             held = 0
@@ -242,8 +245,8 @@ class LowerBounds:
                     break
             thresholds = np.concatenate(runs) if runs else np.empty(0)
             thresholds.setflags(write=False)  # shared by every position with these options
-            self._compute[key] = thresholds
-        return self._compute[key]  # type: ignore[no-any-return]
+            hit = self._compute[key] = thresholds
+        return hit  # type: ignore[no-any-return]
 
     def _hull(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
         """``_hull`` of a position's options (memoised like ``_thresholds``)."""
