@@ -22,6 +22,7 @@ from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_sh
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Block, Stage
 from ethpipe.planner.samples.balance import balance_samples
+from ethpipe.planner.search.memo import cluster_memo
 from ethpipe.planner.devices.instances import RankRows
 from ethpipe.planner.devices.templates import Pool, Template, span_instances
 from ethpipe.planner.layers.timing import StageSlot, link_key
@@ -148,17 +149,6 @@ def with_templates(structures: Structures, make: Callable[[tuple[StageSlot, ...]
             return None
         groups.append(dataclasses.replace(group, template=template))
     return groups
-
-
-def cluster_memo(cache: dict, cluster: Cluster) -> dict:
-    """The part of a planning cache that depends on ``cluster``'s devices alone (layouts' replicas and node
-    statistics), shared by the caches of every optimizer-holder count (``planner.make_plan`` puts one dict
-    under ``("cluster_memo",)`` in each): the sharded rounds search the unsharded plan's devices again."""
-    shared = cache.setdefault(("cluster_memo",), {})
-    entry = shared.get(id(cluster))
-    if entry is None or entry[0] is not cluster:  # the entry keeps its cluster alive: its id is not reused
-        entry = shared[id(cluster)] = (cluster, {})
-    return entry[1]
 
 
 def homogeneous_group(cost: CostModel, template: Template, pool: Pool, cache: dict | None = None) -> Group:

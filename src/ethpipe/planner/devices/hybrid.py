@@ -235,8 +235,13 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
     out = []
     keep = INTERLEAVED_SHAPES_SMALL if cost.cluster.num_devices <= SMALL_CLUSTER_DEVICES else INTERLEAVED_SHAPES
     for _, dp, tps, slices in (shapes if every else _per_count_first(shapes, keep)):
-        # Each pool's stages once (slices start at multiples of its TP degree): pipeline k takes a run of them.
-        stages_of = [slots_for([(p.device, r) for r in ranks[i]], tps[i]) for i, p in enumerate(pools)]
+        # Each pool's stages once (slices start at multiples of its TP degree): pipeline k takes a run of them
+        # (the cluster's memo: every pipeline count, order and round asks for the same ones).
+        stages_key = ("interleaved_stages", pools_key, tuple(tps))
+        stages_of = memo.get(stages_key)
+        if stages_of is None:
+            stages_of = memo[stages_key] = [slots_for([(p.device, r) for r in ranks[i]], tps[i])
+                                            for i, p in enumerate(pools)]
         runs = [s // t for s, t in zip(slices, tps)]
         for order in sorted(orders):
             def instance(k: int, order: tuple[int, ...] = order) -> tuple[StageSlot, ...]:

@@ -23,7 +23,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from itertools import pairwise
 
@@ -134,6 +134,16 @@ def uniform_layouts(cost: CostModel, global_batch: int, max_tp: int) -> Iterator
                 yield replicas, t, kinds, [i * d * t for i in range(replicas)], crossing, build, reps
 
 
+def _layouts(memo: dict, enumerate_fn: Callable[[CostModel, int, int], Iterator[LazyLayout]], cost: CostModel,
+             global_batch: int, max_tp: int) -> list[LazyLayout]:
+    """A space's layouts, enumerated once per cluster (``memo``: its ``cluster_memo``; they depend on its devices,
+    the batch and the TP cap alone, so every holder count's round, and a round searched ahead, reuses them)."""
+    key = ("replicated_layouts", enumerate_fn.__name__, global_batch, max_tp)
+    if key not in memo:
+        memo[key] = list(enumerate_fn(cost, global_batch, max_tp))
+    return memo[key]  # type: ignore[no-any-return]
+
+
 def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recompute: str, granularity: int,
                     cache: dict) -> Template | None:
     """The uniform baseline's equal-layer split of a shape (memoised like ``build_template``)."""
@@ -160,10 +170,10 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     memo = cluster_memo(cache, cost.cluster)  # a layout's replicas depend on the cluster alone: shared by rounds
     structures: dict[tuple, list[tuple[tuple[StageSlot, ...], Group]]] = memo.setdefault("replicated_structures", {})
     representatives: dict[tuple, Structures] = memo.setdefault("replicated_representatives", {})
-    spaces: list[tuple[Iterator[LazyLayout], bool]] = [(uniform_layouts(cost, global_batch, max_tp), True)
-                                                       ] if uniform_space else []
+    spaces: list[tuple[Iterable[LazyLayout], bool]] = [
+        (_layouts(memo, uniform_layouts, cost, global_batch, max_tp), True)] if uniform_space else []
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
-        spaces.append((layer_balanced_layouts(cost, global_batch, max_tp), False))
+        spaces.append((_layouts(memo, layer_balanced_layouts, cost, global_batch, max_tp), False))
     for layouts, uniform in spaces:
         for dp, t, kinds, heads, crossing, layout, reps in layouts:
             share = -(-global_batch // dp)

@@ -13,7 +13,7 @@ a split schedule's replay).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,9 +28,9 @@ from ethpipe.planner.layers.partition import Partition, StageOption
 ActionTimes = Callable[[int], tuple[np.ndarray, np.ndarray]]
 
 
-@dataclass(frozen=True)
-class StageSlot:
-    """A stage position before layers are assigned: its device type, TP degree and ranks."""
+class StageSlot(NamedTuple):
+    """A stage position before layers are assigned: its device type, TP degree and ranks. A named tuple: the
+    replicated family builds one per stage of every replica it prices, and a tuple is built and hashed in C."""
 
     device: str
     tp: int

@@ -22,20 +22,23 @@ import numpy as np
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, distinct_gpus
 from ethpipe.plan import Plan
+from ethpipe.planner.search.memo import cluster_memo
 
 
 class LowerBounds:
     """Order-free lower bounds on a replica's pipeline time (compute only, memoised per device)."""
 
-    def __init__(self, cost: CostModel, device_memo: dict | None = None, compute_memo: dict | None = None) -> None:
+    def __init__(self, cost: CostModel, device_memo: dict | None = None, compute_memo: dict | None = None,
+                 sync_memo: dict | None = None) -> None:
         """``device_memo``: the memory-aware memos of another ``LowerBounds`` of the same model, dtype, GPU types
         and optimizer holders (the idle search's sub-clusters): everything but the sync bounds depends on device
         types only. ``compute_memo``: the compute-only ones, which do not depend on the holders either (the
-        sharding rounds share them)."""
+        sharding rounds share them). ``sync_memo``: the sync bounds of another ``LowerBounds`` on the same
+        cluster whose sync is priced alike (sharded or not: ``CostModel.sync_s``)."""
         self.cost = cost
         self._memo: dict[tuple, Any] = {} if device_memo is None else device_memo  # memory decides these
         self._compute: dict[tuple, Any] = {} if compute_memo is None else compute_memo  # compute (and content) only
-        self._sync: dict[tuple, float] = {}  # ranks and nodes: this cluster's own
+        self._sync: dict[tuple, float] = {} if sync_memo is None else sync_memo  # ranks and nodes: this cluster's own
         self._node_ranks: dict[int, int] = Counter(d.node for d in cost.cluster.devices)
 
     @property
@@ -287,6 +290,13 @@ class LowerBounds:
             if key not in memo:
                 memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
             return memo[key]
+        if recompute is None:  # compute only (the uniform space's enumeration, every round alike): memoised too,
+            # keyed in the kinds' own order (the sums over them run in it)
+            key = ("makespan_of", tuple(kinds.items()), tp, b, global_batch, None if layers is None else tuple(layers))
+            hit = self._compute.get(key)
+            if hit is None:
+                hit = self._compute[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
+            return hit  # type: ignore[no-any-return]
         return self._makespan_s(kinds, tp, b, global_batch, layers, recompute)
 
     def _makespan_s(self, kinds: Counter, tp: int, b: int, global_batch: int, layers: Sequence[int] | None,
@@ -362,8 +372,9 @@ def shared_bounds(cost: CostModel, cache: dict) -> LowerBounds:
     """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it);
     a new cluster in the same cache (``plan_eth`` drops the old bounds) keeps the per-device memos."""
     if ("lower_bounds",) not in cache:
+        sync = cluster_memo(cache, cost.cluster).setdefault(("first_stage_sync", cost.optimizer_holders > 1), {})
         bounds = cache[("lower_bounds",)] = LowerBounds(cost, cache.get(("device_bounds",)),
-                                                         cache.get(("compute_bounds",)))
+                                                         cache.get(("compute_bounds",)), sync)
         cache[("device_bounds",)] = bounds.device_memo
         cache.setdefault(("compute_bounds",), bounds.compute_memo)
     return cache[("lower_bounds",)]
