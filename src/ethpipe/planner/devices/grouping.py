@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ethpipe.catalog import GpuSpec
-from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, block_sync_order, distinct_gpus, nic_share_gbps
 from ethpipe.errors import Infeasible
