@@ -269,17 +269,28 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
     return max(end.values())
 
 
+_ROUNDING = 1e-9  # far above the relative difference of two float evaluations of one path (~1e-14)
+
+
 def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,
                     flat_sync: bool = False, shapes: list | None = None, cutoff_s: float = math.inf
                     ) -> tuple[float, list[list[int]]]:
     """Balance the batch over the groups' pipelines (level 3; or split it equally) and price the iteration
     (``shapes``: the groups' ``sync_shapes``, when already known). If the slowest pipeline's flush alone
     (a lower bound: every stage's sync and optimizer step come after its last backward) is at least
-    ``cutoff_s``, the sync is not priced and the score is inf."""
+    ``cutoff_s``, the sync is not priced and the score is inf (and the balance not finished where it shows
+    that already: no samples then)."""
     if equal_data:
         samples = equal_samples(groups, global_batch)
     else:
-        samples = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch)
+        # Each T(n) is at most the flush it bounds (``equal_sizes_makespans``: some of ``stage_finish_s``'s paths),
+        # up to rounding, so a balance whose every split has some T(n) past the cutoff (by more than any
+        # rounding) ends in the check below: stop it there.
+        found = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch,
+                                give_up_at_s=cutoff_s * (1 + _ROUNDING))
+        if found is None:
+            return math.inf, []
+        samples = found
     if math.isfinite(cutoff_s) and max(float(gr.template.timing.finish_s(max(row))[0])
                                        for gr, row in zip(groups, samples)) >= cutoff_s:
         return math.inf, samples

@@ -202,8 +202,12 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             heapq.heappush(heap, (max(bound, memory_s), next(counter), 0, item))
             continue
         if stage == 0:  # the device order's own bounds first: no templates
-            flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute)
-            if flush_s is not None:
+            cutoff_s = bar_s()
+
+            def enough(flush_s: float, bound: float = bound, sync_s: float = sync_s, cutoff_s: float = cutoff_s) -> bool:
+                return _past_bar(bound, sync_s, flush_s, cutoff_s)
+            flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute, enough)
+            if flush_s is not None and not enough(flush_s):
                 ordered_s = flush_s if uniform else max(flush_s, bounds.makespan_s(kinds, t, b, global_batch, layers,
                                                                                    recompute))
                 split = not uniform and options.balance_layers  # level 2 splits the layers: bound that split
@@ -228,17 +232,27 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     return (None if best is incumbent else best), priced
 
 
+def _past_bar(bound: float, sync_s: float, flush_s: float, bar_s: float) -> bool:
+    """Whether a candidate whose device order flushes no sooner than ``flush_s`` is at or past the bar: pushed
+    back, it would be where the search stops (the bar only falls), so the rest of its bound is not needed and it
+    is dropped (the same search: the heap pops the others in the same order)."""
+    return max(bound, sync_s + flush_s) >= bar_s
+
+
 def _order_bound(bounds: LowerBounds, kinds: Counter, tp: int, b: int, share: int, layers: Sequence[int] | None,
-                 recompute: str) -> float | None:
+                 recompute: str, enough: Callable[[float], bool] = lambda _: False) -> float | None:
     """A pipeline of ceil(B/P) samples flushes no sooner than its kind's bound in its own device order (the
-    memory-aware bottleneck, the fill and drain); None if some kind cannot fit."""
+    memory-aware bottleneck, the fill and drain); None if some kind cannot fit. Where a kind's bottleneck alone is
+    ``enough`` (the candidate cannot beat the bar), its fill and drain are not bounded: the result is then still
+    ``enough``, and exact otherwise."""
     if layers is not None and not all(bounds.fits([(d, tp) for d in kind], layers, b, recompute) for kind in kinds):
         return None
     flush_s = math.inf
     for kind in kinds:
         stages = [(d, tp) for d in kind]
         per_sample = 0.0 if layers is not None else bounds.stages_bottleneck_s(stages, b, recompute)
-        flush_s = min(flush_s, max(per_sample * share, bounds.ordered_flush_s(stages, b, share, layers, recompute)))
+        flush_s = min(flush_s, per_sample * share if enough(per_sample * share) else
+                      max(per_sample * share, bounds.ordered_flush_s(stages, b, share, layers, recompute)))
     return None if math.isinf(flush_s) else flush_s
 
 

@@ -253,15 +253,21 @@ class PipelineTiming:
             return 0.0
         return float(self._extend(num_samples)[num_samples - 1])
 
+    def _reaching(self, limit_s: float, upper: int) -> np.ndarray:
+        """T(1..) far enough to answer where T crosses ``limit_s`` below ``upper``: the table as built if it
+        already ends past the limit (T never falls, so what lies beyond cannot be under it), else up to ``upper``."""
+        table = self._build() if self._table is None else self._table
+        return table if table.size < upper and table[-1] > limit_s else self._extend(upper)
+
     def max_samples_within(self, limit_s: float, upper: int) -> int:
         """Largest n <= upper with T(n) <= limit (a multiple of ``granularity``)."""
-        table = self._extend(upper)
+        table = self._reaching(limit_s, upper)
         best = min(int(np.searchsorted(table, limit_s, side="right")), upper)
         return best - best % self.granularity
 
     def samples_below(self, limit_s: float, upper: int) -> int:
         """How many n in 1..upper have T(n) < limit (T is non-decreasing: they are 1..that)."""
-        return min(int(np.searchsorted(self._extend(upper), limit_s, side="left")), upper)
+        return min(int(np.searchsorted(self._reaching(limit_s, upper), limit_s, side="left")), upper)
 
     def finish_s(self, num_samples: int) -> np.ndarray:
         """Each stage's gradients-final time for ``num_samples`` (``stage_finish_of``; under 1F1B [0] is the

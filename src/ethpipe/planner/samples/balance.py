@@ -23,8 +23,12 @@ _BISECTION_STEPS = 100
 _RELATIVE_TOLERANCE = 1e-7
 
 
-def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], total: int) -> list[list[int]]:
-    """Samples per pipeline, grouped like ``timings`` (group g has ``counts[g]`` identical pipelines)."""
+def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], total: int,
+                    give_up_at_s: float = math.inf) -> list[list[int]] | None:
+    """Samples per pipeline, grouped like ``timings`` (group g has ``counts[g]`` identical pipelines).
+
+    None if every split has a pipeline with ``T(n) > give_up_at_s`` (the pipelines cannot take the batch within
+    it): a caller that only wants splits under a time is spared the bisection."""
     num_pipes = sum(counts)
     units = [t.granularity for t in timings]
     if total < sum(c * u for c, u in zip(counts, units)):
@@ -35,13 +39,17 @@ def balance_samples(timings: Sequence[PipelineTiming], counts: Sequence[int], to
     if total % math.gcd(*units):  # else the caps below stop short of the batch and too few samples get priced
         raise Infeasible(f"global batch {total} is not a whole number of micro-batches of {math.gcd(*units)} samples: "
                          "use a multiple of the micro-batch size, or sample-level balance")
-    lo = max(t.time_s(u) for t, u in zip(timings, units))
+    lo = max(t.time_s(u) for t, u in zip(timings, units))  # every split's slowest pipeline takes at least this
+    if lo > give_up_at_s:
+        return None
     hi = max(t.time_s(total - num_pipes + 1) for t in timings)
 
     def caps(limit: float) -> list[int]:
         return [max(t.max_samples_within(limit, total), u) for t, u in zip(timings, units)]
 
     if sum(c * n for c, n in zip(counts, caps(lo))) < total:
+        if math.isfinite(give_up_at_s) and sum(c * n for c, n in zip(counts, caps(give_up_at_s))) < total:
+            return None  # (past it, the bisection below runs as it would without the question)
         for _ in range(_BISECTION_STEPS):
             mid = (lo + hi) / 2
             if sum(c * n for c, n in zip(counts, caps(mid))) >= total:
