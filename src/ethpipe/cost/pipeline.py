@@ -21,6 +21,8 @@ low at worst on strongly unequal ones.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 
@@ -64,26 +66,40 @@ def _first_backward(end_f: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     return np.array(first_b)
 
 
+@lru_cache(maxsize=1024)
+def _layout(depth: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``stage_finish_s``'s index arrays for a (depth, m) pipeline, kept per shape (the planner times thousands
+    of pipelines of a few shapes): forwards before ``B(a, 0)``, where ``cf_ahead`` and ``cb`` at ``F(a, j)`` are
+    read in the flattened (depth, m + 1) prefix sums, and which forwards run after ``B(a, 0)``."""
+    a = np.arange(depth)[:, None]
+    j = np.arange(m)[None, :]
+    w = depth - 1 - a
+    k0 = np.minimum(w, m - 1) + 1
+    ahead = (a * (m + 1) + np.minimum(j + w + 1, m)).ravel()
+    at_fj = (a * (m + 1) + np.clip(j - w, 1, m)).ravel()
+    steady = j >= w + 1
+    for x in (k0, ahead, at_fj, steady):
+        x.setflags(write=False)
+    return k0, ahead, at_fj, steady
+
+
 def stage_finish_s(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     """End of each stage's last backward; ``fwd[i, j]``/``bwd[i, j]``: stage i's action on micro-batch j."""
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     depth, m = fwd.shape
-    a = np.arange(depth)[:, None]
-    j = np.arange(m)[None, :]
-    w = depth - 1 - a
-    rows = np.broadcast_to(a, (depth, m))
-    cf = np.concatenate([np.zeros((depth, 1)), np.cumsum(fwd, axis=1)], axis=1)  # cf[i, j] = sum_{j'<j}
-    cb = np.concatenate([np.zeros((depth, 1)), np.cumsum(bwd, axis=1)], axis=1)
+    k0, ahead, at_fj, steady = _layout(depth, m)
+    cf = np.zeros((depth, m + 1))  # cf[i, j] = sum_{j'<j}
+    np.cumsum(fwd, axis=1, out=cf[:, 1:])
+    cb = np.zeros((depth, m + 1))
+    np.cumsum(bwd, axis=1, out=cb[:, 1:])
     end_f, first_b = _warmup(fwd, bwd)
     e = first_b[:, None]
-    k0 = np.minimum(w, m - 1) + 1  # forwards before B(a, 0)
     cf_k0 = np.take_along_axis(cf, k0, axis=1)  # (depth, 1): broadcast below, the same values as a full gather
-    cb_next = cb[:, 1:]  # cb[a, j + 1] for every j
-    cf_ahead = cf[rows, np.minimum(j + w + 1, m)]  # forwards up to F(a, j + w): issued before B(a, j)
-    steady = j >= w + 1  # F(a, j) runs after B(a, 0)
-    after_b0 = (cf_ahead - cf_k0) + (cb_next - cb[:, 1:2])
-    to_fj = np.where(steady, e + (cf[:, 1:] - cf_k0) + (cb[rows, np.clip(j - w, 1, m)] - cb[:, 1:2]),
-                     end_f)  # end of F(a, j)
+    cb_next, cb_first = cb[:, 1:], cb[:, 1:2]  # cb[a, j + 1] for every j; cb[a, 1]
+    cf_ahead = cf.take(ahead).reshape(depth, m)  # forwards up to F(a, j + w): issued before B(a, j)
+    after_b0 = (cf_ahead - cf_k0) + (cb_next - cb_first)
+    to_fj = np.where(steady, e + (cf[:, 1:] - cf_k0) + (cb.take(at_fj).reshape(depth, m) - cb_first),
+                     end_f)  # end of F(a, j); ``steady``: F(a, j) runs after B(a, 0)
     v = np.maximum(e + after_b0, to_fj + _excl_suffix(fwd + bwd) + bwd)  # end of B(a, j)
     rest = (cb[:, -1:] - cb_next) + (cf[:, -1:] - cf_ahead)  # after B(k, j)
     pb = _excl_cumsum(bwd)

@@ -82,8 +82,8 @@ def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
     the most any sample count reaches)."""
     b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
     for s, stage in enumerate(pipe.stages):
-        actions = stage_actions(schedule, pipe.depth, s, m, not stage.recompute, pipe.num_chunks)
-        if stage_bytes(cost, pipe, s, b, held_of(pipe, s, actions)) > cost.usable_memory_bytes(stage.device):
+        held = _held(schedule, pipe.depth, s, m, not stage.recompute, stage.chunk_layers)
+        if stage_bytes(cost, pipe, s, b, held) > cost.usable_memory_bytes(stage.device):
             return False
     return True
 

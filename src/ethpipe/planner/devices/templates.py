@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 from ethpipe.cost.model import CostModel
 from ethpipe.planner.search.options import PlannerOptions
-from ethpipe.planner.layers.partition import Partition, _choose, flush_lower_bound_s, partition_layers
+from ethpipe.planner.layers.partition import (
+    Partition, Prepared, StageOption, _choose, flush_lower_bound_s, partition_layers, prepare,
+)
 from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, link_key, stage_options, timing_of_partition
 
 MICRO_BATCH_CANDIDATES = (1, 2, 4, 8, 16)
@@ -102,7 +104,8 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     key = (tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
-            part = partition_layers(stage_options(cost, slots, micro_batch, recompute, cache), cost.model.num_layers)
+            stages = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
+            part = partition_layers(stages, cost.model.num_layers, _prepared(stages, cost.model.num_layers, cache))
         else:
             part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute,
                                    cache)
@@ -139,8 +142,22 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
     key = ("flush_bound", stages, num_samples // micro_batch, num_samples % micro_batch == 0)
     if key not in cache:  # replicas whose links differ often have the same options (memoised per slot)
         # a hair under: the flush's own arithmetic (action times, stage_finish_s) rounds differently
-        cache[key] = flush_lower_bound_s(stages, cost.model.num_layers, *key[2:]) * (1 - 1e-12)
+        num_layers = cost.model.num_layers
+        cache[key] = flush_lower_bound_s(stages, num_layers, *key[2:],
+                                         prepared=_prepared(stages, num_layers, cache)) * (1 - 1e-12)
     return cache[key]
+
+
+def _prepared(stages: tuple[tuple[StageOption, ...], ...], num_layers: int, cache: dict) -> Prepared | None:
+    """``partition.prepare`` of these options, kept in ``cache``: a shape's flush is bounded before it is
+    partitioned, by the same options (None where ``partition_layers`` answers without it)."""
+    if not 0 < len(stages) <= num_layers:
+        return None
+    key = ("prepared", stages)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = prepare(stages, num_layers)
+    return hit  # type: ignore[no-any-return]
 
 
 def pool_shapes(cost: CostModel, pool: Pool, max_tp: int) -> list[tuple[int, int, int]]:

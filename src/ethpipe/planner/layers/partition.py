@@ -93,16 +93,34 @@ def _greedy(stages: Sequence[Sequence[StageOption]], total: int, threshold_s: fl
     return None
 
 
-def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int) -> Partition | None:
+class Prepared(NamedTuple):
+    """What ``partition_layers`` and ``flush_lower_bound_s`` both derive from one pipeline's options first (the
+    searches bound a shape's flush, then often partition it): the options as arrays, each stage's cheapest
+    time for k = 1..L layers, and the least threshold a split fits under (None: none fits)."""
+
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray]
+    times: np.ndarray
+    threshold_s: float | None
+
+
+def prepare(stages: Sequence[Sequence[StageOption]], num_layers: int) -> Prepared:
+    """``Prepared`` of a pipeline of at least one and at most ``num_layers`` stages."""
+    arrays = _option_arrays(stages)
+    table = _k_layer_times(arrays, num_layers)
+    return Prepared(arrays, table[1], _least_feasible_threshold_s(arrays, num_layers, table))
+
+
+def partition_layers(stages: Sequence[Sequence[StageOption]], num_layers: int,
+                     prepared: Prepared | None = None) -> Partition | None:
     """Contiguous split of ``num_layers`` blocks over the stages minimising the slowest stage.
 
-    Every stage gets at least one layer. Returns None when no split fits memory.
+    Every stage gets at least one layer. Returns None when no split fits memory. ``prepared``: ``prepare``'s
+    result for these stages, where the caller keeps it.
     """
     depth = len(stages)
     if depth == 0 or depth > num_layers:
         return None
-    arrays = _option_arrays(stages)
-    threshold_s = _least_feasible_threshold_s(arrays, num_layers, _k_layer_times(arrays, num_layers))
+    arrays, _, threshold_s = prepared or prepare(stages, num_layers)
     if threshold_s is None:
         return None
     counts = _greedy(stages, num_layers, threshold_s)
@@ -171,7 +189,7 @@ def _least_feasible_threshold_s(arrays: tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int, num_micro_batches: int,
-                        fill: bool = True) -> float:
+                        fill: bool = True, prepared: Prepared | None = None) -> float:
     """A lower bound on the 1F1B flush (``cost.pipeline.stage_finish_s``, stage 0's last backward) of the split
     ``partition_layers`` returns, with ``num_micro_batches`` micro-batches whose stage times the options give:
     stage a's actions all run between micro-batch 0 crossing the stages before it and the last one's gradient
@@ -180,18 +198,16 @@ def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int
     stage within its layers under X, the threshold ``partition_layers`` uses, so the stages before a hold at
     least what the later ones cannot; and one stage takes at least X (fewer than L of the stages' times are
     below X, or a stage's first layer takes X). S_a is bounded by each stage's first layer plus its cheapest
-    increment per extra layer. 0.0 (no claim) for negative per-layer times; inf if no split fits memory."""
+    increment per extra layer. 0.0 (no claim) for negative per-layer times; inf if no split fits memory.
+    ``prepared``: as for ``partition_layers``."""
     depth = len(stages)
     if depth == 0 or depth > num_layers:
         return math.inf
-    arrays = _option_arrays(stages)
+    arrays, times, threshold_s = prepared or prepare(stages, num_layers)
     if (arrays[1] < 0).any():
         return 0.0
-    table = _k_layer_times(arrays, num_layers)
-    threshold_s = _least_feasible_threshold_s(arrays, num_layers, table)
     if threshold_s is None:
         return math.inf
-    times = table[1]
     caps = np.minimum(_caps(arrays, threshold_s), num_layers).astype(np.int64)
     index = np.arange(depth)
     fewest = np.maximum(1, num_layers - (caps.sum() - caps))  # what the other stages cannot hold
@@ -255,29 +271,44 @@ def _time_tables(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: 
 
 def _balanced_counts(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], num_layers: int, threshold_s: float
                      ) -> list[int] | None:
-    """Layers per stage minimising the sum of squared stage times, every stage within the threshold."""
+    """Layers per stage minimising the sum of squared stage times, every stage within the threshold.
+
+    A DP over the stages' last layers, each stage only over the ends it can have on a complete split (at least
+    one layer per stage, at most what each holds): with memory binding these windows are a few layers wide, so
+    plain floats beat array operations (2-3x at every depth); ties go to the fewest layers, as an argmin would."""
     depth, n = arrays[0].shape[0], num_layers
     tables = _time_tables(arrays, n, threshold_s) ** 2
-    most = np.where(np.isfinite(tables), np.arange(n + 1), 0).max(axis=1)  # the most layers each stage holds
-    if most.min() == 0:
+    most = np.where(np.isfinite(tables), np.arange(n + 1), 0).max(axis=1).tolist()  # the most each stage holds
+    if min(most) == 0:
         return None
-    rows = np.arange(n + 1)
-    back = rows[:, None] - rows[None, 1:]  # back[j, k - 1]: layers before a stage that ends at j and holds k
-    back = np.where(back >= 0, back, n + 1)  # -> an always-infeasible slot
-    best = np.full(n + 2, np.inf)
-    best[0] = 0.0
-    totals = []  # per stage, (end, layers - 1): the argmin is taken only on the row the backtrack visits
+    room = [0] * (depth + 1)  # room[i]: what stages i.. hold at most
+    for i in range(depth - 1, -1, -1):
+        room[i] = room[i + 1] + most[i]
+    best: dict[int, float] = {0: 0.0}  # end of the stages so far -> least sum of squares
+    chosen: list[dict[int, int]] = []  # per stage, end -> its layers on the best way there
+    reach = 0
     for i in range(depth):
-        total = best[back[:, :most[i]]] + tables[i, 1:most[i] + 1]
-        totals.append(total)
-        best[:n + 1] = total.min(axis=1)
-    if not np.isfinite(best[n]):
+        squares = tables[i, 1:most[i] + 1].tolist()
+        lo, hi = max(i + 1, n - room[i + 1]), min(reach + most[i], n - (depth - 1 - i))
+        if lo > hi:
+            return None
+        ends: dict[int, float] = {}
+        layers: dict[int, int] = {}
+        for end in range(lo, hi + 1):
+            least, k_least = math.inf, 0
+            for k, square in enumerate(squares, start=1):
+                value = best.get(end - k, math.inf) + square
+                if value < least:
+                    least, k_least = value, k
+            ends[end], layers[end] = least, k_least
+        best, reach = ends, hi
+        chosen.append(layers)
+    if not best.get(n, math.inf) < math.inf:
         return None
     counts, end = [], n
     for i in range(depth - 1, -1, -1):
-        k = int(np.argmin(totals[i][end])) + 1
-        counts.append(k)
-        end -= k
+        counts.append(chosen[i][end])
+        end -= counts[-1]
     return counts[::-1]
 
 
