@@ -35,9 +35,11 @@ from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
 from ethpipe.planner.search.bounds import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.layers.schedules import choose_schedules
+from ethpipe.planner.layers.schedules import choose_schedules, flush_past_under_any
 from ethpipe.schedule import DEFAULT_SCHEDULE
-from ethpipe.planner.devices.grouping import Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group
+from ethpipe.planner.devices.grouping import (
+    Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group, sync_shapes,
+)
 from ethpipe.planner.devices.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
 from ethpipe.planner.search.options import PlannerOptions
@@ -233,6 +235,8 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
         for found in sorted(candidates, key=lambda f: f[0]):
             if found[0] >= final_s and not split:
                 break  # the sharing only slows a plan down: no later candidate can price under final_s
+            if found[0] >= final_s and _beaten(cost, global_batch, found, final_s, schedules):
+                continue  # its own split prices at least its score, and no schedule's re-split gets under final_s
             pipelines, estimate_s = _pipelines(cost, global_batch, found, search, options, schedules,
                                                cache.get(("schedule_timings",)))
             final, final_s = ((found, pipelines), estimate_s) if estimate_s < final_s else (final, final_s)
@@ -241,6 +245,22 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
             return None
         return _build(cost, global_batch, final[0], final[1], search, started, options)
     return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options, schedules)
+
+
+def _beaten(cost: CostModel, global_batch: int, found: Found, time_s: float, schedules: Sequence[str]) -> bool:
+    """Whether no schedule's re-split of a search result's pipelines (each group's template) can price under
+    ``time_s``: the blocks a pipeline's first stage holds are synced one after another once it has flushed, so
+    the price is at least that flush plus those syncs (``layers.schedules.flush_past_under_any``)."""
+    groups = found[1]
+    after_s = [0.0] * len(groups)  # each group's first stage's syncs
+    for holders, shape in sync_shapes(cost, groups):
+        for g, stage in enumerate(holders):
+            if stage == 0:
+                after_s[g] += cost.sync_s(shape)
+    margin_s = time_s * 1e-9  # far above the rounding of two float evaluations of one path (~1e-14 relative)
+    shapes = [(g.template.slots, g.template.partition.num_layers, g.template.partition.recompute,
+               g.template.micro_batch, g.count, time_s + margin_s - sync_s) for g, sync_s in zip(groups, after_s)]
+    return flush_past_under_any(cost, shapes, global_batch, schedules)
 
 
 def _pipelines(cost: CostModel, global_batch: int, found: Found, search: dict, options: PlannerOptions,

@@ -22,10 +22,12 @@ from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.estimate import PlanLayout, estimate_iteration_s, plan_layout, predicted_metrics
 from ethpipe.planner.layers.interleave import try_interleaving
-from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
+from ethpipe.planner.layers.timing import (
+    PipelineTiming, StageSlot, action_times_s, split_sizes, timing_of_layers, weight_times_s,
+)
 from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.cost.plan_memory import fits
-from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES
+from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, SPLIT_SCHEDULES
 
 
 class BestOfTiming(PipelineTiming):
@@ -66,6 +68,34 @@ def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], 
         if (key, b, granularity, sch) not in store:
             store[(key, b, granularity, sch)] = timing_of_layers(cost, slots, layers, rc, b, granularity, sch)
     return [store[(key, b, granularity, sch)] for sch in fitting]
+
+
+def flush_past_under_any(cost: CostModel, shapes: Sequence[tuple[Sequence[StageSlot], Sequence[int], Sequence[bool],
+                                                                int, int, float]],
+                         global_batch: int, schedules: Sequence[str]) -> bool:
+    """True if every split of the batch over these pipeline shapes ((slots, layers, recompute, micro-batch size,
+    how many, a time), links as priced by ``cost``) has a pipeline whose flush passes its shape's time under
+    each of ``schedules`` (1F1B and the split ones): a lower bound on what ``choose_schedules`` can price them at.
+
+    A split schedule runs 1F1B's order of forwards and input-gradient backwards with the W passes added, and
+    taking those out of a stage's list only lets the rest start earlier: each pipeline's T(n) is at least 1F1B's
+    with every backward shortened by its W (``PipelineTiming``'s closed form, itself below the flush it bounds,
+    ``cost/pipeline.py``), and so is 1F1B's own. NIC sharing only slows the plan's links down. Every pipeline
+    takes at least one sample, and at most what keeps its flush within its time."""
+    if any(s != DEFAULT_SCHEDULE and s not in SPLIT_SCHEDULES for s in schedules):
+        return False  # interleaving shortens the bubble otherwise: no claim
+    room = 0
+    for slots, layers, recompute, micro_batch, count, flush_s in shapes:
+        def times(x: int, slots: Sequence[StageSlot] = slots, layers: Sequence[int] = layers,
+                  recompute: Sequence[bool] = recompute) -> tuple[np.ndarray, np.ndarray]:
+            fwd, bwd = action_times_s(cost, slots, layers, recompute, x)
+            (moved,) = weight_times_s(cost, slots, layers, recompute, x)
+            return fwd, bwd - moved
+        floor = PipelineTiming(micro_batch, times)
+        if floor.time_s(1) > flush_s:
+            return True
+        room += count * floor.max_samples_within(flush_s, global_batch)
+    return room < global_batch
 
 
 def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
