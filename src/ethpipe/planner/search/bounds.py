@@ -49,6 +49,15 @@ class LowerBounds:
     def compute_memo(self) -> dict:
         return self._compute
 
+    def _multiset(self, devices: Sequence[str]) -> tuple[tuple[str, int], ...]:
+        """(device type, count) pairs of a device sequence, sorted: the key of the order-free memos, kept per
+        sequence (the searches ask for the same long kinds many times)."""
+        key = ("multiset", tuple(devices))
+        hit = self._compute.get(key)
+        if hit is None:
+            hit = self._compute[key] = tuple(sorted(Counter(devices).items()))
+        return hit  # type: ignore[no-any-return]
+
     def per_sample_s(self, device: str, tp: int, b: int) -> float:
         """Cheapest fwd+bwd seconds per sample and layer over micro-batches of at most b samples."""
         key = ("per_sample", device, tp, b)
@@ -78,7 +87,7 @@ class LowerBounds:
             ends = [self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1) for i, d in enumerate(devices)]
             return max(e + k * self.per_sample_s(d, tp, b) for d, k, e in zip(devices, layers, ends))
         ends_at = (None, None) if any_order else (devices[0], devices[-1])
-        key = ("bottleneck", tuple(sorted(Counter(devices).items())), *ends_at, tp, b)
+        key = ("bottleneck", self._multiset(devices), *ends_at, tp, b)
         if key not in self._compute:
             ends = [0.0 if any_order else self.ends_per_sample_s(d, tp, b, i == 0, i == depth - 1)
                     for i, d in enumerate(devices)]
@@ -135,12 +144,20 @@ class LowerBounds:
         """Each (device, TP) stage's ``_position`` options and per-sample ends in this order (memoised: the
         order bounds and the interleaved family's cutoff ask for the same stages twice)."""
         key = ("stage_terms", tuple(stages), b, recompute)
-        if key not in self._memo:
-            depth = len(stages)
-            self._memo[key] = ([self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute)
-                                for i, (d, t) in enumerate(stages)],
-                               [self.ends_per_sample_s(d, t, b, i == 0, i == depth - 1) for i, (d, t) in enumerate(stages)])
-        return self._memo[key]
+        hit = self._memo.get(key)
+        if hit is None:
+            depth, memo = len(stages), self._memo
+            options = []
+            for i, (d, t) in enumerate(stages):  # ``_position``'s memo read here: long kinds repeat it thousands of times
+                known = memo.get(("position", d, t, b, depth - i, i == 0, i == depth - 1, recompute))
+                options.append(known if known is not None else
+                               self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute))
+            ends = [0.0] * depth  # only the embedding and the head have ends
+            ends[0] = self.ends_per_sample_s(stages[0][0], stages[0][1], b, True, depth == 1)
+            if depth > 1:
+                ends[-1] = self.ends_per_sample_s(stages[-1][0], stages[-1][1], b, False, True)
+            hit = memo[key] = (options, ends)
+        return hit  # type: ignore[no-any-return]
 
     def fits(self, stages: Sequence[tuple[str, int]], layers: Sequence[int], b: int, recompute: str) -> bool:
         """Whether every (device, TP) stage holds its given layers (``fixed_partition``'s check, without timing)."""
@@ -204,7 +221,7 @@ class LowerBounds:
     def relaxed_memory_bottleneck_s(self, devices: Sequence[str], tp: int, b: int, recompute: str) -> float:
         """The same for any order of these devices: each type's stages as if they were the last ones
         (fewest activations in flight) and without embedding or head: memoised per multiset."""
-        key = ("relaxed", tuple(sorted(Counter(devices).items())), tp, b, recompute)
+        key = ("relaxed", self._multiset(devices), tp, b, recompute)
         if key not in self._memo:
             self._memo[key] = self._capped_bottleneck_s(
                 [self._position(d, tp, b, k, False, False, recompute)
@@ -218,17 +235,20 @@ class LowerBounds:
         of these thresholds (``_thresholds``; a selection, not a merge: only the value matters); inf if the
         model cannot fit."""
         num_layers = self.cost.model.num_layers
-        parts, total, first = [], 0, 0.0
-        for options in opts:
+        parts, times, total, first = [], [], 0, 0.0
+        for options, count in Counter(opts).items():  # positions with the same options: once, counted
             thresholds = self._thresholds(options)
             if not thresholds.size:
                 return math.inf
-            total += thresholds.size
+            total += count * thresholds.size
             first = max(first, float(thresholds[0]))
             parts.append(thresholds)
+            times.append(count)
         if total < num_layers:
             return math.inf
-        return max(first, float(np.partition(np.concatenate(parts), num_layers - 1)[num_layers - 1]))
+        union = np.concatenate(parts) if max(times) == 1 else np.repeat(
+            np.concatenate(parts), np.repeat(times, [part.size for part in parts]))
+        return max(first, float(np.partition(union, num_layers - 1)[num_layers - 1]))
 
     def _thresholds(self, options: tuple[tuple[float, int], ...]) -> np.ndarray:
         """A position's k-th layer's threshold for k = 1.. (at most L), increasing: k times the cheapest option
@@ -264,7 +284,7 @@ class LowerBounds:
         (``any_order``: the cheapest of these devices for each)."""
         x = min(b, num_samples)
         firsts, lasts = (set(devices), set(devices)) if any_order else ({devices[0]}, {devices[-1]})
-        key = ("chain", tuple(sorted(Counter(devices).items())) if layers is None else tuple(zip(devices, layers)),
+        key = ("chain", self._multiset(devices) if layers is None else tuple(zip(devices, layers)),
                tuple(sorted(firsts)), tuple(sorted(lasts)), len(devices), tp, b, x)
         if key not in self._compute:
             per = [self.per_sample_s(d, tp, b) for d in devices]
@@ -285,7 +305,7 @@ class LowerBounds:
         if layers is None and len(kinds) == 1:  # the layer-balanced space: the same for every type order
             (kind,) = kinds
             ends_at = (None, None) if any_order else (kind[0], kind[-1])
-            key = ("makespan", tuple(sorted(kind)), *ends_at, tp, b, global_batch, num_pipes, recompute)
+            key = ("makespan", self._multiset(kind), *ends_at, tp, b, global_batch, num_pipes, recompute)
             memo = self._compute if recompute is None else self._memo  # with recompute: memory-aware
             if key not in memo:
                 memo[key] = self._makespan_s(kinds, tp, b, global_batch, layers, recompute, any_order)
