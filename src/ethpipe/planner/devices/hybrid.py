@@ -263,6 +263,14 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     return []
                 return list({link_key(cost, inst): inst for inst in map(instance, range(dp))}.values())
 
+            @functools.cache
+            def crossing(dp: int = dp, first: tuple[StageSlot, ...] = first, instance: Callable = instance) -> bool:
+                """Whether the first and the last pipeline share no node (every block's holders span nodes)."""
+                devs = cost.cluster.devices
+                nodes_first, nodes_last = ({devs[r].node for slot in inst for r in slot.ranks}
+                                           for inst in (first, instance(dp - 1)))
+                return not nodes_first & nodes_last
+
             heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
             share = -(-global_batch // dp)
             best = None
@@ -272,8 +280,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     groups = structure_groups(cost, structures(), b, recompute, options, cache)
                     out += [groups] if groups is not None else []
                     continue
-                if _cannot_beat(cost, bounds, cutoff, (first, instance(dp - 1), heads, linked), b, share, recompute,
-                                cache):
+                if _cannot_beat(cost, bounds, cutoff, (first, crossing, heads, linked), b, share, recompute, cache):
                     continue
                 if best is not None and template_flush_bound_s(cost, first, b, recompute, share, cache,
                                                                options) >= best[0]:
@@ -292,14 +299,15 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
 
 
 def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
-                 pipelines: tuple[tuple, tuple, list[int], Callable[[], list[tuple]]], b: int, share: int,
+                 pipelines: tuple[tuple, Callable[[], bool], list[int], Callable[[], list[tuple]]], b: int, share: int,
                  recompute: str, cache: dict) -> bool:
-    """True if these identical-device pipelines (the first, the last, every first stage's head rank, one of
-    each link structure on demand: none if their splits are not level 2's) cannot fit, or no layout with them can beat
-    the cutoff: the batch over the most samples per second they and the other pools take (each pipeline at
-    its memory-aware bottleneck), and, spanning the cluster, the flush of one with ceil(B/P) samples (the
-    device order's bound, then its layer split's, ``flush_lower_bound_s``) plus its first stage's sync."""
-    first, last, heads, linked = pipelines
+    """True if these identical-device pipelines (the first, whether the first and the last share no node, every
+    first stage's head rank, one of each link structure on demand: none if their splits are not level 2's)
+    cannot fit, or no layout with them can beat the cutoff: the batch over the most samples per second they and
+    the other pools take (each pipeline at its memory-aware bottleneck), and, spanning the cluster, the flush of
+    one with ceil(B/P) samples (the device order's bound, then its layer split's, ``flush_lower_bound_s``) plus
+    its first stage's sync."""
+    first, crossing, heads, linked = pipelines
     stages = [(s.device, s.tp) for s in first]
     per_sample = bounds.stages_bottleneck_s(stages, b, recompute)
     if math.isinf(per_sample):
@@ -310,9 +318,7 @@ def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
         return True
     if cutoff.others_per_s:
         return False
-    devs = cost.cluster.devices
-    nodes_first, nodes_last = ({devs[r].node for slot in inst for r in slot.ranks} for inst in (first, last))
-    sync_s = bounds.first_stage_sync_s(heads, stages[0][1], len(stages), not nodes_first & nodes_last, 1)
+    sync_s = bounds.first_stage_sync_s(heads, stages[0][1], len(stages), crossing(), 1)
     if sync_s + bounds.ordered_flush_s(stages, b, share, None, recompute) >= cutoff.best_s:
         return True
     return bool(linked()) and sync_s + min(template_flush_bound_s(cost, inst, b, recompute, share, cache)
