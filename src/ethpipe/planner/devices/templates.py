@@ -104,7 +104,7 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     key = (tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
-            stages = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
+            stages = _options(cost, slots, micro_batch, recompute, cache)
             part = partition_layers(stages, cost.model.num_layers, _prepared(stages, cost.model.num_layers, cache))
         else:
             part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute,
@@ -138,7 +138,7 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
     hold the model, 0.0 where level 2 does not split the layers (``balance_layers`` off)."""
     if not options.balance_layers:
         return 0.0
-    stages = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
+    stages = _options(cost, slots, micro_batch, recompute, cache)
     key = ("flush_bound", stages, num_samples // micro_batch, num_samples % micro_batch == 0)
     if key not in cache:  # replicas whose links differ often have the same options (memoised per slot)
         # a hair under: the flush's own arithmetic (action times, stage_finish_s) rounds differently
@@ -146,6 +146,16 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
         cache[key] = flush_lower_bound_s(stages, num_layers, *key[2:],
                                          prepared=_prepared(stages, num_layers, cache)) * (1 - 1e-12)
     return cache[key]
+
+
+def _options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str, cache: dict
+             ) -> tuple[tuple[StageOption, ...], ...]:
+    """``stage_options`` of a shape, kept in ``cache`` by its slots: its flush is bounded, then it is partitioned."""
+    key = ("options", tuple(slots), micro_batch, recompute)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))
+    return hit  # type: ignore[no-any-return]
 
 
 def _prepared(stages: tuple[tuple[StageOption, ...], ...], num_layers: int, cache: dict) -> Prepared | None:
