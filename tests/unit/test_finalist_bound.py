@@ -53,9 +53,13 @@ def test_no_schedule_runs_a_pipeline_faster_than_the_floor(seed: int) -> None:
             assert floor.time_s(n) <= float(timing.finish_s(n).max()) * (1 + 1e-12), (name, n)
 
 
-@pytest.mark.parametrize("model, seq_len, global_batch", [("llama2-7b", 2048, 24), ("gpt3-1.3b", 2048, 96),
-                                                          ("llama2-13b", 2048, 24), ("gpt3-350m", 1024, 24)])
-def test_a_finalist_skipped_by_the_bound_prices_no_better(model: str, seq_len: int, global_batch: int) -> None:
+@pytest.mark.parametrize("model, seq_len, global_batch, sharded", [
+    ("llama2-7b", 2048, 48, True), ("gpt3-1.3b", 2048, 96, False), ("llama2-13b", 2048, 24, True),
+    ("gpt3-350m", 1024, 24, False)])
+def test_a_finalist_skipped_by_the_bound_prices_no_better(model: str, seq_len: int, global_batch: int,
+                                                          sharded: bool) -> None:
+    """``sharded``: some finalist of a sharded round is skipped too (its syncs priced as a reduce, the optimizer
+    step and a gather)."""
     seen: list[tuple] = []
     beaten = eth._beaten
 
@@ -70,3 +74,30 @@ def test_a_finalist_skipped_by_the_bound_prices_no_better(model: str, seq_len: i
         _, price_s = eth._pipelines(cost, batch, found, {}, eth.PlannerOptions(), schedules, None)
         assert price_s >= time_s, (price_s, time_s)
     assert skipped, "the bound never skipped a finalist here: the test proves nothing"
+    assert not sharded or any(cost.optimizer_holders > 1 for cost, *_ in skipped)
+
+
+@pytest.mark.parametrize("model, seq_len, global_batch", [("llama2-7b", 2048, 48), ("llama2-13b", 2048, 24)])
+def test_what_follows_a_first_stage_flush_is_in_the_price(model: str, seq_len: int, global_batch: int) -> None:
+    """``_after_flush_s``: every candidate the search priced (sharded rounds included) costs at least each group's
+    flush plus it, and for some group that is the whole price (the bound is tight where the first stage ends
+    last)."""
+    from ethpipe.planner.devices.grouping import group_iteration_s
+
+    seen: list[tuple] = []
+    beaten = eth._beaten
+
+    def recording(cost, batch, found, time_s, schedules):  # type: ignore[no-untyped-def]
+        seen.append((cost, found))
+        return beaten(cost, batch, found, time_s, schedules)
+    with mock.patch.object(eth, "_beaten", recording):
+        make_plan(cluster_from_dict(CLUSTER), load_model_spec(model), global_batch, seq_len)
+    assert any(cost.optimizer_holders > 1 for cost, _ in seen)
+    tight = 0
+    for cost, (_, groups, samples) in seen:
+        price_s = group_iteration_s(cost, groups, samples)
+        ends = [float(g.template.timing.finish_s(max(row))[0]) + after
+                for g, row, after in zip(groups, samples, eth._after_flush_s(cost, groups))]
+        assert max(ends) <= price_s * (1 + 1e-12), (max(ends), price_s)
+        tight += max(ends) >= price_s * (1 - 1e-9)
+    assert tight, "the bound was never tight: it would not tell an over-count from a right one"

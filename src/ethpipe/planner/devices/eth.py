@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
-from ethpipe.plan import Pipeline, Plan
+from ethpipe.plan import Pipeline, Plan, Stage
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
 from ethpipe.planner.search.bounds import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
@@ -249,18 +249,32 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
 
 def _beaten(cost: CostModel, global_batch: int, found: Found, time_s: float, schedules: Sequence[str]) -> bool:
     """Whether no schedule's re-split of a search result's pipelines (each group's template) can price under
-    ``time_s``: the blocks a pipeline's first stage holds are synced one after another once it has flushed, so
-    the price is at least that flush plus those syncs (``layers.schedules.flush_past_under_any``)."""
+    ``time_s``: at least a pipeline's flush plus what follows its first stage's (``_after_flush_s``), whatever
+    the split and schedule (``layers.schedules.flush_past_under_any``)."""
     groups = found[1]
-    after_s = [0.0] * len(groups)  # each group's first stage's syncs
-    for holders, shape in sync_shapes(cost, groups):
-        for g, stage in enumerate(holders):
-            if stage == 0:
-                after_s[g] += cost.sync_s(shape)
     margin_s = time_s * 1e-9  # far above the rounding of two float evaluations of one path (~1e-14 relative)
     shapes = [(g.template.slots, g.template.partition.num_layers, g.template.partition.recompute,
-               g.template.micro_batch, g.count, time_s + margin_s - sync_s) for g, sync_s in zip(groups, after_s)]
+               g.template.micro_batch, g.count, time_s + margin_s - extra_s)
+              for g, extra_s in zip(groups, _after_flush_s(cost, groups))]
     return flush_past_under_any(cost, shapes, global_batch, schedules)
+
+
+def _after_flush_s(cost: CostModel, groups: Sequence[Group]) -> list[float]:
+    """Per group, what its pipelines' first stage does after its flush: it syncs its blocks one after another,
+    steps its optimizer and, sharded, gathers those blocks again (``grouping.group_iteration_s``, the
+    estimator's arithmetic), whatever the samples and the schedule."""
+    phases = 2 if cost.optimizer_holders > 1 else 1  # sharded: the reduce, then the gather after the optimizer
+    after_s = []
+    for g in groups:
+        tpl = g.template
+        slot, layers = tpl.slots[0], tpl.partition.num_layers[0]
+        stage = Stage(slot.ranks, slot.device, (0, layers), slot.tp, tpl.partition.recompute[0])
+        after_s.append(cost.optimizer_s(stage, first=True, last=tpl.depth == 1))
+    for holders, shape in sync_shapes(cost, groups):
+        for g, stage_index in enumerate(holders):
+            if stage_index == 0:
+                after_s[g] += phases * cost.sync_s(shape)
+    return after_s
 
 
 def _pipelines(cost: CostModel, global_batch: int, found: Found, search: dict, options: PlannerOptions,
