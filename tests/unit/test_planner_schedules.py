@@ -183,7 +183,7 @@ def test_interleaved_of_keeps_each_ranks_layers_and_fixes_the_count() -> None:
 
 
 def test_more_schedules_never_give_a_slower_plan_and_incumbents_are_1f1b_comparable(plans: dict[str, Plan]) -> None:
-    from ethpipe.planner.search.bounds import incumbent_bar_s
+    from ethpipe.planner.search.incumbent import incumbent_bar_s
 
     zb = make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b", "zb-h1"))
     assert plans["all"].predicted["iteration_time_s"] <= zb.predicted["iteration_time_s"] \

@@ -109,7 +109,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
 
         templates: dict = {}  # by optimizer_holders: shared by the idle search's sub-clusters (same node types)
         per_cluster: dict = {}  # what depends on a cluster's devices alone, shared by every holder count's cache
-        compute_bounds: dict = {}  # the lower bounds that memory does not decide (``search.bounds.shared_bounds``)
+        compute_bounds: dict = {}  # the lower bounds that memory does not decide (``search.memo.shared_bounds``)
         timings: dict = {}  # finalists' pipelines' T(n) per schedule (``layers/schedules.pipeline_timings``)
         template_timings: dict = {}  # shapes' T(n) per layer split (``devices/templates.build_template``)
 

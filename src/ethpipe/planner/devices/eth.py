@@ -33,7 +33,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Pipeline, Plan, Stage
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, memory_error, unpriced_plan
-from ethpipe.planner.search.bounds import shared_bounds
+from ethpipe.planner.search.memo import shared_bounds
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.layers.schedules import choose_schedules, flush_past_under_any
 from ethpipe.schedule import DEFAULT_SCHEDULE

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from ethpipe.cost.model import CostModel
-from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.search.bounds import LowerBounds
+from ethpipe.planner.search.memo import shared_bounds
 from ethpipe.planner.devices.grouping import (
     Group, Structures, cluster_memo, homogeneous_group, link_structures, make_group, with_templates,
 )

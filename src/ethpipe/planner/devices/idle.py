@@ -28,7 +28,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
-from ethpipe.planner.search.bounds import incumbent_bar_s
+from ethpipe.planner.search.incumbent import incumbent_bar_s
 from ethpipe.planner.estimate import ideal_time_s
 
 AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process

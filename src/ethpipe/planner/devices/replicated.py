@@ -33,7 +33,8 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Stage
 from ethpipe.planner.assemble import Found
-from ethpipe.planner.search.bounds import LowerBounds, shared_bounds
+from ethpipe.planner.search.bounds import LowerBounds
+from ethpipe.planner.search.memo import shared_bounds
 from ethpipe.planner.devices.grouping import (
     Group, cluster_memo, evaluate_groups, rank_structures, sync_shapes, with_templates,
 )

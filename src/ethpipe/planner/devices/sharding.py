@@ -25,7 +25,7 @@ from ethpipe.plan import Plan
 from ethpipe.planner.estimate import predicted_metrics
 from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
-from ethpipe.planner.search.bounds import incumbent_bar_s
+from ethpipe.planner.search.incumbent import incumbent_bar_s
 
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
 

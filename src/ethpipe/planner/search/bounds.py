@@ -21,8 +21,6 @@ import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, distinct_gpus
-from ethpipe.plan import Plan
-from ethpipe.planner.search.memo import cluster_memo
 
 
 class LowerBounds:
@@ -388,18 +386,6 @@ class LowerBounds:
                                           distinct_gpus(devs[r].gpu for r in heads)))
 
 
-def shared_bounds(cost: CostModel, cache: dict) -> LowerBounds:
-    """One memoised ``LowerBounds`` per planning run, kept in its template cache (the families share it);
-    a new cluster in the same cache (``plan_eth`` drops the old bounds) keeps the per-device memos."""
-    if ("lower_bounds",) not in cache:
-        sync = cluster_memo(cache, cost.cluster).setdefault(("first_stage_sync", cost.optimizer_holders > 1), {})
-        bounds = cache[("lower_bounds",)] = LowerBounds(cost, cache.get(("device_bounds",)),
-                                                         cache.get(("compute_bounds",)), sync)
-        cache[("device_bounds",)] = bounds.device_memo
-        cache.setdefault(("compute_bounds",), bounds.compute_memo)
-    return cache[("lower_bounds",)]
-
-
 def _hull(options: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
     """The lower convex hull of a stage's time in its layers, as (per-layer slope, layers) segments from 0:
     ``options`` are (per-layer cost, layers that fit) sorted by cost, so k layers cost k times the cheapest
@@ -416,14 +402,3 @@ def _hull(options: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
             hull.append((slope, fit - held))
             held, spent = fit, fit * per
     return hull
-
-
-def incumbent_bar_s(plan: Plan, time_s: float) -> float:
-    """What another search's layouts must beat to matter, given a plan that is predicted ``time_s``: the
-    search scores layouts under 1F1B, and a plan whose pipelines took faster schedules is priced under its
-    own 1F1B score; comparing that score with a zb-h1 or interleaved price would prune layouts that would win
-    under those schedules too. So the larger of the two: the plan's time where its score is below it
-    (1F1B only, where pruning on the time is sound), else its score (1F1B against 1F1B). A caller still
-    compares the final prices; a search told this bar may return a plan slower than ``plan``."""
-    score = ((plan.extra.get("search") or {}).get("estimated_iteration_s"))
-    return max(time_s, float(score)) if score is not None and math.isfinite(time_s) else time_s
