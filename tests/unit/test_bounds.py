@@ -245,3 +245,23 @@ def test_the_search_stops_bounding_an_order_as_soon_as_it_cannot_win(gpus: tuple
     for fraction in (math.inf, 1.0, 1.02, 1.2):
         incumbent_s = fraction * plain[0][0]
         assert search(True, incumbent_s) == search(False, incumbent_s), fraction
+
+
+def test_a_shapes_kept_options_follow_its_links_not_its_ranks() -> None:
+    """The idle search's sub-clusters share the template cache and number their ranks anew: ranks 2-5 are on one
+    node of the whole cluster (after a 2-GPU node) and on two of the sub-cluster without it, so the options kept
+    for one must not serve the other (found by review: they were kept by slots, ranks included)."""
+    from ethpipe.planner.devices import templates
+    from ethpipe.planner.layers.timing import stage_options
+
+    cluster = cluster_from_dict({"nodes": [
+        {"gpu": "l4", "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 100},
+        {"gpu": "h100_sxm", "num_nodes": 3, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    full = CostModel(cluster, load_model_spec("gpt3-350m"), 1024)
+    sub = full.on_cluster(cluster.without_devices([0, 1]))
+    slots = (StageSlot("h100_sxm", 2, (2, 3)), StageSlot("h100_sxm", 2, (4, 5)))
+    cache: dict = {}
+    for cost in (full, sub, full):
+        kept = templates._options(cost, slots, 2, "auto", cache)
+        assert kept == tuple(map(tuple, stage_options(cost, slots, 2, "auto", {})))
+    assert templates._options(full, slots, 2, "auto", cache) != templates._options(sub, slots, 2, "auto", cache)

@@ -101,3 +101,44 @@ def test_what_follows_a_first_stage_flush_is_in_the_price(model: str, seq_len: i
         assert max(ends) <= price_s * (1 + 1e-12), (max(ends), price_s)
         tight += max(ends) >= price_s * (1 - 1e-9)
     assert tight, "the bound was never tight: it would not tell an over-count from a right one"
+
+
+def test_a_pipeline_with_fewer_samples_than_its_micro_batch_is_bounded_at_its_own_size() -> None:
+    """A re-split keeps each pipeline's micro-batch size as the split it starts from left it: one that got fewer
+    samples than its template's micro-batch runs smaller ones, which can flush sooner than the template's size
+    allows at the same sample count (found by review: a floor at the template's size skipped finalists priced
+    under the time). So ``_beaten`` bounds such a pipeline at its own size, and at that size the floor is under
+    every schedule's flush for any sample count."""
+    from ethpipe.planner.layers import schedules as sched
+
+    found_seen: list[tuple] = []
+    beaten = eth._beaten
+
+    def recording(cost, batch, found, time_s, schedules):  # type: ignore[no-untyped-def]
+        found_seen.append((cost, batch, found, schedules))
+        return beaten(cost, batch, found, time_s, schedules)
+    with mock.patch.object(eth, "_beaten", recording):
+        make_plan(cluster_from_dict(CLUSTER), load_model_spec("gpt3-1.3b"), 96, 2048)
+    checked = 0
+    for cost, batch, (score, groups, samples), schedules in found_seen:
+        for g, row in enumerate(samples):
+            tpl = groups[g].template
+            if len(row) < 2 or tpl.micro_batch < 2 or row[0] < 2:
+                continue
+            cut = [list(r) for r in samples]
+            cut[g][1] += cut[g][0] - 1  # the first pipeline keeps one sample, its neighbour takes the rest
+            cut[g][0] = 1
+            asked: list[list] = []
+            with mock.patch.object(eth, "flush_past_under_any", lambda c, shapes, b, s: asked.append(shapes) or False):
+                eth._beaten(cost, batch, (score, groups, cut), 1.0, schedules)
+            sizes = sorted(size for slots, _, _, size, count, _ in asked[0] if slots == tpl.slots for _ in range(count))
+            assert sizes[0] == 1 and sizes.count(1) == 1, sizes
+            for n in (1, 2, 3, 7):  # and at size 1 the floor is under the priced flush of any sample count
+                for name in ("1f1b", "zb-h1"):
+                    flush_s = float(timing_of_layers(cost, tpl.slots, tpl.partition.num_layers,
+                                                     tpl.partition.recompute, 1, 1, name).finish_s(n).max())
+                    shape = (tpl.slots, tpl.partition.num_layers, tpl.partition.recompute, 1, 1, flush_s * (1 + 1e-9))
+                    assert not sched.flush_past_under_any(cost, [shape], n, ("1f1b", "zb-h1")), (name, n)
+            checked += 1
+            break
+    assert checked, "no finalist had a group to cut: the test proves nothing"

@@ -66,7 +66,15 @@ def _first_backward(end_f: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     return np.array(first_b)
 
 
-@lru_cache(maxsize=1024)
+_LAYOUT_KEPT_UP_TO = 1 << 14  # depth x micro-batches: ~0.3 MB of index arrays at most per kept shape
+
+
+def _layout_of(depth: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_layout``, kept only for shapes small enough that 256 of them stay small."""
+    return _layout(depth, m) if depth * m <= _LAYOUT_KEPT_UP_TO else _layout.__wrapped__(depth, m)
+
+
+@lru_cache(maxsize=256)
 def _layout(depth: int, m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``stage_finish_s``'s index arrays for a (depth, m) pipeline, kept per shape (the planner times thousands
     of pipelines of a few shapes): forwards before ``B(a, 0)``, where ``cf_ahead`` and ``cb`` at ``F(a, j)`` are
@@ -87,7 +95,7 @@ def stage_finish_s(fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
     """End of each stage's last backward; ``fwd[i, j]``/``bwd[i, j]``: stage i's action on micro-batch j."""
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     depth, m = fwd.shape
-    k0, ahead, at_fj, steady = _layout(depth, m)
+    k0, ahead, at_fj, steady = _layout_of(depth, m)
     cf = np.zeros((depth, m + 1))  # cf[i, j] = sum_{j'<j}
     np.cumsum(fwd, axis=1, out=cf[:, 1:])
     cb = np.zeros((depth, m + 1))

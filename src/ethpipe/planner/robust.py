@@ -91,6 +91,7 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
         return plan
     kept = sum(p.num_samples for p in plan.pipelines if p.num_chunks > 1)
     samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size - kept)
+    assert samples is not None, "nothing to give up at"
     pipelines = list(plan.pipelines)
     for idx, row in zip(members, samples):
         for p, n in zip(idx, row):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 import math
 import time
 from collections.abc import Sequence
@@ -251,11 +252,16 @@ def _beaten(cost: CostModel, global_batch: int, found: Found, time_s: float, sch
     """Whether no schedule's re-split of a search result's pipelines (each group's template) can price under
     ``time_s``: at least a pipeline's flush plus what follows its first stage's (``_after_flush_s``), whatever
     the split and schedule (``layers.schedules.flush_past_under_any``)."""
-    groups = found[1]
+    _, groups, samples = found
     margin_s = time_s * 1e-9  # far above the rounding of two float evaluations of one path (~1e-14 relative)
-    shapes = [(g.template.slots, g.template.partition.num_layers, g.template.partition.recompute,
-               g.template.micro_batch, g.count, time_s + margin_s - extra_s)
-              for g, extra_s in zip(groups, _after_flush_s(cost, groups))]
+    shapes = []
+    for g, row, extra_s in zip(groups, samples, _after_flush_s(cost, groups)):
+        tpl = g.template
+        # A re-split keeps each pipeline's micro-batch size as the search's split left it: smaller than the
+        # template's where that pipeline got fewer samples (``layers.schedules._resplit``).
+        for size, count in Counter(min(tpl.micro_batch, n) for n in row).items():
+            shapes.append((tpl.slots, tpl.partition.num_layers, tpl.partition.recompute, size, count,
+                           time_s + margin_s - extra_s))
     return flush_past_under_any(cost, shapes, global_batch, schedules)
 
 

@@ -206,6 +206,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
             cutoff_s = bar_s()
 
             def enough(flush_s: float, bound: float = bound, sync_s: float = sync_s, cutoff_s: float = cutoff_s) -> bool:
+                """``_past_bar`` for this candidate."""
                 return _past_bar(bound, sync_s, flush_s, cutoff_s)
             flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute, enough)
             if flush_s is not None and not enough(flush_s):

@@ -150,8 +150,10 @@ def template_flush_bound_s(cost: CostModel, slots: Sequence[StageSlot], micro_ba
 
 def _options(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str, cache: dict
              ) -> tuple[tuple[StageOption, ...], ...]:
-    """``stage_options`` of a shape, kept in ``cache`` by its slots: its flush is bounded, then it is partitioned."""
-    key = ("options", tuple(slots), micro_batch, recompute)
+    """``stage_options`` of a shape, kept in ``cache`` (its flush is bounded, then it is partitioned) by its devices,
+    TP degrees and links like ``build_template``'s templates, never by ranks: the idle search's sub-clusters share
+    the cache and number their ranks anew."""
+    key = ("options", tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = tuple(map(tuple, stage_options(cost, slots, micro_batch, recompute, cache)))

@@ -75,7 +75,8 @@ def flush_past_under_any(cost: CostModel, shapes: Sequence[tuple[Sequence[StageS
                          global_batch: int, schedules: Sequence[str]) -> bool:
     """True if every split of the batch over these pipeline shapes ((slots, layers, recompute, micro-batch size,
     how many, a time), links as priced by ``cost``) has a pipeline whose flush passes its shape's time under
-    each of ``schedules`` (1F1B and the split ones): a lower bound on what ``choose_schedules`` can price them at.
+    each of ``schedules`` (1F1B and the split ones): a lower bound on what ``choose_schedules`` can price them at,
+    given each pipeline's micro-batch size as it prices them (the largest of the split it starts from).
 
     A split schedule runs 1F1B's order of forwards and input-gradient backwards with the W passes added, and
     taking those out of a stage's list only lets the rest start earlier: each pipeline's T(n) is at least 1F1B's
@@ -88,6 +89,7 @@ def flush_past_under_any(cost: CostModel, shapes: Sequence[tuple[Sequence[StageS
     for slots, layers, recompute, micro_batch, count, flush_s in shapes:
         def times(x: int, slots: Sequence[StageSlot] = slots, layers: Sequence[int] = layers,
                   recompute: Sequence[bool] = recompute) -> tuple[np.ndarray, np.ndarray]:
+            """Action times of an x-sample micro-batch with each backward's W taken out."""
             fwd, bwd = action_times_s(cost, slots, layers, recompute, x)
             (moved,) = weight_times_s(cost, slots, layers, recompute, x)
             return fwd, bwd - moved
@@ -134,6 +136,7 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
         groups[key].append(p)
     members = list(groups.values())
     samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size)
+    assert samples is not None, "nothing to give up at"
     pipelines: list[Pipeline] = list(plan.pipelines)
     for timing, idx, row in zip(timings, members, samples):
         for p, n in zip(idx, row):
