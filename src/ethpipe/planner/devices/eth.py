@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import Counter
 import math
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from ethpipe.cost.model import CostModel
@@ -39,7 +39,7 @@ from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.layers.schedules import choose_schedules, flush_past_under_any
 from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.devices.grouping import (
-    Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group, sync_shapes,
+    ROUNDING, Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group, sync_shapes,
 )
 from ethpipe.planner.devices.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
                                     split_candidates)
@@ -253,7 +253,7 @@ def _beaten(cost: CostModel, global_batch: int, found: Found, time_s: float, sch
     ``time_s``: at least a pipeline's flush plus what follows its first stage's (``_after_flush_s``), whatever
     the split and schedule (``layers.schedules.flush_past_under_any``)."""
     _, groups, samples = found
-    margin_s = time_s * 1e-9  # far above the rounding of two float evaluations of one path (~1e-14 relative)
+    margin_s = time_s * ROUNDING
     shapes = []
     for g, row, extra_s in zip(groups, samples, _after_flush_s(cost, groups)):
         tpl = g.template

@@ -269,7 +269,7 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
     return max(end.values())
 
 
-_ROUNDING = 1e-9  # far above the relative difference of two float evaluations of one path (~1e-14)
+ROUNDING = 1e-9  # relative; far above the difference of two float evaluations of one path (~1e-14)
 
 
 def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int, *, equal_data: bool = False,
@@ -287,7 +287,7 @@ def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int,
         # up to rounding, so a balance whose every split has some T(n) past the cutoff (by more than any
         # rounding) ends in the check below: stop it there.
         found = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch,
-                                give_up_at_s=cutoff_s * (1 + _ROUNDING))
+                                give_up_at_s=cutoff_s * (1 + ROUNDING))
         if found is None:
             return math.inf, []
         samples = found

@@ -256,7 +256,7 @@ class PipelineTiming:
     def _reaching(self, limit_s: float, upper: int) -> np.ndarray:
         """T(1..) far enough to answer where T crosses ``limit_s`` below ``upper``: the table as built if it
         already ends past the limit (T never falls, so what lies beyond cannot be under it), else up to ``upper``."""
-        table = self._build() if self._table is None else self._table
+        table = self._build()
         return table if table.size < upper and table[-1] > limit_s else self._extend(upper)
 
     def max_samples_within(self, limit_s: float, upper: int) -> int:

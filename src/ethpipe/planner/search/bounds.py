@@ -146,7 +146,7 @@ class LowerBounds:
         if hit is None:
             depth, memo = len(stages), self._memo
             options = []
-            for i, (d, t) in enumerate(stages):  # ``_position``'s memo read here: long kinds repeat it thousands of times
+            for i, (d, t) in enumerate(stages):  # ``_position``'s memo read inline: long kinds ask often
                 known = memo.get(("position", d, t, b, depth - i, i == 0, i == depth - 1, recompute))
                 options.append(known if known is not None else
                                self._position(d, t, b, depth - i, i == 0, i == depth - 1, recompute))
