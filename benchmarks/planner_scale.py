@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -79,11 +80,33 @@ def cluster_of(num_gpus: int) -> Cluster:
     return _cluster([(t, 8 * c) for t, c in zip(types, counts)])
 
 
+def _loop() -> None:
+    sum(i * i for i in range(10**7))
+
+
 def reference_loop_s() -> float:
     """Seconds of a fixed pure-Python loop: this machine's speed at the moment (it varies 2-3x between hours,
     more than any planner change), so planning times can be read against it."""
     start = time.perf_counter()
-    sum(i * i for i in range(10**7))
+    _loop()
+    return time.perf_counter() - start
+
+
+def reference_pair_s() -> float | None:
+    """Wall-clock seconds of the same loop in this process and a forked one at once: whether the second CPU is
+    there at the moment (eth plans in two processes from 256 GPUs; on a shared VM the pair can take up to twice
+    the single loop). None without ``fork``."""
+    if not hasattr(os, "fork"):
+        return None
+    start = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _loop()
+        finally:
+            os._exit(0)
+    _loop()
+    os.waitpid(pid, 0)
     return time.perf_counter() - start
 
 
@@ -103,12 +126,13 @@ def _row(name: str, cluster: Cluster, model: str, seq: int, batch: int, batch_la
     except UserError as err:  # no feasible plan (a bug would propagate)
         return row | {"error": str(err)}
     if cluster.num_devices >= REFERENCE_FROM_GPUS:
-        row["reference_loop_s"] = reference_loop_s()
+        row |= {"reference_loop_s": reference_loop_s(), "reference_pair_s": reference_pair_s()}
     runs = [_timed(lambda: make_plan(cluster, spec, batch, seq)) for _ in range(ETH_RUNS)]
     if "reference_loop_s" in row:  # and just after: a slow spell during the timing shows as a slow loop
-        row["reference_loop_after_s"] = reference_loop_s()
+        row |= {"reference_loop_after_s": reference_loop_s(), "reference_pair_after_s": reference_pair_s()}
     eth = runs[0][1]
-    row |= {"eth_planning_s": statistics.median(t for t, _ in runs), "eth_iteration_s": eth.predicted["iteration_time_s"],
+    row |= {"eth_planning_s": statistics.median(t for t, _ in runs), "eth_planning_runs_s": [t for t, _ in runs],
+            "eth_iteration_s": eth.predicted["iteration_time_s"],
             "eth_balance_efficiency": eth.predicted["balance_efficiency"],
             "eth_sync_exposed_s": eth.predicted["grad_sync_exposed_s"], "eth_pipelines": len(eth.pipelines)}
     t_lb, lb = _timed(lambda: make_plan(cluster, spec, batch, seq, "layer-balanced", time_budget_s=budget_s))
@@ -258,11 +282,16 @@ def write_report(rows: list[dict], budget_s: float, command: str, out_dir: Path,
             for n, rs in sorted(by_size.items())) + "."]
         timed = [r for r in ok if "reference_loop_s" in r]
         if timed:
-            lines += ["", "Large rows against the machine's speed (eth s, reference loop s just before[ / just after]): "
-                      + "; ".join(f"{r['gpus']} GPUs {r['model']} {r['batch']} {r['eth_planning_s']:.3f} / "
-                                  f"{r['reference_loop_s']:.2f}"
-                                  + (f" / {r['reference_loop_after_s']:.2f}" if "reference_loop_after_s" in r else "")
-                                  for r in timed) + "."]
+            lines += ["", "Large rows against the machine's speed (eth s median [fastest-slowest of its runs]; reference "
+                      "loop s just before / just after; the loop in two processes at once, s, before / after):", "",
+                      "| cluster | model | batch | eth plan s | runs s | loop s | loop pair s |", "|---|---|---|---:|---:|---:|---:|"]
+            lines += [f"| {r['cluster']} | {r['model']} | {r['batch']} | {r['eth_planning_s']:.3f} | "
+                      + (f"{min(r['eth_planning_runs_s']):.2f}-{max(r['eth_planning_runs_s']):.2f}"
+                         if "eth_planning_runs_s" in r else "-")
+                      + f" | {r['reference_loop_s']:.2f} / {r.get('reference_loop_after_s', math.nan):.2f} | "
+                      + (f"{r['reference_pair_s']:.2f} / {r['reference_pair_after_s']:.2f}"
+                         if r.get("reference_pair_s") and r.get("reference_pair_after_s") else "-") + " |"
+                      for r in timed]
     if losses:
         lines += ["", "Where eth loses to layer-balanced (predicted): " + "; ".join(
             f"{r['cluster']} {r['model']} {r['batch']} ({r['lb_iteration_s'] / r['eth_iteration_s']:.2f}x, eth sync "
@@ -288,7 +317,20 @@ def main() -> None:
     rows = run([int(s) for s in args.sizes.split(",")], args.budget_s, MODELS, not args.no_realistic)
     widened = None if args.no_widened else run_widened(args.budget_s)
     reference.append(reference_loop_s())
-    write_report(rows, args.budget_s, "python " + " ".join(sys.argv), args.out_dir, widened, reference)
+    write_report(rows, args.budget_s, "python " + " ".join(_measured_args(sys.argv)), args.out_dir, widened, reference)
+
+
+def _measured_args(argv: list[str]) -> list[str]:
+    """The command line without ``--out-dir``: where the results go is not part of what was measured."""
+    out, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--out-dir="):
+            skip = False
+            continue
+        skip = arg == "--out-dir"
+        if not skip:
+            out.append(arg)
+    return out
 
 
 if __name__ == "__main__":

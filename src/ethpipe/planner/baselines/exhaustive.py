@@ -29,8 +29,8 @@ from ethpipe.plan import Plan
 from ethpipe.planner.assemble import Found, assemble_plan, found_pipelines, unpriced_plan
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.devices.grouping import Group, capacity_per_s, evaluate_groups, homogeneous_group
-from ethpipe.planner.devices.hybrid import (batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
-                                    split_candidates)
+from ethpipe.planner.devices.hybrid import batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets
+from ethpipe.planner.devices.split_pools import split_candidates
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.replicated import search_replicated
 from ethpipe.planner.devices.templates import (Pool, build_template, micro_batch_candidates, pool_shapes, pools_of,

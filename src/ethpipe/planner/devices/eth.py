@@ -41,8 +41,8 @@ from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.devices.grouping import (
     ROUNDING, Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group, sync_shapes,
 )
-from ethpipe.planner.devices.hybrid import (Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets,
-                                    split_candidates)
+from ethpipe.planner.devices.hybrid import Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets
+from ethpipe.planner.devices.split_pools import split_candidates
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.replicated import search_replicated
 from ethpipe.planner.robust import robust_record

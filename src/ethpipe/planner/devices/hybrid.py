@@ -14,9 +14,7 @@ enumerating the whole heterogeneous space:
   speed order (each pipeline takes an equal slice of both), the other pools keeping their own
   pipelines. Also when every pool could stand alone: the pair's pipelines sync ~1/depth of the
   model per node while the others stay shallow and bubble-free.
-* split pools (``split_candidates``): a pool's nodes shared by its two best shapes (half, a
-  quarter or three quarters on the best), extra per-pool candidates of the combination search:
-  finer data granularity, and a mix of one shape's sync relief with the other's short pipelines.
+* split pools (``devices/split_pools.py``): a pool's nodes shared by its two best shapes.
 
 ``every=True`` enumerates a family without its pruning (every vector, order and micro-batch size):
 what ``exhaustive.py`` searches to measure what the pruning loses.
@@ -36,11 +34,11 @@ from ethpipe.cost.model import CostModel
 from ethpipe.planner.search.bounds import LowerBounds
 from ethpipe.planner.search.memo import shared_bounds
 from ethpipe.planner.devices.grouping import (
-    Group, Structures, cluster_memo, homogeneous_group, link_structures, make_group, with_templates,
+    Group, Structures, cluster_memo, link_structures, make_group, with_templates,
 )
 from ethpipe.planner.search.options import PlannerOptions
-from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, build_template, divisors, micro_batch_candidates,
-                                       slots_for, template_flush_bound_s)
+from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, Template, build_template, divisors,
+                                               micro_batch_candidates, slots_for, template_flush_bound_s)
 from ethpipe.planner.layers.timing import StageSlot, link_key
 
 MIXED_TP_VECTORS = 2  # per-type TP vectors (beyond the common degrees) a mixed family partitions
@@ -51,7 +49,6 @@ INTERLEAVED_SHAPES = 3  # (pipelines, TP vector) pairs of the type-interleaved f
 # exhaustive search with 3 shapes, equal with 6).
 INTERLEAVED_SHAPES_SMALL, SMALL_CLUSTER_DEVICES = 6, 16
 ALL_ORDERS_UP_TO = 3  # pools; with more, a few type orders (by speed, by memory, the smallest memory first)
-SPLIT_FRACTIONS = (1 / 2, 1 / 4, 3 / 4)  # of a pool's nodes on its best shape, the rest on its second best
 
 
 def tp_degrees(cost: CostModel, pool: Pool, max_tp: int) -> list[int]:
@@ -274,28 +271,49 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
 
             heads = [ranks[order[0]][k * slices[order[0]]] for k in range(dp)]
             share = -(-global_batch // dp)
-            best = None
-            most = share if every else max(1, -(-share // len(first)))
-            for b in micro_batches or micro_batch_candidates(most):
-                if every:
+            if every:
+                for b in micro_batches or micro_batch_candidates(share):
                     groups = structure_groups(cost, structures(), b, recompute, options, cache)
                     out += [groups] if groups is not None else []
-                    continue
-                if _cannot_beat(cost, bounds, cutoff, (first, crossing, heads, linked), b, share, recompute, cache):
-                    continue
-                if best is not None and template_flush_bound_s(cost, first, b, recompute, share, cache,
-                                                               options) >= best[0]:
-                    break  # as below, without building it
-                tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)  # the others: same memory
-                if tpl is None:
-                    break  # memory only grows with the micro-batch size
-                flush_s = float(tpl.timing.finish_s(share)[0])
-                if best is not None and flush_s >= best[0]:
-                    break  # unimodal in b, as for a pool's own shapes
-                best = (flush_s, b)
-            groups = None if best is None else structure_groups(cost, structures(), best[1], recompute, options,
-                                                                cache)
-            out += [groups] if groups is not None else []
+                continue
+
+            def fastest(samples: int, below: int | None = None, first: tuple[StageSlot, ...] = first,
+                        crossing: Callable = crossing, heads: list[int] = heads, linked: Callable = linked,
+                        share: int = share) -> tuple[float, int] | None:
+                """The micro-batch size (under ``below`` if given) whose pipeline flushes ``samples`` soonest, and
+                that flush."""
+                best = None
+                for b in micro_batches or micro_batch_candidates(max(1, -(-share // len(first)))):
+                    if below is not None and b >= below:
+                        break
+                    if _cannot_beat(cost, bounds, cutoff, (first, crossing, heads, linked), b, share, recompute, cache):
+                        continue
+                    if best is not None and template_flush_bound_s(cost, first, b, recompute, samples, cache,
+                                                                   options) >= best[0]:
+                        break  # as below, without building it
+                    tpl = build_template(cost, -1, first, b, recompute, 0, cache, options)  # the others: same memory
+                    if tpl is None:
+                        break  # memory only grows with the micro-batch size
+                    flush_s = float(tpl.timing.finish_s(samples)[0])
+                    if best is not None and flush_s >= best[0]:
+                        break  # unimodal in b, as for a pool's own shapes
+                    best = (flush_s, b)
+                return best
+
+            best = fastest(share)
+            sizes = [] if best is None else [best[1]]
+            if best is not None and cutoff.others_per_s:
+                # A hybrid's pair gets its share of the batch by peak speed, but level 3 balances by flush: where
+                # the pools outside take more, each pipeline here runs fewer samples, and a smaller micro-batch
+                # may flush those sooner (and another type order win with it).
+                tpl = build_template(cost, -1, first, best[1], recompute, 0, cache, options)
+                balanced = _balanced_share(tpl, dp, share, best[0], cutoff)
+                other = fastest(balanced, below=best[1]) if balanced < share else None
+                if other is not None and other[0] < float(tpl.timing.finish_s(balanced)[0]):
+                    sizes.append(other[1])
+            for b in sizes:
+                groups = structure_groups(cost, structures(), b, recompute, options, cache)
+                out += [groups] if groups is not None else []
     return out
 
 
@@ -324,6 +342,17 @@ def _cannot_beat(cost: CostModel, bounds: LowerBounds, cutoff: Cutoff,
         return True
     return bool(linked()) and sync_s + min(template_flush_bound_s(cost, inst, b, recompute, share, cache)
                                            for inst in linked()) >= cutoff.best_s
+
+
+def _balanced_share(tpl: Template, dp: int, share: int, flush_s: float, cutoff: Cutoff) -> int:
+    """About the samples per pipeline of ``dp`` pipelines like ``tpl``'s where they flush together with the pools
+    outside (at most ``cutoff.others_per_s`` samples per second), at most ``share``: ``dp n + others_per_s T(n) =
+    B`` with T(n) taken linear from ``flush_s`` = T(share) at the pipelines' per-sample floor (an estimate that
+    only picks a candidate: the search prices it exactly)."""
+    slope_s = tpl.timing.per_sample_floor_s()
+    fixed_s = flush_s - slope_s * share
+    n = (cutoff.global_batch - cutoff.others_per_s * fixed_s) / (dp + cutoff.others_per_s * slope_s)
+    return min(share, max(1, math.ceil(n)))
 
 
 def _per_count_first(shapes: list[tuple], keep: int) -> list[tuple]:
@@ -367,21 +396,3 @@ def batch_share(cost: CostModel, pools: Sequence[Pool], subset: Sequence[int], g
     """The samples a subset of pools would get in proportion to its speed (at least one)."""
     speed = [cost.device_speed(p.device) * p.num_devices for p in pools]
     return max(1, round(global_batch * sum(speed[i] for i in subset) / sum(speed)))
-
-
-def split_candidates(cost: CostModel, pool: Pool, groups: Sequence[Group], every: bool = False,
-                     cache: dict | None = None) -> list[list[Group]]:
-    """The pool's nodes shared by two of its shapes: the best (``groups[0]``) on a fraction of them, the
-    second best on the rest (``every``: every pair of ``groups`` at every node count that both tile)."""
-    n = len(pool.nodes)
-    pairs = itertools.combinations(groups, 2) if every else [tuple(groups[:2])] if len(groups) > 1 else []
-    out = []
-    for a, b in pairs:
-        ta, tb = a.template, b.template
-        points = range(1, n) if every else sorted({round(n * f) for f in SPLIT_FRACTIONS})
-        for n_a in points:
-            if 0 < n_a < n and n_a % ta.nodes_per_pipeline == 0 and (n - n_a) % tb.nodes_per_pipeline == 0:
-                first = Pool(pool.device, pool.gpus_per_node, pool.nodes[:n_a])
-                rest = Pool(pool.device, pool.gpus_per_node, pool.nodes[n_a:])
-                out.append([homogeneous_group(cost, ta, first, cache), homogeneous_group(cost, tb, rest, cache)])
-    return out
