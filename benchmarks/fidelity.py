@@ -3,7 +3,7 @@
 Runs the runtime on this machine (6 gloo ranks, ``--emulate``) on the demo's emulated cluster
 (2 fast + 4 slow devices, ``ethpipe/data/cpu_demo.yaml``; more memory per device for the larger
 model) for the eth / uniform / layer-balanced plans of the tiny and the small model, in both
-emulation modes (``ethpipe.runtime.emulate``). A profile of this CPU is measured first and mapped
+emulation modes (``ethpipe.runtime.adapt.emulate``). A profile of this CPU is measured first and mapped
 onto the emulated device types as ``x time_scale / speed`` (``ethpipe.demo``); the planner, the
 simulator and the closed form price the plans with it.
 
@@ -43,8 +43,8 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe.runtime.emulate import EMULATE_MODES, local_cores
-from ethpipe.runtime.launch import run_local
+from ethpipe.runtime.adapt.emulate import EMULATE_MODES, local_cores
+from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig
 from ethpipe.sim import simulate
 from ethpipe.sim.trace import read_trace

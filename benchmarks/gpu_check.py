@@ -63,8 +63,8 @@ class Row:
 
 def match_gpu(device_name: str) -> str | None:
     """The catalog id of a CUDA device name ("NVIDIA H200" -> "h200_sxm"), None if nothing matches
-    (``ethpipe.runtime.placement.identify_gpu``, the runtime's placement check's matching)."""
-    from ethpipe.runtime.placement import identify_gpu
+    (``ethpipe.runtime.start.placement.identify_gpu``, the runtime's placement check's matching)."""
+    from ethpipe.runtime.start.placement import identify_gpu
 
     return identify_gpu(device_name)
 

@@ -1,6 +1,6 @@
 """One-stage training throughput: ethpipe's runtime vs a plain PyTorch loop of the same model on the same GPU.
 
-Both sides train the same decoder (``ethpipe.runtime.model``: SDPA attention, F.rms_norm, RoPE tables cached)
+Both sides train the same decoder (``ethpipe.runtime.model.decoder``: SDPA attention, F.rms_norm, RoPE tables cached)
 with the same kernels: bf16 autocast over fp32 weights, fused AdamW on CUDA, the same micro-batches read
 from the same token file. ethpipe runs ``ethpipe.runtime.train.train`` on a one-rank world (its executor,
 the gradient buckets, the one stats read per step); the plain loop is forward, loss, backward,
@@ -39,7 +39,7 @@ def _plain_loop(spec: Any, data: str, seq_len: int, micro_batch: int, num_mb: in
                 device: torch.device, compile_blocks: bool) -> list[float]:
     from ethpipe.runtime.config import TrainConfig, make_optimizer
     from ethpipe.runtime.data import gather_samples, open_tokens
-    from ethpipe.runtime.model import build_stage, compile_blocks as compile_model
+    from ethpipe.runtime.model.decoder import build_stage, compile_blocks as compile_model
 
     model = build_stage(spec, (0, spec.num_layers), True, True, device=device)
     if compile_blocks:

@@ -37,9 +37,9 @@ from ethpipe.cli.learn import RunReplanner
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe.runtime.emulate import Slowdown, with_emulation
-from ethpipe.runtime.launch import run_local
-from ethpipe.runtime.rebalance import parse_rebalance
+from ethpipe.runtime.adapt.emulate import Slowdown, with_emulation
+from ethpipe.runtime.start.launch import run_local
+from ethpipe.runtime.adapt.rebalance import parse_rebalance
 from ethpipe.runtime.train import TrainConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

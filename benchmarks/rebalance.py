@@ -32,9 +32,9 @@ import torch
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks, write_text_atomic
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe.runtime.emulate import Slowdown
-from ethpipe.runtime.launch import run_local
-from ethpipe.runtime.rebalance import PipelineModel, RebalanceConfig, water_fill, with_split
+from ethpipe.runtime.adapt.emulate import Slowdown
+from ethpipe.runtime.start.launch import run_local
+from ethpipe.runtime.adapt.rebalance import PipelineModel, RebalanceConfig, water_fill, with_split
 from ethpipe.runtime.train import TrainConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

@@ -37,8 +37,8 @@ from ethpipe.cost.plan_memory import stage_peak_bytes
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe.runtime.emulate import local_cores, with_emulation
-from ethpipe.runtime.launch import run_local
+from ethpipe.runtime.adapt.emulate import local_cores, with_emulation
+from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig
 from ethpipe.sim import simulate
 

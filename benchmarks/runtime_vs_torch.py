@@ -41,10 +41,10 @@ from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.config import TrainConfig, make_optimizer
 from ethpipe.runtime.data import builtin_text, gather_samples, open_tokens, prepare_tokens
-from ethpipe.runtime.executor import StageIO, run_stage_step
-from ethpipe.runtime.launch import die_with_parent
-from ethpipe.runtime.model import build_stage
-from ethpipe.runtime.timing import Timeline
+from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
+from ethpipe.runtime.start.launch import die_with_parent
+from ethpipe.runtime.model.decoder import build_stage
+from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.runtime.train import train
 from ethpipe.schedule import one_f_one_b
 

@@ -34,8 +34,8 @@ from ethpipe.model_spec import ModelSpec, load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.layers.interleave import interleaved_of
 from ethpipe.runtime.data import builtin_text, prepare_tokens
-from ethpipe.runtime.emulate import with_emulation
-from ethpipe.runtime.launch import run_local
+from ethpipe.runtime.adapt.emulate import with_emulation
+from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig
 from ethpipe.sim import simulate
 

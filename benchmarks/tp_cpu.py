@@ -6,7 +6,7 @@ block sync vs the cost model's price, and the per-rank training state vs the mem
    ``parallelize_module`` (``ColwiseParallel`` gate/up, ``RowwiseParallel`` down). Median of the
    timed iterations; the ratio is what matters (same run, same machine).
 2. The block gradient all-reduce of a 4-layer model (hidden 256) under plans whose pipelines hold
-   it at equal and at different TP degrees (common refinement, runtime/sync_layout.py), measured
+   it at equal and at different TP degrees (common refinement, runtime/sync/layout.py), measured
    (median of repeated start/finish) vs ``CostModel.block_sync_s`` on a cluster spec of this
    machine's loopback links (cpu_demo's: 2 GB/s, 200 us).
 3. Bytes of parameters + gradients + AdamW moments each TP rank holds (counted from its tensors)
@@ -43,13 +43,13 @@ from ethpipe.cost import memory
 from ethpipe.cost.model import CostModel
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.grad_buckets import GradBuckets
-from ethpipe.runtime.grad_sync import params_by_block
+from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.sync.grads import params_by_block
 from ethpipe.runtime.groups import build_groups, destroy_groups
-from ethpipe.runtime.launch import die_with_parent
-from ethpipe.runtime.model import MLP, build_stage, state_dict_shapes
-from ethpipe.runtime.sync_layout import sync_units
-from ethpipe.runtime.tensor_parallel import TPGroup
+from ethpipe.runtime.start.launch import die_with_parent
+from ethpipe.runtime.model.decoder import MLP, build_stage, state_dict_shapes
+from ethpipe.runtime.sync.layout import sync_units
+from ethpipe.runtime.model.tensor_parallel import TPGroup
 from ethpipe.runtime.train import TrainConfig, make_optimizer
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"

@@ -24,7 +24,7 @@ def intro(results: dict[str, dict[str, Any]]) -> list[str]:
              "'Slowest' and 'fastest' are by the cost model's own speeds; a slowed type's compute takes 1/speed as "
              "long (links, all-reduces and the optimizer step keep their nominal prices), as in "
              "`planner/robust.py`. Each replay is reported without rebalancing (the plan's own split) and with the "
-             "runtime's online data rebalancing (`runtime/rebalance.py`, below). eth --robust plans for the best worst "
+             "runtime's online data rebalancing (`runtime/adapt/rebalance.py`, below). eth --robust plans for the best worst "
              "case over `planner/robust.py`'s perturbation set, which includes both slowdowns replayed here.", ""]
     return lines + ability_table(results) + class_tables(results) + grid_table(results)
 

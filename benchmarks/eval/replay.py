@@ -6,7 +6,7 @@ device type whose compute runs at ``speed`` x its modelled speed; the plan is re
 simulator under ``planner/robust.py``'s perturbed cost model (compute only: links, all-reduces
 and the optimizer step keep their nominal prices).
 
-Online rebalancing is the runtime's own (``runtime/rebalance.py``): from the replayed iteration's
+Online rebalancing is the runtime's own (``runtime/adapt/rebalance.py``): from the replayed iteration's
 per-stage forward/backward busy seconds per sample it fits each pipeline's time model, water-fills
 the global batch over the pipelines and applies the re-split only where it predicts a saving above
 the runtime's default threshold; the new split is replayed, measured again and re-checked, as the
@@ -24,7 +24,7 @@ from typing import Any
 from ethpipe.planner import CostModel
 from ethpipe.plan import Plan
 from ethpipe.planner.robust import SLOW_SPEED, Scenario, perturbed
-from ethpipe.runtime.rebalance import RebalanceConfig, decide, split_of, with_split
+from ethpipe.runtime.adapt.rebalance import RebalanceConfig, decide, split_of, with_split
 from ethpipe.sim import SimReport, simulate
 
 from eval.scenarios import short

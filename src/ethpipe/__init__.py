@@ -13,6 +13,6 @@ if TYPE_CHECKING:
 def build_model(model: str, seed: int = 0) -> "torch.nn.Module":
     """The whole model as one plain ``nn.Module`` (``forward(tokens) -> logits``), with the
     same global parameter names and seeded initialisation as the pipeline stages."""
-    from ethpipe.runtime.model import build_full_model
+    from ethpipe.runtime.model.decoder import build_full_model
 
     return build_full_model(model, seed=seed)

@@ -3,7 +3,7 @@
 Consistency is the point. A profile of this CPU is mapped onto each emulated device type as
 ``layer time x time_scale / speed``; the planner and the simulator price plans with it, and the
 same cost model's per-stage forward/backward times are written into each plan as the runtime's
-pacing targets (``ethpipe.runtime.emulate``), so the emulated compute is what was predicted and
+pacing targets (``ethpipe.runtime.adapt.emulate``), so the emulated compute is what was predicted and
 everything else (schedule, bubbles, p2p, gradient sync, optimizer, runtime overheads) is real.
 Optimizer, p2p and all-reduce are not paced, so the mapped profile keeps the measured optimizer
 cost. ``benchmarks/fidelity.py`` uses the same functions.
@@ -25,7 +25,7 @@ from ethpipe.cost.profile import LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
-from ethpipe.runtime.emulate import auto_time_scale, local_cores, pacing_targets, with_emulation
+from ethpipe.runtime.adapt.emulate import auto_time_scale, local_cores, pacing_targets, with_emulation
 
 METHODS = ("eth", "uniform", "layer-balanced")
 ACTIVATION_BYTES = 4  # the runtime trains in fp32 and sends fp32 activations and gradients

@@ -21,7 +21,7 @@ class UserError(ValueError):
 
 class ReportedElsewhere(UserError):
     """Another rank's input failed the pre-flight check and that rank prints the one line: exit 2 silently, so a
-    multi-node job shows the cause once instead of once per rank (``runtime/preflight.py``)."""
+    multi-node job shows the cause once instead of once per rank (``runtime/start/preflight.py``)."""
 
 
 class Infeasible(UserError):

@@ -24,8 +24,8 @@ from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.cost.profile import LAYER_KINDS, LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.matmul_mode import kernel_mode_switches, restore_switches, set_switches
-from ethpipe.runtime.model import Decoder, build_stage, rope_tables
+from ethpipe.runtime.model.kernel_modes import kernel_mode_switches, restore_switches, set_switches
+from ethpipe.runtime.model.decoder import Decoder, build_stage, rope_tables
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -230,7 +230,7 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
 
 
 def _kernel_modes(settings: ProfileSettings) -> list[tuple[Callable[[bool], None], bool]]:
-    """Set CUDA's TF32 and SDPA switches for the profile as a plan sets them (``runtime/matmul_mode.py``);
+    """Set CUDA's TF32 and SDPA switches for the profile as a plan sets them (``runtime/model/kernel_modes.py``);
     returns what ``restore_switches`` puts back. No-op off CUDA."""
     if settings.device != "cuda" or not torch.cuda.is_available():
         return []

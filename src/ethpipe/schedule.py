@@ -8,7 +8,7 @@ micro-batch's activation from the previous stage and, on a non-last stage, sends
 
 A ``B`` is the whole backward unless the stage's list also holds a ``W`` for its micro-batch; then
 ``B`` computes the input gradient only (what the previous stage waits for) and ``W`` the weight
-gradients later (``runtime/split_backward.py``). Schedules:
+gradients later (``runtime/pipeline/split_backward.py``). Schedules:
 
 * ``1f1b`` (PipeDream-Flush): warm-up forwards, then one forward / one backward, then the drain.
 * ``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, the handcrafted H1): 1F1B's
@@ -17,7 +17,7 @@ gradients later (``runtime/split_backward.py``). Schedules:
   drain bubble with the deferred ``W``s. Every stage then holds at most ``depth`` micro-batches
   (1F1B's stage 0 peak); stage 0 has nothing to defer, so it runs whole backwards. So does a stage that
   recomputes its activations (``split=False``): ``torch.utils.checkpoint`` recomputes the forward once per
-  autograd call, and a W is one call per weight GEMM (``runtime/split_backward.py``). Its list is then
+  autograd call, and a W is one call per weight GEMM (``runtime/pipeline/split_backward.py``). Its list is then
   1F1B's; the order of every stage's sends and receives is 1F1B's in either case (``W`` has none; the
   batch before a W is waited later: ``comm.program.deferred_batches``).
 * ``interleaved`` (Narayanan et al., SC'21; Megatron-LM's interleaved 1F1B): each rank holds ``v`` model

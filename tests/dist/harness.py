@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 import torch.optim  # noqa: F401  (imported before fork so children do not pay for it)
 from torch.distributed.checkpoint import FileSystemReader
 
-from ethpipe.runtime.launch import die_with_parent
+from ethpipe.runtime.start.launch import die_with_parent
 
 TIMEOUT_S = 60.0
 

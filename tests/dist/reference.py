@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.data import gather_samples, open_tokens, step_sample_ids
-from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.model.decoder import build_full_model
 
 
 @dataclass(frozen=True)

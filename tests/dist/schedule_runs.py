@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-import ethpipe.runtime.executor as executor
+import ethpipe.runtime.pipeline.executor as executor
 from ethpipe.plan import Plan
 from ethpipe.runtime.train import TrainConfig, train
 

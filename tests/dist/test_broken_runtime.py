@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ethpipe.runtime.stage_optim as stage_optim
+import ethpipe.runtime.sync.stage_optim as stage_optim
 import ethpipe.runtime.train as train_module
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.grad_buckets import GradBuckets
+from ethpipe.runtime.sync.buckets import GradBuckets
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import fails, assert_params_match, assert_stats_match

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 import ethpipe
 from ethpipe.cli.app import app
 from ethpipe.plan import Plan
-from ethpipe.runtime.ckpt_layout import FAIL_SAVE_ENV, InjectedSaveFailure, complete_checkpoints
+from ethpipe.runtime.checkpoint.layout import FAIL_SAVE_ENV, InjectedSaveFailure, complete_checkpoints
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
@@ -197,7 +197,7 @@ def test_export_round_trips_into_build_model(runs: dict[str, Any], tmp_path: Pat
     for name, value in model.state_dict().items():
         assert torch.equal(exported[name], saved[name]), name  # bit for bit, in the run's dtype (fp64)
         assert torch.equal(value, saved[name].to(value.dtype)), name
-    from ethpipe.runtime.checkpoint import check_checkpoint
+    from ethpipe.runtime.checkpoint.consolidated import check_checkpoint
 
     check_checkpoint(out, GPT_LIKE)  # what `ethpipe train --init-from` checks
 

@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 
 from ethpipe.cli.app import app
 from ethpipe.errors import CRASH_DIR_ENV
-from ethpipe.runtime import launch, train as train_module
-from ethpipe.runtime.checkpoint import save_atomic
+from ethpipe.runtime import train as train_module
+from ethpipe.runtime.start import launch
+from ethpipe.runtime.checkpoint.consolidated import save_atomic
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig
 
 from .plans import GPT_LIKE, LLAMA_LIKE, make_plan

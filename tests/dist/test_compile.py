@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from ethpipe.errors import UserError
 from ethpipe.plan import Stage
-from ethpipe.runtime.checks import check_inputs
+from ethpipe.runtime.start.checks import check_inputs
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 

@@ -1,7 +1,7 @@
 """Fault injection (CPU, gloo): every fault ends in automatic recovery or one clear line, never a hang,
 and the last good checkpoint reproduces the next steps of plain single-process PyTorch.
 
-Faults are pinpointed with the TEST-ONLY hooks of ``ethpipe.runtime.fault_hooks`` (env vars, set
+Faults are pinpointed with the TEST-ONLY hooks of ``ethpipe.runtime.adapt.fault_hooks`` (env vars, set
 before the ranks fork). Each test records a row of the fault table (tests/dist/fault_table.py);
 ``ETHPIPE_WRITE_FAULT_TABLE=1`` writes it into docs/reliability.md.
 """
@@ -26,10 +26,10 @@ from typer.testing import CliRunner
 
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
-from ethpipe.runtime.ckpt_layout import complete_checkpoints
+from ethpipe.runtime.checkpoint.layout import complete_checkpoints
 from ethpipe.runtime.data import prepare_tokens, step_sample_ids
-from ethpipe.runtime.fault_hooks import ENOSPC_ENV, HANG_ENV, KILL_ENV
-from ethpipe.runtime.launch import TrainingFailed, run_local
+from ethpipe.runtime.adapt.fault_hooks import ENOSPC_ENV, HANG_ENV, KILL_ENV
+from ethpipe.runtime.start.launch import TrainingFailed, run_local
 from ethpipe.runtime.train import TrainConfig
 
 from . import fault_table

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 from ethpipe.cli.app import app
 from ethpipe.hf.load import load_full, load_stage, open_hf
-from ethpipe.runtime.ckpt_state import consolidated_weights
-from ethpipe.runtime.launch import run_local
-from ethpipe.runtime.model import build_full_model, build_stage
+from ethpipe.runtime.checkpoint.state import consolidated_weights
+from ethpipe.runtime.start.launch import run_local
+from ethpipe.runtime.model.decoder import build_full_model, build_stage
 from ethpipe.runtime.train import TrainConfig
 
 from .harness import run_ranks

@@ -33,13 +33,13 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import block_sync_shapes
 from ethpipe.comm.replay import Post
 from ethpipe.cost import memory
-from ethpipe.runtime import executor as executor_module
+from ethpipe.runtime.pipeline import executor as executor_module
 from ethpipe.runtime import train as train_module
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.executor import StageIO, run_stage_step
-from ethpipe.runtime.timing import Timeline
-from ethpipe.runtime.model import build_stage
-from ethpipe.runtime.p2p import LivenessProbe
+from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
+from ethpipe.runtime.observe.timeline import Timeline
+from ethpipe.runtime.model.decoder import build_stage
+from ethpipe.runtime.pipeline.p2p import LivenessProbe
 from ethpipe.runtime.train import TrainConfig, train
 from ethpipe.schedule import one_f_one_b
 

@@ -32,9 +32,9 @@ import torch
 import ethpipe.runtime.train as train_module
 from ethpipe.plan import Plan
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.fault_hooks import OVERFLOW_ENV
-from ethpipe.runtime.loss_scale import INIT_SCALE
-from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.adapt.fault_hooks import OVERFLOW_ENV
+from ethpipe.runtime.sync.loss_scale import INIT_SCALE
+from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig, train
 
 from .harness import run_ranks

@@ -1,4 +1,4 @@
-"""An input problem on one node ends every rank within seconds, its cause printed once (runtime/preflight.py).
+"""An input problem on one node ends every rank within seconds, its cause printed once (runtime/start/preflight.py).
 
 One forked 3-rank world: rank 2's data file is missing (as on a node without the shared disk). Before the
 pre-flight exchange the other ranks waited in the first collective for the whole --timeout-s and died with a

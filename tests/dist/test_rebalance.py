@@ -19,8 +19,8 @@ import pytest
 from safetensors.torch import load_file
 
 from ethpipe.runtime.data import prepare_tokens, step_sample_ids
-from ethpipe.runtime.emulate import Slowdown, with_emulation
-from ethpipe.runtime.rebalance import RebalanceConfig
+from ethpipe.runtime.adapt.emulate import Slowdown, with_emulation
+from ethpipe.runtime.adapt.rebalance import RebalanceConfig
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_matches_reference, assert_params_match

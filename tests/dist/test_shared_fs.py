@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ethpipe.runtime import ckpt_shared
-from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint, read_manifest
-from ethpipe.runtime.ckpt_shared import SharedFilesystemError
-from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
+from ethpipe.runtime.checkpoint import shared_fs as ckpt_shared
+from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint, read_manifest
+from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError
+from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
 from .harness import run_ranks
 from .plans import LLAMA_LIKE, make_plan

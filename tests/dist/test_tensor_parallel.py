@@ -31,9 +31,9 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import ModelSpec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.ckpt_state import export_checkpoint
+from ethpipe.runtime.checkpoint.state import export_checkpoint
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.sync_layout import piece_runs, refinement, tied_stages
+from ethpipe.runtime.sync.layout import piece_runs, refinement, tied_stages
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_matches_reference, assert_params_match

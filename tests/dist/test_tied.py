@@ -26,11 +26,11 @@ from safetensors.torch import load_file
 import ethpipe.runtime.train as train_module
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Plan
-from ethpipe.runtime.checkpoint import save_atomic
-from ethpipe.runtime.ckpt_state import export_checkpoint
+from ethpipe.runtime.checkpoint.consolidated import save_atomic
+from ethpipe.runtime.checkpoint.state import export_checkpoint
 from ethpipe.runtime.data import prepare_tokens
 from ethpipe.runtime.groups import tied_ranks
-from ethpipe.runtime.model import TIED_WEIGHT, build_full_model
+from ethpipe.runtime.model.decoder import TIED_WEIGHT, build_full_model
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_params_match, assert_stats_match

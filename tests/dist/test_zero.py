@@ -1,4 +1,4 @@
-"""ZeRO-1 across pipelines (``runtime/zero.py``) trains exactly like single-process AdamW.
+"""ZeRO-1 across pipelines (``runtime/sync/zero.py``) trains exactly like single-process AdamW.
 
 One forked 8-rank world runs, in float64 with the checks of ``exactness.py`` unless said otherwise:
 - A sharded with unequal shard weights (GQA; pipelines cut at different layers, a tp-2 stage beside
@@ -26,13 +26,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ethpipe.runtime.stage_optim as stage_optim
-import ethpipe.runtime.zero as zero
+import ethpipe.runtime.sync.stage_optim as stage_optim
+import ethpipe.runtime.sync.zero as zero
 from ethpipe.cost.memory import moment_bytes_per_param
 from ethpipe.plan import Plan
 from ethpipe.runtime.data import prepare_tokens
-from ethpipe.runtime.fault_hooks import OVERFLOW_ENV
-from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.adapt.fault_hooks import OVERFLOW_ENV
+from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import PARAM_ATOL, assert_matches_reference, assert_params_match

@@ -44,7 +44,7 @@ def _plan(stages_ranks: list[tuple[int, ...]], sizes: tuple[int, ...]):  # type:
 def _run(tmp_path: Path, plan, dtype: str):  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file
 
-    from ethpipe.runtime.launch import run_local
+    from ethpipe.runtime.start.launch import run_local
     from ethpipe.runtime.train import TrainConfig
 
     data = _tokens(tmp_path / "t.bin")
@@ -70,7 +70,7 @@ def test_gpu_fp64_run_matches_the_reference(tmp_path: Path, stages_ranks: list[t
 
 
 def test_gpu_fp16_follows_the_fp32_reference(tmp_path: Path) -> None:
-    from ethpipe.runtime.model import build_full_model
+    from ethpipe.runtime.model.decoder import build_full_model
     from tests.dist.reference import reference_train
 
     plan = _plan([(0,)], (3, 2))
@@ -94,7 +94,7 @@ def test_gpu_attention_backend_keeps_what_the_plan_budgeted(attention: str) -> N
     import torch.nn.functional as F
 
     from ethpipe.plan import Plan
-    from ethpipe.runtime.matmul_mode import apply_attention, set_sdpa_backends
+    from ethpipe.runtime.model.kernel_modes import apply_attention, set_sdpa_backends
 
     plan = Plan.__new__(Plan)
     object.__setattr__(plan, "extra", {"attention": attention})
@@ -122,8 +122,8 @@ def test_gpu_default_launch_spawns_and_checks_the_real_device(tmp_path: Path) ->
     name and memory: a plan made for its catalog type runs, one made for another type is refused in one line."""
     from ethpipe.errors import UserError
     from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-    from ethpipe.runtime.launch import default_start_method, run_local, uses_accelerator
-    from ethpipe.runtime.placement import DeviceInfo, check_placement, identify_gpu, local_device_info
+    from ethpipe.runtime.start.launch import default_start_method, run_local, uses_accelerator
+    from ethpipe.runtime.start.placement import DeviceInfo, check_placement, identify_gpu, local_device_info
     from ethpipe.runtime.train import TrainConfig
 
     info = local_device_info(torch.device("cuda", 0))
@@ -154,7 +154,7 @@ def test_gpu_two_stage_pipeline_with_32_mib_messages_and_a_several_gb_final_save
 
     from ethpipe.model_spec import ModelSpec
     from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-    from ethpipe.runtime.launch import run_local
+    from ethpipe.runtime.start.launch import run_local
     from ethpipe.runtime.train import TrainConfig
 
     spec = ModelSpec(name="big", num_layers=6, hidden_size=4096, num_heads=32, num_kv_heads=32,

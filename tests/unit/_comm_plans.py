@@ -1,6 +1,6 @@
 """Plans and per-rank step programs for the NCCL-semantics replay tests (unit and multi-rank).
 
-The block sync's posts come from the runtime's own ``grad_sync.stage_sync_units`` on a stage built on
+The block sync's posts come from the runtime's own ``sync.grads.stage_sync_units`` on a stage built on
 the meta device, so the replay sees exactly the all-reduces ``ethpipe train`` issues.
 """
 
@@ -15,11 +15,11 @@ from ethpipe.comm.replay import Op, Outcome, Post, Program, Wait, replay
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
-from ethpipe.runtime.grad_buckets import GradBuckets
-from ethpipe.runtime.grad_sync import stage_sync_units
-from ethpipe.runtime.model import Decoder, state_dict_shapes
-from ethpipe.runtime.tensor_parallel import TPGroup
-from ethpipe.runtime.zero import ShardedBuckets
+from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.sync.grads import stage_sync_units
+from ethpipe.runtime.model.decoder import Decoder, state_dict_shapes
+from ethpipe.runtime.model.tensor_parallel import TPGroup
+from ethpipe.runtime.sync.zero import ShardedBuckets
 from ethpipe.schedule import one_f_one_b
 
 SPEC = ModelSpec(name="replay", num_layers=16, hidden_size=64, num_heads=8, num_kv_heads=4, ffn_hidden_size=128,

@@ -17,7 +17,7 @@ import torch
 
 from ethpipe.cost import memory
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.model import build_stage
+from ethpipe.runtime.model.decoder import build_stage
 
 
 def _spec(family: str, hidden: int, head_dim: int, ffn: int) -> ModelSpec:

@@ -45,7 +45,7 @@ def test_tmp_prefix_names_the_temp_file(tmp_path: Path, events: list[tuple[str, 
 
 
 def test_checkpoint_manifest_writes_are_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ethpipe.runtime import ckpt_layout
+    from ethpipe.runtime.checkpoint import layout as ckpt_layout
 
     synced: list[str] = []
     real_fsync_path = atomic.fsync_path

@@ -102,7 +102,7 @@ def test_profile_records_its_attention_and_refuses_an_unknown_one(tmp_path: Path
 def test_runtime_attention_backend_is_a_no_op_off_cuda() -> None:
     import torch
 
-    from ethpipe.runtime.matmul_mode import apply_attention
+    from ethpipe.runtime.model.kernel_modes import apply_attention
 
     plan = Plan.__new__(Plan)
     object.__setattr__(plan, "extra", {"attention": "materialised"})

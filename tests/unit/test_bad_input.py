@@ -22,7 +22,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime import launch
+from ethpipe.runtime.start import launch
 
 FAST = settings(max_examples=40, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -17,7 +17,7 @@ from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.precision import check_train_dtype
-from ethpipe.runtime import launch
+from ethpipe.runtime.start import launch
 
 DEMO = "examples/clusters/cpu_demo.yaml"
 MIXED = "examples/clusters/a100_v100.yaml"

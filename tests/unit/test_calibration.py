@@ -231,7 +231,7 @@ def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
     import torch
 
     from ethpipe.plan import Plan
-    from ethpipe.runtime.matmul_mode import apply_tf32
+    from ethpipe.runtime.model.kernel_modes import apply_tf32
 
     plan = Plan.__new__(Plan)
     object.__setattr__(plan, "extra", {"tf32": False})

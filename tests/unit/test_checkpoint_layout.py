@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ethpipe.model_spec import model_presets
-from ethpipe.runtime.ckpt_layout import (
+from ethpipe.runtime.checkpoint.layout import (
     MANIFEST, DataCursor, Manifest, check_fresh_dir, commit, complete_checkpoints, new_manifest, read_manifest,
     remove_partial, resolve_checkpoint, step_dir_name, tmp_dir_name,
 )

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from ethpipe.errors import UserError
-from ethpipe.runtime.ckpt_shared import _visible, visibility_error
+from ethpipe.runtime.checkpoint.shared_fs import _visible, visibility_error
 
 HINT = "use a shared filesystem (NFS, Lustre, ...) for --checkpoint-dir"
 

@@ -20,7 +20,7 @@ import pytest
 
 from ethpipe.comm.program import Peers, deferred_batches, p2p_batches, plan_peers, step_program
 from ethpipe.comm.replay import Op, Post, Wait, replay
-from ethpipe.runtime.zero import ShardedBuckets
+from ethpipe.runtime.sync.zero import ShardedBuckets
 from ethpipe.schedule import SCHEDULES, one_f_one_b, zb_h1
 
 from _comm_plans import (
@@ -91,7 +91,7 @@ def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int,
 @pytest.mark.parametrize("schedule", FLAT)
 @pytest.mark.parametrize("case", range(len(MIXED)))
 def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int, schedule: str) -> None:
-    """ZeRO-1 (``runtime/zero.py``): one reduce per shard in the sync's order, one broadcast per shard after
+    """ZeRO-1 (``runtime/sync/zero.py``): one reduce per shard in the sync's order, one broadcast per shard after
     the optimizer in the reversed order; tied embeddings (the matrix's holders overlap every block's)."""
     plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=True), schedule=schedule)
     outcome = replay_plan(plan, sharded=True, lazy_init=True, warmup=True)

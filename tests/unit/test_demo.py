@@ -10,7 +10,7 @@ from ethpipe import demo
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.emulate import auto_time_scale, make_emulator
+from ethpipe.runtime.adapt.emulate import auto_time_scale, make_emulator
 from ethpipe.sim import simulate
 from ethpipe.sim.trace import TraceEvent
 

@@ -8,7 +8,7 @@ import pytest
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.plan import Plan as PlanType
-from ethpipe.runtime.emulate import (
+from ethpipe.runtime.adapt.emulate import (
     CPU_SHARE, Emulator, Slowdown, auto_time_scale, check_emulation, emulation_time_scale, make_emulator,
     paced_targets, parse_slowdown, relative_speeds, with_emulation,
 )
@@ -121,7 +121,7 @@ def test_a_split_backward_is_paced_as_its_input_and_weight_passes() -> None:
 def test_an_interleaved_stage_is_paced_chunk_by_chunk() -> None:
     """Targets per chunk: "size" for chunk 0, "size.c" for chunk c (``pacing_targets`` prices each chunk's
     own layers, with the embedding in stage 0's chunk 0 and the head in the last stage's last chunk)."""
-    from ethpipe.runtime.emulate import pacing_targets
+    from ethpipe.runtime.adapt.emulate import pacing_targets
 
     stages = (Stage((0,), "fast", (0, 3), chunks=((0, 3), (4, 7))), Stage((1,), "slow", (3, 4), chunks=((3, 4), (7, 8))))
     pipe = Pipeline(stages, (1, 2), "interleaved")

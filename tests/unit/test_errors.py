@@ -20,7 +20,7 @@ from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.baselines import exhaustive
 from ethpipe.planner.devices import eth, grouping, replicated
-from ethpipe.runtime import launch
+from ethpipe.runtime.start import launch
 
 DEMO = "examples/clusters/cpu_demo.yaml"
 PLAN_ARGS = ["plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24", "--seq-len", "64", "--max-tp", "1"]

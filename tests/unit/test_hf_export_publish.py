@@ -34,7 +34,7 @@ from ethpipe.hf.export import export_hf  # noqa: E402
 from ethpipe.hf.load import load_full  # noqa: E402
 from ethpipe.hf.publish import TOKENIZER_FILES  # noqa: E402
 from ethpipe.model_spec import ModelSpec  # noqa: E402
-from ethpipe.runtime.ckpt_layout import (  # noqa: E402
+from ethpipe.runtime.checkpoint.layout import (  # noqa: E402
     OPTIM_KINDS, DataCursor, commit, crc32_file, new_manifest, optim_key, parameter_names, tmp_dir_name,
 )
 

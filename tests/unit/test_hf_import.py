@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 from ethpipe.errors import UserError  # noqa: E402
 from ethpipe.hf.load import load_full, open_hf  # noqa: E402
 from ethpipe.model_spec import load_model_spec  # noqa: E402
-from ethpipe.runtime.model import build_full_model  # noqa: E402
+from ethpipe.runtime.model.decoder import build_full_model  # noqa: E402
 
 TOL = 1e-5
 SEQ = 48  # > llama3's original_max_position_embeddings 16, so its scaling matters

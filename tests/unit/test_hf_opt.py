@@ -37,8 +37,8 @@ from ethpipe.hf.export import export_hf  # noqa: E402
 from ethpipe.hf.load import load_full, load_stage, open_hf  # noqa: E402
 from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict  # noqa: E402
 from ethpipe.plan import Plan  # noqa: E402
-from ethpipe.runtime.model import build_full_model, build_stage, state_dict_shapes  # noqa: E402
-from ethpipe.runtime.tensor_parallel import TPGroup, shard_dim  # noqa: E402
+from ethpipe.runtime.model.decoder import build_full_model, build_stage, state_dict_shapes  # noqa: E402
+from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim  # noqa: E402
 
 F32_EPS = torch.finfo(torch.float32).eps
 F64_TOL = 1e-10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ethpipe.runtime.launch import GPU_ENVIRONMENT, default_start_method, set_gpu_environment
+from ethpipe.runtime.start.launch import GPU_ENVIRONMENT, default_start_method, set_gpu_environment
 
 
 def test_gpu_settings_are_set_unless_the_user_set_them() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ethpipe.runtime.grad_sync import GradStats, scale_grads
-from ethpipe.runtime.loss_scale import INIT_SCALE, LossScaler
+from ethpipe.runtime.sync.grads import GradStats, scale_grads
+from ethpipe.runtime.sync.loss_scale import INIT_SCALE, LossScaler
 
 
 def test_scale_halves_on_overflow_and_doubles_after_the_growth_interval() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ethpipe.runtime.metric_sinks import TensorBoardSink, WandbSink, events, scalars
+from ethpipe.runtime.observe.sinks import TensorBoardSink, WandbSink, events, scalars
 
 
 def _records() -> list[dict]:

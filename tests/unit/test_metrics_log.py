@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-import ethpipe.runtime.metrics as metrics
-from ethpipe.runtime.metrics import LOG_EVERY_S, MetricsWriter
+import ethpipe.runtime.observe.metrics as metrics
+from ethpipe.runtime.observe.metrics import LOG_EVERY_S, MetricsWriter
 
 
 def _record(step: int, **extra: object) -> dict:

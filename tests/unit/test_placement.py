@@ -9,7 +9,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
 from ethpipe.model_spec import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
-from ethpipe.runtime.placement import DeviceInfo, check_placement, device_matches, identify_gpu
+from ethpipe.runtime.start.placement import DeviceInfo, check_placement, device_matches, identify_gpu
 
 GIB = 2**30
 # (name torch reports, total memory it reports in GiB, catalog id)

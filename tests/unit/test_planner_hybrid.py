@@ -85,15 +85,20 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("parts, model, batch", SMALL)
-def test_eth_within_two_percent_of_exhaustive_widened(parts: tuple, model: str, batch: int) -> None:
-    cluster, spec = _cluster(*parts), load_model_spec(model)
-    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES)
+def _within_two_percent_of_exhaustive(cluster, spec, batch: int, **kwargs) -> Plan:  # type: ignore[no-untyped-def]
+    """eth's plan (``kwargs`` to ``make_plan``), asserted within 2% of the exhaustive widened search's."""
+    plan = make_plan(cluster, spec, batch, 2048, options=ALL_DEVICES, **kwargs)
     dtype = str(plan.extra["dtype"])
     best = exhaustive_widened(CostModel(cluster, spec, 2048, dtype_bytes=dtype_bytes(dtype), dtype=dtype), batch,
                               time_budget_s=120)
     assert best.plan is not None and not best.timed_out
     assert plan.predicted["iteration_time_s"] <= best.plan.predicted["iteration_time_s"] / 0.98
+    return plan
+
+
+@pytest.mark.parametrize("parts, model, batch", SMALL)
+def test_eth_within_two_percent_of_exhaustive_widened(parts: tuple, model: str, batch: int) -> None:
+    _within_two_percent_of_exhaustive(_cluster(*parts), load_model_spec(model), batch)
 
 
 def test_a_hybrid_pair_tries_the_micro_batch_of_its_balanced_share() -> None:
@@ -101,12 +106,6 @@ def test_a_hybrid_pair_tries_the_micro_batch_of_its_balanced_share() -> None:
     # soonest; level 3 gives them 6 each, where V100-first with micro-batches of 1 wins. Choosing the micro-batch
     # at the peak-speed share alone was 3.9% slower than the exhaustive search (1F1B, the space it enumerates).
     cluster = _cluster(("h100_sxm", 2, 2), ("a100_80gb_sxm", 1, 2), ("v100_32gb_sxm2", 1, 2))
-    spec = load_model_spec("gpt3-1.3b")
-    plan = make_plan(cluster, spec, 64, 2048, schedules=("1f1b",), options=ALL_DEVICES)
-    dtype = str(plan.extra["dtype"])
-    best = exhaustive_widened(CostModel(cluster, spec, 2048, dtype_bytes=dtype_bytes(dtype), dtype=dtype), 64,
-                              time_budget_s=120)
-    assert best.plan is not None and not best.timed_out
-    assert plan.predicted["iteration_time_s"] <= best.plan.predicted["iteration_time_s"] / 0.98
+    plan = _within_two_percent_of_exhaustive(cluster, load_model_spec("gpt3-1.3b"), 64, schedules=("1f1b",))
     mixed = [p for p in plan.pipelines if len({s.device for s in p.stages}) > 1]
     assert mixed and all(p.stages[0].device == "v100_32gb_sxm2" and p.micro_batch_sizes[0] == 1 for p in mixed)

@@ -1,4 +1,4 @@
-"""Level-3 re-solve inside the runtime (runtime/rebalance.py): pure functions, no processes."""
+"""Level-3 re-solve inside the runtime (runtime/adapt/rebalance.py): pure functions, no processes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.rebalance import (
+from ethpipe.runtime.adapt.rebalance import (
     PipelineModel, RebalanceConfig, Rebalancer, decide, fit_models, makespan_s, micro_batch_sizes, parse_rebalance,
     split_of, water_fill, with_split,
 )

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from ethpipe.errors import UserError
-from ethpipe.runtime.ckpt_layout import DataCursor, Manifest, new_manifest
+from ethpipe.runtime.checkpoint.layout import DataCursor, Manifest, new_manifest
 from ethpipe.runtime.config import TrainConfig
-from ethpipe.runtime.run_settings import changed_settings, check_strict_resume, resume_line, run_settings
+from ethpipe.runtime.start.run_settings import changed_settings, check_strict_resume, resume_line, run_settings
 
 from test_plan_format import BASE
 from ethpipe.plan import Plan

@@ -1,4 +1,4 @@
-"""The backward split (runtime/split_backward.py): B + W equal one whole backward, kernel for kernel.
+"""The backward split (runtime/pipeline/split_backward.py): B + W equal one whole backward, kernel for kernel.
 
 A real decoder stage (``runtime.model.Decoder``) in float64: input gradients and, after every W, the
 weight gradients equal ``torch.autograd.backward``'s bit for bit, with several micro-batches' W deferred
@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.model import Decoder, init_parameter
-from ethpipe.runtime.split_backward import backward_input, backward_weight
+from ethpipe.runtime.model.decoder import Decoder, init_parameter
+from ethpipe.runtime.pipeline.split_backward import backward_input, backward_weight
 
 SPEC = ModelSpec(name="split", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64,
                  vocab_size=64, max_seq_len=16)

@@ -9,7 +9,7 @@ import torch
 
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.model import build_full_model
+from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig, check_plan_runnable, lr_at, make_optimizer
 
 

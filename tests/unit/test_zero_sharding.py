@@ -14,7 +14,7 @@ from ethpipe.cost.model_comm import sharded_phase_fraction
 from ethpipe.model_spec import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import estimate_iteration_s, make_plan
-from ethpipe.runtime.zero import shard_bounds
+from ethpipe.runtime.sync.zero import shard_bounds
 from ethpipe.sim import simulate
 
 from test_plan_format import BASE

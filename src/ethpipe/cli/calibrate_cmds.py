@@ -24,7 +24,7 @@ def check_profile_device(path: Path, device_kind: str, device_name: str, gpu_id:
     GPU model, would write wrong constants for ``gpu_id`` (a name that identifies none, or leaves the form factor
     open, passes)."""
     from ethpipe.catalog import get_gpu
-    from ethpipe.runtime.placement import identify_gpu, names_model
+    from ethpipe.runtime.start.placement import identify_gpu, names_model
 
     fix = f"profile on a {gpu_id} (`ethpipe profile --device cuda` there), or pass --allow-other-device"
     if device_kind != "cuda":

@@ -17,7 +17,7 @@ def _recorded_source(checkpoint: Path) -> Optional[Path]:
     """The run's --init-from where it was a Hugging Face directory, from the run.toml beside its checkpoints."""
     import tomllib
 
-    from ethpipe.runtime.run_settings import RUN_CONFIG_NAME
+    from ethpipe.runtime.start.run_settings import RUN_CONFIG_NAME
 
     for folder in (checkpoint, checkpoint.parent):
         path = folder / RUN_CONFIG_NAME
@@ -59,7 +59,7 @@ def export(
     Hugging Face directory (config.json, sharded safetensors, index; with --source the generation
     config, with --tokenizer the tokenizer) for `transformers.AutoModelForCausalLM.from_pretrained`."""
     from ethpipe.errors import UserError
-    from ethpipe.runtime.ckpt_state import consolidated_weights, export_checkpoint
+    from ethpipe.runtime.checkpoint.state import consolidated_weights, export_checkpoint
 
     if fmt not in ("ethpipe", "hf"):
         raise UserError(f"--format must be ethpipe or hf, got {fmt!r}")
@@ -76,7 +76,7 @@ def export(
     from ethpipe.hf.export import check_out_dir, export_hf, parse_size
     from ethpipe.hf.publish import export_dtype, read_source, tokenizer_files, trained_dtype
     from ethpipe.model_spec import spec_from_dict
-    from ethpipe.runtime.ckpt_layout import read_manifest, resolve_checkpoint
+    from ethpipe.runtime.checkpoint.layout import read_manifest, resolve_checkpoint
 
     export_dtype(dtype, None)  # every cheap check before the weights are read
     parse_size(max_shard_size)
@@ -113,7 +113,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Show a training checkpoint: step, data cursor, model, the plan that wrote it, size on disk."""
-    from ethpipe.runtime.ckpt_state import checkpoint_summary
+    from ethpipe.runtime.checkpoint.state import checkpoint_summary
 
     info = checkpoint_summary(checkpoint)
     if as_json:

@@ -43,7 +43,7 @@ def _loss_line(losses: list[float]) -> str:
 
 
 def _machine() -> str:
-    from ethpipe.runtime.emulate import local_cores
+    from ethpipe.runtime.adapt.emulate import local_cores
 
     return f"{platform.platform()}, {local_cores()} cores, python {platform.python_version()}"
 
@@ -104,7 +104,7 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
     from ethpipe import demo as d
     from ethpipe.model_spec import load_model_spec
     from ethpipe.runtime.data import builtin_text, prepare_tokens
-    from ethpipe.runtime.launch import run_local
+    from ethpipe.runtime.start.launch import run_local
     from ethpipe.runtime.train import TrainConfig
 
     console.rule("[bold]ethpipe demo[/]: ETH vs uniform vs layer-balanced on an emulated mixed cluster")

@@ -17,7 +17,7 @@ from typing import Any
 
 from ethpipe.cost.hardware import Calibration, DeviceScale, shipped_calibration
 from ethpipe.plan import Plan
-from ethpipe.runtime.emulate import emulation_profiles, pinned_emulation
+from ethpipe.runtime.adapt.emulate import emulation_profiles, pinned_emulation
 
 # Switch only for a predicted gain above this: the fit's own scatter (median stage ratios of a few steps move by
 # ~1-2% between windows on a loaded CPU; device timers on GPUs less) and the switch's cost (one checkpoint
@@ -112,8 +112,8 @@ class RunReplanner:
         """Why the run could not train ``new`` (checked before any rank checkpoints for the switch), or None."""
         from ethpipe.errors import UserError
         from ethpipe.precision import check_dtype_fits
-        from ethpipe.runtime.checks import check_plan_runnable
-        from ethpipe.runtime.emulate import check_emulation
+        from ethpipe.runtime.start.checks import check_plan_runnable
+        from ethpipe.runtime.adapt.emulate import check_emulation
 
         try:
             check_plan_runnable(new, world_size)

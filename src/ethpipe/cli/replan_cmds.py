@@ -52,7 +52,7 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
                     schedules=recorded_schedules(old))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # the same emulated devices: time scale, profiles
-        from ethpipe.runtime.emulate import pinned_emulation
+        from ethpipe.runtime.adapt.emulate import pinned_emulation
 
         new = dataclasses.replace(new, extra={**new.extra, "emulation": pinned_emulation(old)})
     return new
@@ -152,7 +152,7 @@ def replan_cmd(
 
         calibration = (recorded_calibration(old) or shipped_calibration()).merged(load_calibration(catalog))
     start = time.perf_counter()
-    from ethpipe.runtime.emulate import emulation_profiles
+    from ethpipe.runtime.adapt.emulate import emulation_profiles
 
     new = replan(old, clu, allow_idle=cluster is not None, calibration=calibration, profiles=emulation_profiles(old))
     took_s = time.perf_counter() - start

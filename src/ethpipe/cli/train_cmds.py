@@ -107,9 +107,9 @@ def train(
     no dropout. Without torchrun the plan's world is spawned on this machine; under
     `torchrun --nproc-per-node N -m ethpipe train ...` this process is one rank."""
     from ethpipe.plan import Plan
-    from ethpipe.runtime.emulate import parse_slowdown
-    from ethpipe.runtime.launch import TrainingFailed, in_torchrun, run_local, run_torchrun
-    from ethpipe.runtime.rebalance import parse_rebalance
+    from ethpipe.runtime.adapt.emulate import parse_slowdown
+    from ethpipe.runtime.start.launch import TrainingFailed, in_torchrun, run_local, run_torchrun
+    from ethpipe.runtime.adapt.rebalance import parse_rebalance
     from ethpipe.runtime.train import TrainConfig
 
     if device not in ("auto", "cpu"):
@@ -150,7 +150,7 @@ def train(
     )
     replanner = None
     if replan_after:
-        from ethpipe.runtime.replan_step import MIN_STEPS_BEFORE_REPLAN
+        from ethpipe.runtime.adapt.replan_step import MIN_STEPS_BEFORE_REPLAN
 
         if not MIN_STEPS_BEFORE_REPLAN <= replan_after < steps or checkpoint_dir is None:
             raise UserError(f"--replan-after must be between {MIN_STEPS_BEFORE_REPLAN} (the first step is warm-up) and "

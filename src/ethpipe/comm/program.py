@@ -40,7 +40,7 @@ from ethpipe.schedule import Action, actions_of, last_weight_grad_index
 
 Payload = Literal["act", "grad"]
 WORLD = "world"
-# The gradient sync's default bucket size (runtime/grad_buckets.py; measured: docs/runtime.md, "Gradient sync").
+# The gradient sync's default bucket size (runtime/sync/buckets.py; measured: docs/runtime.md, "Gradient sync").
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 

@@ -20,7 +20,7 @@ from ethpipe.model_spec import ModelSpec
 USABLE_MEMORY_FRACTION = 0.9
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients: what the block sync all-reduces, also under 16-bit autocast
 LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
-# Boundary tensors a stage with a neighbour holds besides its stashed inputs (runtime/executor.py): while
+# Boundary tensors a stage with a neighbour holds besides its stashed inputs (runtime/pipeline/executor.py): while
 # one p2p batch is in flight, the payload it sends and the buffer it receives into (during a backward:
 # the output gradient received and the input gradient it produces). Every send is waited before the
 # next action and then dropped, and no forward output is kept for the backward.
@@ -35,7 +35,7 @@ def state_bytes_per_param(dtype_bytes: int, holders: int = 1) -> float:
     """Weights + gradients + AdamW's two moments per parameter, as the runtime keeps them: all in the weights'
     dtype, fp32 under every 16-bit precision (autocast) and in fp32 training (4 + 4 + 8 = 16), fp64 in the
     exactness mode (32). ``holders`` > 1: the moments are sharded over that many holders of each block (ZeRO-1
-    across pipelines, ``runtime/zero.py``): 8 + 8 / k bytes. Weights and gradients stay whole (the all-gather
+    across pipelines, ``runtime/sync/zero.py``): 8 + 8 / k bytes. Weights and gradients stay whole (the all-gather
     and the reduce run in place in the persistent buffers: no extra buffer)."""
     return 2 * weight_bytes(dtype_bytes) + moment_bytes_per_param(dtype_bytes, holders)
 
@@ -104,7 +104,7 @@ def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_byt
 
 
 def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
-    """What ethpipe's own runtime (runtime/model.py) keeps for backward per decoder block and sample.
+    """What ethpipe's own runtime (runtime/model/decoder.py) keeps for backward per decoder block and sample.
 
     Counted from autograd's saved tensors (tests/unit/test_activation_inventory.py fits nothing: it
     checks these exactly against ``saved_tensors_hooks`` over several widths). Attention through SDPA

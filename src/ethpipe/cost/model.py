@@ -71,7 +71,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
     calibration: Calibration | None = field(default=None, compare=False)  # None = the shipped constants
     # Cross-node p2p NIC sharing of one plan (``cost/p2p.py``; ``with_plan_p2p``); None = every flow alone.
     p2p_flows: P2pFlows | None = field(default=None, compare=False)
-    # ZeRO-1 across pipelines (``runtime/zero.py``): each block's AdamW moments and update are split over this
+    # ZeRO-1 across pipelines (``runtime/sync/zero.py``): each block's AdamW moments and update are split over this
     # many holders (the plan's pipelines); 1 = every rank keeps and updates its stage's whole state.
     optimizer_holders: int = 1
 

@@ -18,7 +18,7 @@ from ethpipe.plan import Plan
 
 
 def sharded_phase_fraction(num_holders: int) -> float:
-    """One phase of the sharded sync (``runtime/zero.py``) as a fraction of the all-reduce of the same bytes.
+    """One phase of the sharded sync (``runtime/sync/zero.py``) as a fraction of the all-reduce of the same bytes.
     The runtime reduces (and later broadcasts) each of the k shards in turn, so a phase moves the whole
     buffer once, ~n / bw, where a ring all-reduce moves 2 (k - 1) / k of it: k / (2 (k - 1)) of its time
     (1 at k = 2: the reduce phase alone costs an all-reduce there; 1/2 as k grows, like a reduce-scatter)."""

@@ -1,7 +1,7 @@
 """CostModel's pricing of a split backward (a mixin: ``cost/model.py`` holds the state).
 
 Zero-bubble schedules run a micro-batch's backward as B (input gradient) then W (weight gradients;
-``runtime/split_backward.py``). W runs each layer's weight-gradient GEMMs (``X^T dY``), a bias or norm
+``runtime/pipeline/split_backward.py``). W runs each layer's weight-gradient GEMMs (``X^T dY``), a bias or norm
 scale's reduction and the embedding's scatter-add; B everything else, TP all-reduces included (they
 sit on the input-gradient path). A layer's W is priced as its backward compute times the weight GEMMs'
 share of the backward's FLOPs (``ops.layer_kernels``: ``.wgrad`` kernels; the embedding's backward is
@@ -45,7 +45,7 @@ class SplitPricing:
 
     def held_grad_bytes(self, stage: Stage, micro_batch: int, last: bool = False) -> int:
         """Bytes one micro-batch holds between its B and its W on one rank of ``stage``: the output gradient of
-        every weight-consuming op (``runtime/split_backward.py`` records them), in the compute dtype: per token
+        every weight-consuming op (``runtime/pipeline/split_backward.py`` records them), in the compute dtype: per token
         the two norms' and the two row-parallel outputs' ``h``, the column-parallel q, k, v and MLP-input outputs
         (sharded over TP), and on a last stage the final norm's ``h`` and the head's logits (vocabulary sharded
         over TP). An upper bound: some of these are one tensor (a residual's gradient feeds the norm and the

@@ -18,7 +18,7 @@ import torch
 
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.model import state_dict_shapes
+from ethpipe.runtime.model.decoder import state_dict_shapes
 
 GPT2_PREFIX = "transformer."  # GPT2LMHeadModel.save_pretrained; the original hub files have none
 OPT_PREFIX = "model."  # OPTForCausalLM.save_pretrained; the original hub files (saved from OPTModel) have none

@@ -20,7 +20,7 @@ from ethpipe.errors import UserError
 from ethpipe.hf.config import architecture, read_config, spec_from_hf
 from ethpipe.hf.convert import IGNORED, PREFIXES, Source, from_hf, hf_shapes, hf_sources
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.tensor_parallel import local_slice
+from ethpipe.runtime.model.tensor_parallel import local_slice
 
 INDEX = "model.safetensors.index.json"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

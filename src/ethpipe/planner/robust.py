@@ -5,7 +5,7 @@ speed ratios are 10-30% off), and the error is systematic per type, not random n
 plan is also priced under a fixed set of per-type speed perturbations (``scenarios``): every
 device type's compute at -30% and at +30% speed, one type at a time, and, with three or more
 types, every type but the fastest at -30% together. Under a perturbation the plan may only do
-what the runtime can do online (``runtime/rebalance.py``): re-split the global batch across
+what the runtime can do online (``runtime/adapt/rebalance.py``): re-split the global batch across
 its pipelines (level-3 water-filling, same micro-batch size, so within the memory the plan was
 checked for; whole micro-batches where the plan was made with them). Layers never move. The
 priced time is the better of keeping the split and re-splitting. Only compute is perturbed

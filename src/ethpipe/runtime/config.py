@@ -10,9 +10,9 @@ from typing import Literal
 import torch
 
 from ethpipe.errors import UserError
-from ethpipe.runtime.emulate import EmulateMode, Slowdown, check_emulate_mode
+from ethpipe.runtime.adapt.emulate import EmulateMode, Slowdown, check_emulate_mode
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
-from ethpipe.runtime.rebalance import RebalanceConfig
+from ethpipe.runtime.adapt.rebalance import RebalanceConfig
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
@@ -45,7 +45,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     trace: str | None = None
     slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient-sync buckets (runtime/grad_buckets.py); 0: one per unit
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient-sync buckets (runtime/sync/buckets.py); 0: one per unit
     overlap_grad_sync: bool = True  # fire each bucket from backward hooks during the last backward
     compile: bool = False  # torch.compile each decoder block (runtime/model.compile_blocks)
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
@@ -55,13 +55,13 @@ class TrainConfig:
     save_every: int = 0  # save every K steps (0: only after the last step); needs checkpoint_dir
     keep: int = 3  # newest checkpoints kept
     resume: bool = False  # continue from the newest complete checkpoint in checkpoint_dir
-    strict_resume: bool = False  # refuse a resume that changes a recorded setting (runtime/run_settings.py)
+    strict_resume: bool = False  # refuse a resume that changes a recorded setting (runtime/start/run_settings.py)
     auto_resume: bool = False  # resume if checkpoint_dir holds a complete checkpoint, else start fresh (restarts)
-    rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/rebalance.py)
+    rebalance: RebalanceConfig | None = None  # online data rebalancing (runtime/adapt/rebalance.py)
     watchdog_s: float | None = None  # end a rank without progress for this long; None: 2 x timeout_s + 60; 0: off
     log_sample_ids: bool = False  # metrics lines list the global sample ids of each step
     log_every: int = 0  # a console line every N steps (0: every 10 s when not a terminal, else the bar only)
-    tensorboard: str | None = None  # TensorBoard event files here (runtime/metric_sinks.py)
+    tensorboard: str | None = None  # TensorBoard event files here (runtime/observe/sinks.py)
     wandb: str | None = None  # Weights & Biases project (offline unless WANDB_MODE says otherwise)
     run_config: str | None = None  # the command's options as a --config file: written next to the checkpoints
 

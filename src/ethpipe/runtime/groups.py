@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ethpipe.comm.program import Peers, plan_peers
 from ethpipe.plan import Plan, RankPosition
-from ethpipe.runtime.sync_layout import holder_sets, tied_stages
+from ethpipe.runtime.sync.layout import holder_sets, tied_stages
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The training loop of one rank: build the stage, run its schedule, sync blocks, clip, AdamW, report, checkpoint.
 
 ``train`` runs on every rank of an initialised (or to-be-initialised) process group. All
-checks that can fail on user input run before any collective (``runtime/checks.py``), identically
+checks that can fail on user input run before any collective (``runtime/start/checks.py``), identically
 on every rank, so bad input makes every rank raise the same one-line UserError instead of hanging.
 A step reads the device once (``metrics.gather_stats``): loss, gradient norm and the non-finite
 flag are computed on the device, clipping and fp16 unscaling are one foreach multiply.
@@ -25,32 +25,32 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.precision import train_dtype
-from ethpipe.runtime.checkpoint import gather_consolidated, load_into, save_atomic
-from ethpipe.runtime.checks import check_inputs, check_plan_runnable
-from ethpipe.runtime.ckpt_layout import DataCursor, ResumePoint
-from ethpipe.runtime.ckpt_state import load_checkpoint, save_checkpoint
+from ethpipe.runtime.checkpoint.consolidated import gather_consolidated, load_into, save_atomic
+from ethpipe.runtime.start.checks import check_inputs, check_plan_runnable
+from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint
+from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, AUTOCAST_DTYPES, TrainConfig, lr_at, make_optimizer
-from ethpipe.runtime.run_settings import resume_line, run_settings, write_replanned_plan, write_run_config
-from ethpipe.runtime.stage_optim import build_stage_optimizer
+from ethpipe.runtime.start.run_settings import resume_line, run_settings, write_replanned_plan, write_run_config
+from ethpipe.runtime.sync.stage_optim import build_stage_optimizer
 from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
-from ethpipe.runtime.emulate import Emulator, make_emulator
-from ethpipe.runtime.executor import StageIO, run_stage_step
-from ethpipe.runtime.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
-from ethpipe.runtime.grad_buckets import GradBuckets
-from ethpipe.runtime.grad_sync import clip_coefficient
+from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
+from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
+from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
+from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.sync.grads import clip_coefficient
 from ethpipe.runtime.groups import build_groups, control_group, destroy_groups
-from ethpipe.runtime.loss_scale import LossScaler
-from ethpipe.runtime.metric_sinks import metrics_writer, open_sinks
-from ethpipe.runtime.replan_step import Outcome, Replanner, decide_replan, replan_due
-from ethpipe.runtime.metrics import gather_stats, peak_memory_bytes, step_record, write_chrome_trace
-from ethpipe.runtime.model import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
-from ethpipe.runtime.placement import gather_and_check
-from ethpipe.runtime.preflight import settle
+from ethpipe.runtime.sync.loss_scale import LossScaler
+from ethpipe.runtime.observe.sinks import metrics_writer, open_sinks
+from ethpipe.runtime.adapt.replan_step import Outcome, Replanner, decide_replan, replan_due
+from ethpipe.runtime.observe.metrics import gather_stats, peak_memory_bytes, step_record, write_chrome_trace
+from ethpipe.runtime.model.decoder import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
+from ethpipe.runtime.start.placement import gather_and_check
+from ethpipe.runtime.start.preflight import settle
 from ethpipe.cluster_launch import check_node
-from ethpipe.runtime.rebalance import Rebalancer, split_of
-from ethpipe.runtime.tensor_parallel import TPGroup
-from ethpipe.runtime.timing import Timeline
-from ethpipe.runtime.watchdog import Watchdog
+from ethpipe.runtime.adapt.rebalance import Rebalancer, split_of
+from ethpipe.runtime.model.tensor_parallel import TPGroup
+from ethpipe.runtime.observe.timeline import Timeline
+from ethpipe.runtime.start.watchdog import Watchdog
 from ethpipe.schedule import actions_of
 
 __all__ = ["ADAM_BETAS", "ADAM_EPS", "TrainConfig", "check_inputs", "check_plan_runnable", "lr_at", "make_optimizer",
@@ -82,7 +82,7 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     problem: UserError | None = None
     try:
         spec, data, start = check_inputs(plan, config, world_size)
-    except UserError as err:  # settled with every rank's outcome once the world is up (runtime/preflight.py)
+    except UserError as err:  # settled with every rank's outcome once the world is up (runtime/start/preflight.py)
         problem = err
     try:
         check_node(plan, rank)  # under `ethpipe launch`: this rank is on its planned node

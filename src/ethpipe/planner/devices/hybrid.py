@@ -277,11 +277,9 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     out += [groups] if groups is not None else []
                 continue
 
-            def fastest(samples: int, below: int | None = None, first: tuple[StageSlot, ...] = first,
-                        crossing: Callable = crossing, heads: list[int] = heads, linked: Callable = linked,
-                        share: int = share) -> tuple[float, int] | None:
-                """The micro-batch size (under ``below`` if given) whose pipeline flushes ``samples`` soonest, and
-                that flush."""
+            def fastest(samples: int, below: int | None = None) -> tuple[float, int, Template] | None:
+                """The flush, micro-batch size (under ``below`` if given) and template of the pipeline that flushes
+                ``samples`` soonest (called in this iteration only: the loop's names are current)."""
                 best = None
                 for b in micro_batches or micro_batch_candidates(max(1, -(-share // len(first)))):
                     if below is not None and b >= below:
@@ -297,7 +295,7 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                     flush_s = float(tpl.timing.finish_s(samples)[0])
                     if best is not None and flush_s >= best[0]:
                         break  # unimodal in b, as for a pool's own shapes
-                    best = (flush_s, b)
+                    best = (flush_s, b, tpl)
                 return best
 
             best = fastest(share)
@@ -306,10 +304,9 @@ def interleaved(cost: CostModel, pools: Sequence[Pool], global_batch: int, *, ma
                 # A hybrid's pair gets its share of the batch by peak speed, but level 3 balances by flush: where
                 # the pools outside take more, each pipeline here runs fewer samples, and a smaller micro-batch
                 # may flush those sooner (and another type order win with it).
-                tpl = build_template(cost, -1, first, best[1], recompute, 0, cache, options)
-                balanced = _balanced_share(tpl, dp, share, best[0], cutoff)
+                balanced = _balanced_share(best[2], dp, share, best[0], cutoff)
                 other = fastest(balanced, below=best[1]) if balanced < share else None
-                if other is not None and other[0] < float(tpl.timing.finish_s(balanced)[0]):
+                if other is not None and other[0] < float(best[2].timing.finish_s(balanced)[0]):
                     sizes.append(other[1])
             for b in sizes:
                 groups = structure_groups(cost, structures(), b, recompute, options, cache)

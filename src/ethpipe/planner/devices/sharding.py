@@ -1,4 +1,4 @@
-"""Whether to shard the optimizer state across pipelines (ZeRO-1, ``runtime/zero.py``), and the plan that uses it.
+"""Whether to shard the optimizer state across pipelines (ZeRO-1, ``runtime/sync/zero.py``), and the plan that uses it.
 
 Sharding divides each block's AdamW moments (8 of the 16 bytes per parameter) over its holders, one rank
 per pipeline, so a plan's memory depends on its own number of pipelines k, which the search chooses. The

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ethpipe.model_spec import ModelSpec, load_model_spec
-from ethpipe.runtime.tensor_parallel import (
+from ethpipe.runtime.model.tensor_parallel import (
     TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
 )
 
@@ -193,7 +193,7 @@ class Decoder(nn.Module):
         self.spec, self.layer_range, self.first, self.last = spec, ranges[0], first, last
         self.chunk_ranges = ranges  # an interleaved stage's model chunks: ``forward(x, chunk)`` runs one
         self.recompute = recompute
-        self.tp = tp if tp is not None and tp.size > 1 else None  # tensor parallelism (runtime/tensor_parallel.py)
+        self.tp = tp if tp is not None and tp.size > 1 else None  # tensor parallelism (runtime/model/tensor_parallel.py)
         self._rope_cache: dict[tuple[int, str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         tied = spec.tie_embeddings
         if first or (last and tied):  # a tied last stage holds its copy of the embedding matrix

@@ -30,10 +30,10 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ethpipe.comm.program import P2pOp, Peers, deferred_batches, p2p_batches, p2p_units, recv_key, send_key
-from ethpipe.runtime.emulate import Emulator
-from ethpipe.runtime.p2p import Key, LivenessProbe, post_batch, post_sends
-from ethpipe.runtime.split_backward import WeightWork, backward_input, backward_weight
-from ethpipe.runtime.timing import Timeline
+from ethpipe.runtime.adapt.emulate import Emulator
+from ethpipe.runtime.pipeline.p2p import Key, LivenessProbe, post_batch, post_sends
+from ethpipe.runtime.pipeline.split_backward import WeightWork, backward_input, backward_weight
+from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.schedule import Action, last_weight_grad_index, split_microbatches
 
 

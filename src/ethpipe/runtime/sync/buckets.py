@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
-from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit
+from ethpipe.runtime.sync.layout import SyncSlice, SyncUnit
 from ethpipe.units import runs_of_bytes
 
 Mode = Literal["view", "direct", "copy"]

@@ -13,7 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ethpipe.plan import Plan
-from ethpipe.runtime.ckpt_layout import ResumePoint
+from ethpipe.runtime.checkpoint.layout import ResumePoint
 
 Replanner = Callable[[Plan, list[dict[str, Any]]], tuple[Plan | None, dict[str, Any]]]
 

@@ -17,12 +17,12 @@ from torch import nn
 
 from ethpipe.plan import Plan
 from ethpipe.runtime.config import TrainConfig, make_optimizer
-from ethpipe.runtime.grad_buckets import GradBuckets
-from ethpipe.runtime.grad_sync import GradStats, owned_names, scale_grads, stage_sync_units, tied_parameters
+from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.sync.grads import GradStats, owned_names, scale_grads, stage_sync_units, tied_parameters
 from ethpipe.runtime.groups import RankGroups
-from ethpipe.runtime.model import TIED_WEIGHT
-from ethpipe.runtime.sharded_adamw import ShardedAdamW
-from ethpipe.runtime.zero import ShardedBuckets
+from ethpipe.runtime.model.decoder import TIED_WEIGHT
+from ethpipe.runtime.sync.sharded_adamw import ShardedAdamW
+from ethpipe.runtime.sync.zero import ShardedBuckets
 
 States = Mapping[str, Mapping[str, torch.Tensor]]
 

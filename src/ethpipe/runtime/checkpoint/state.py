@@ -7,7 +7,7 @@ hands DCP only what its stage holds; replicas in other pipelines present the sam
 identical values and DCP's save planner writes each key once (deduplicated, load-balanced over
 the holders). Loading asks for exactly the keys of the rank's stage under the *new* plan, so a
 checkpoint loads under any plan: other pipelines, depths and layer splits. A tied model's
-last-stage copy of the embedding is ``tok_emb.weight`` too (runtime/model.py): one more replica
+last-stage copy of the embedding is ``tok_emb.weight`` too (runtime/model/decoder.py): one more replica
 of that key (and of its AdamW state), so tied checkpoints reshard like any other.
 """
 
@@ -28,16 +28,16 @@ from torch.futures import Future
 
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Plan
-from ethpipe.runtime.checkpoint import save_atomic
-from ethpipe.runtime.ckpt_shared import SharedFilesystemError, check_shared
-from ethpipe.runtime.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
-from ethpipe.runtime.ckpt_layout import (
+from ethpipe.runtime.checkpoint.consolidated import save_atomic
+from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError, check_shared
+from ethpipe.runtime.adapt.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
+from ethpipe.runtime.checkpoint.layout import (
     FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files,
     check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
     optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
-from ethpipe.runtime.model import state_dict_shapes
-from ethpipe.runtime.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
+from ethpipe.runtime.model.decoder import state_dict_shapes
+from ethpipe.runtime.model.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
 
 def _rng_key(kind: str, rank: int) -> str:
     return f"rng.{kind}.rank{rank}"
@@ -307,6 +307,6 @@ def checkpoint_summary(path: str | Path) -> dict[str, Any]:
         "seq_len": plan.get("seq_len"), "world_size": sum(len(r) for p in pipelines for r in p["ranks"]),
         "pipelines": pipelines,
         "checkpoints": [step for step, _ in complete_checkpoints(step_dir.parent)],
-        "settings": manifest.extra.get("settings") or {},  # what the run trained with (runtime/run_settings.py)
+        "settings": manifest.extra.get("settings") or {},  # what the run trained with (runtime/start/run_settings.py)
         "shard_optimizer": bool(plan.get("shard_optimizer", False)),
     }

@@ -9,7 +9,7 @@ defaults).
 Across a pipeline-parallel world every rank must take the same decision, or one rank steps
 while another skips and the replicas diverge. The decision is made from ONE number all ranks
 share: the count of ranks with a non-finite gradient (``grad_sync.GradStats``), carried in the
-per-step stats all-gather (runtime/metrics.py) that already gives every rank the same loss
+per-step stats all-gather (runtime/observe/metrics.py) that already gives every rank the same loss
 and gradient norm. The scaler's state is saved in every checkpoint's manifest.
 """
 

@@ -17,8 +17,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS
-from ethpipe.runtime.grad_buckets import _region
-from ethpipe.runtime.zero import ShardedBuckets
+from ethpipe.runtime.sync.buckets import _region
+from ethpipe.runtime.sync.zero import ShardedBuckets
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -12,8 +12,8 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
 from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus, train_dtype
-from ethpipe.runtime.checkpoint import check_checkpoint
-from ethpipe.runtime.ckpt_layout import (
+from ethpipe.runtime.checkpoint.consolidated import check_checkpoint
+from ethpipe.runtime.checkpoint.layout import (
     ResumePoint,
     check_fresh_dir,
     complete_checkpoints,
@@ -21,8 +21,8 @@ from ethpipe.runtime.ckpt_layout import (
 )
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
-from ethpipe.runtime.emulate import check_emulation
-from ethpipe.runtime.run_settings import check_strict_resume
+from ethpipe.runtime.adapt.emulate import check_emulation
+from ethpipe.runtime.start.run_settings import check_strict_resume
 
 
 def _launch_fix(plan: Plan) -> str:

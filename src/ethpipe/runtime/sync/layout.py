@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ethpipe.plan import Plan
-from ethpipe.runtime.tensor_parallel import shard_dim
+from ethpipe.runtime.model.tensor_parallel import shard_dim
 
 
 @dataclass(frozen=True)

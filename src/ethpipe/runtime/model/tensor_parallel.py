@@ -8,7 +8,7 @@ rank's slice of the global tensor along ``shard_dim(name)``.
 
 Why hand-written rather than ``torch.distributed.tensor.parallelize_module``: the stage's
 parameters stay plain tensors, so block-wise gradient aggregation across pipelines of other TP
-degrees (runtime/grad_sync.py) slices them by plain index arithmetic, and the model code is the
+degrees (runtime/sync/grads.py) slices them by plain index arithmetic, and the model code is the
 same module tree at every degree (docs/runtime.md, "Tensor parallelism").
 
 ``f`` (``copy_to_tp``): identity forward, all-reduce backward — once at the input of each

@@ -13,7 +13,7 @@ from typing import Any
 from ethpipe.atomic import write_text_atomic
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
-from ethpipe.runtime.ckpt_layout import Manifest
+from ethpipe.runtime.checkpoint.layout import Manifest
 from ethpipe.runtime.config import TrainConfig
 
 RUN_CONFIG_NAME = "run.toml"  # the options of the run that wrote a checkpoint directory (`train --config` reads it)

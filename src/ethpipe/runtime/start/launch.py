@@ -28,9 +28,9 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ethpipe.errors import ReportedElsewhere, UserError, write_crash_report
 from ethpipe.plan import Plan
-from ethpipe.runtime.matmul_mode import apply_kernel_modes
+from ethpipe.runtime.model.kernel_modes import apply_kernel_modes
 from ethpipe.runtime.train import Replanner, TrainConfig, check_inputs, check_plan_runnable, train
-from ethpipe.runtime.watchdog import WATCHDOG_EXIT_CODE
+from ethpipe.runtime.start.watchdog import WATCHDOG_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
 
@@ -202,7 +202,7 @@ def run_torchrun(plan: Plan, config: TrainConfig, replanner: Replanner | None = 
             raise ReportedElsewhere(str(err)) from None
         raise
     # Input problems that differ per node (a data file missing on one) are settled world-wide inside ``train``
-    # (runtime/preflight.py): the cause prints once, every rank exits 2 within seconds.
+    # (runtime/start/preflight.py): the cause prints once, every rank exits 2 within seconds.
     if uses_accelerator(config):
         set_gpu_environment()
     device = pick_device(config, local_rank, local_world)

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ethpipe.runtime.grad_buckets import GradBuckets, _Bucket, _numel, _region
-from ethpipe.runtime.sync_layout import SyncSlice, SyncUnit
+from ethpipe.runtime.sync.buckets import GradBuckets, _Bucket, _numel, _region
+from ethpipe.runtime.sync.layout import SyncSlice, SyncUnit
 
 Segment = tuple[int, int, SyncSlice]  # [lo, hi) of a bucket tensor that holds one parameter slice
 

@@ -20,8 +20,8 @@ from ethpipe.atomic import atomic_path
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
-from ethpipe.runtime.model import state_dict_shapes
-from ethpipe.runtime.tensor_parallel import gather_full, local_slice
+from ethpipe.runtime.model.decoder import state_dict_shapes
+from ethpipe.runtime.model.tensor_parallel import gather_full, local_slice
 
 
 def _is_safetensors(path: Path) -> bool:

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ethpipe.plan import Plan
-from ethpipe.runtime.model import TIED_WEIGHT
-from ethpipe.runtime.sync_layout import SyncUnit, sync_units, tied_stages, tied_units
-from ethpipe.runtime.tensor_parallel import shard_dim
+from ethpipe.runtime.model.decoder import TIED_WEIGHT
+from ethpipe.runtime.sync.layout import SyncUnit, sync_units, tied_stages, tied_units
+from ethpipe.runtime.model.tensor_parallel import shard_dim
 
 _FIRST_PARTS = ("tok_emb.", "pos_emb.")
 _LAST_PARTS = ("norm.", "head.")

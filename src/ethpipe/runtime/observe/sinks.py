@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     import torch
 
     from ethpipe.plan import Plan
-    from ethpipe.runtime.ckpt_layout import ResumePoint
+    from ethpipe.runtime.checkpoint.layout import ResumePoint
     from ethpipe.runtime.config import TrainConfig
-    from ethpipe.runtime.metrics import MetricsWriter
+    from ethpipe.runtime.observe.metrics import MetricsWriter
 
 
 class Sink(Protocol):
@@ -127,7 +127,7 @@ def plan_memory(plan: Plan, config: TrainConfig, device: torch.device) -> list[i
 def open_sinks(plan: Plan, config: TrainConfig, start: ResumePoint) -> list[Any]:
     """Rank 0's dashboards, open for the whole run (a --replan-after switch keeps logging into the same run)."""
     from ethpipe.precision import train_dtype
-    from ethpipe.runtime.run_settings import run_settings
+    from ethpipe.runtime.start.run_settings import run_settings
 
     sinks: list[Any] = []
     if config.tensorboard is not None:
@@ -143,7 +143,7 @@ def open_sinks(plan: Plan, config: TrainConfig, start: ResumePoint) -> list[Any]
 def metrics_writer(plan: Plan, config: TrainConfig, start: ResumePoint, device: torch.device,
                     sinks: list[Any]) -> MetricsWriter:
     """Rank 0's metrics under this plan: the JSON lines file, the console, the dashboards."""
-    from ethpipe.runtime.metrics import MetricsWriter
+    from ethpipe.runtime.observe.metrics import MetricsWriter
 
     # An emulated run paces CPU processes: the plan's times are of its real devices, unless the plan pins the
     # emulated ones (paced targets or profiles: `ethpipe demo`); MFU (of the real devices' peaks) never applies.

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ethpipe.atomic import fsync_path, write_text_atomic
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.model import Decoder, state_dict_shapes
+from ethpipe.runtime.model.decoder import Decoder, state_dict_shapes
 
 FORMAT_VERSION = 1
 MANIFEST = "ethpipe.json"

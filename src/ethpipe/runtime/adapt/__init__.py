@@ -1,0 +1,1 @@
+"""A running job adapting to what it meets: online data rebalancing (`rebalance`), the re-plan decision (`replan_step`), emulated device speeds (`emulate`) and the fault-injection hooks tests use (`fault_hooks`)."""

@@ -1,0 +1,1 @@
+"""Checkpoints: the on-disk layout and manifest (`layout`), DCP save/load of a run (`state`), the shared-directory check (`shared_fs`) and consolidated state dicts for `--init-from` / `--save-final` (`consolidated`)."""

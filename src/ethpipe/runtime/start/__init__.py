@@ -1,0 +1,1 @@
+"""Before the first step: local spawn and torchrun (`launch`), input checks every rank makes alike (`checks`), settling them world-wide (`preflight`), device placement (`placement`), run settings (`run_settings`) and the hang watchdog (`watchdog`)."""

@@ -1,0 +1,1 @@
+"""Gradients after the backward: block-wise sync units (`layout`, `grads`), their buckets (`buckets`), ZeRO-1 across pipelines (`zero`, `sharded_adamw`), the stage optimizer that ties them together (`stage_optim`) and fp16 loss scaling (`loss_scale`)."""
