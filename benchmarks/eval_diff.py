@@ -86,7 +86,7 @@ def attribute(changed: list[dict[str, Any]], old: dict[str, Any],
     from eval.common import layout_signature
 
     from ethpipe.cluster import load_cluster
-    from ethpipe.model_spec import load_model_spec
+    from ethpipe.model_load import load_model_spec
     from ethpipe.planner import make_plan
 
     files = {c["label"]: c["file"] for c in old["clusters"]}

@@ -40,9 +40,9 @@ import yaml
 
 from ethpipe import demo
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
-from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.adapt.emulate import EMULATE_MODES, local_cores
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig

@@ -85,7 +85,7 @@ def measure_throughput(device: str = "cuda", width: int = 2048, num_layers: int 
                        micro_batch: int = 2, num_mb: int = 4, steps: int = 12,
                        compile_modes: tuple[bool, ...] = (False, True)) -> list[dict[str, Any]]:
     """ethpipe vs the plain loop, alternating, per compile mode."""
-    from ethpipe.runtime.data import prepare_tokens
+    from ethpipe.tokens.texts import prepare_tokens
 
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     spec = _spec(width, seq_len, num_layers)

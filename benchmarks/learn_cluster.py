@@ -34,9 +34,9 @@ import torch.optim  # noqa: F401  (imported before the workers fork)
 from ethpipe import demo
 from ethpipe.cli.demo_cmd import GLOBAL_BATCH, MODEL, PROFILE_SIZES, SEQ_LEN
 from ethpipe.cli.learn import RunReplanner
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
-from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.adapt.emulate import Slowdown, with_emulation
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.adapt.rebalance import parse_rebalance

@@ -29,7 +29,7 @@ from pathlib import Path
 from ethpipe.cluster import Cluster, cluster_from_dict
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.planner.baselines.exhaustive import exhaustive_eth, exhaustive_widened
 

@@ -31,7 +31,7 @@ import torch
 
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks, write_text_atomic
-from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.adapt.emulate import Slowdown
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.adapt.rebalance import PipelineModel, RebalanceConfig, water_fill, with_split

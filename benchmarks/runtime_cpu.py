@@ -34,9 +34,9 @@ from ethpipe import demo
 from ethpipe.cli.demo_cmd import GLOBAL_BATCH, MODEL, PROFILE_SIZES, SEQ_LEN
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import stage_peak_bytes
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.adapt.emulate import local_cores, with_emulation
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig

@@ -37,10 +37,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.nn.parallel import DistributedDataParallel
 
 from ethpipe.comm.program import Peers
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.config import TrainConfig, make_optimizer
-from ethpipe.runtime.data import builtin_text, gather_samples, open_tokens, prepare_tokens
+from ethpipe.runtime.data import gather_samples, open_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
 from ethpipe.runtime.start.launch import die_with_parent
 from ethpipe.runtime.model.decoder import build_stage

@@ -30,10 +30,11 @@ import torch.optim  # noqa: F401  (imported before the workers fork)
 from ethpipe import demo
 from ethpipe.cli.demo_cmd import MODEL, PROFILE_SIZES, SEQ_LEN
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.layers.interleave import interleaved_of
-from ethpipe.runtime.data import builtin_text, prepare_tokens
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 from ethpipe.runtime.adapt.emulate import with_emulation
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.train import TrainConfig

@@ -28,7 +28,7 @@ from eval.common import machine  # noqa: E402
 from eval.throughput import cases  # noqa: E402  (the evaluation's throughput cases)
 
 from ethpipe.errors import UserError  # noqa: E402
-from ethpipe.model_spec import load_model_spec  # noqa: E402
+from ethpipe.model_load import load_model_spec  # noqa: E402
 from ethpipe.plan import Plan  # noqa: E402
 from ethpipe.planner import CostModel, make_plan  # noqa: E402
 from ethpipe.sim import simulate  # noqa: E402

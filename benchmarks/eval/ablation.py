@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import ethpipe.planner as planner
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import CostModel, make_plan
 
 from eval import scenarios as sc

@@ -13,7 +13,7 @@ from typing import Any
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import CostModel, make_plan
 from ethpipe.planner.baselines.exhaustive import exhaustive_eth
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 
 from eval import scenarios as sc
 from eval.common import BASELINES, METHODS, Job, run_method

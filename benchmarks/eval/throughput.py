@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import CostModel, ideal_time_s, make_plan
 from ethpipe.sim import simulate

@@ -12,7 +12,7 @@ from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, interleaved_fits
-from ethpipe.plan import PLAN_VERSION, Block, IdleDevice, Pipeline, Plan, Stage, compute_blocks
+from ethpipe.plan_parts import PLAN_VERSION, Block, IdleDevice, Pipeline, Stage, compute_blocks
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
           "model_spec", "cluster", "predicted", "idle_devices", "shard_optimizer", "shard_weights"}
@@ -196,7 +196,8 @@ def check_tp(pipes: tuple[Pipeline, ...], spec: ModelSpec) -> None:
                                 f"'{spec.name}' cannot be split so: {problem}; use a smaller tp")
 
 
-def plan_from_dict(data: Any) -> Plan:
+def plan_fields(data: Any) -> dict[str, Any]:
+    """The Plan's fields from its JSON form, each checked (``Plan.from_dict`` builds the Plan from them)."""
     if not isinstance(data, dict):
         raise UserError("plan must be a JSON object")
     version = _req(data, "version", "")
@@ -217,7 +218,7 @@ def plan_from_dict(data: Any) -> Plan:
     num_layers = pipes[0].stages[-1].layer_ranges[-1][1]
     if spec is None:
         try:
-            from ethpipe.model_spec import load_model_spec
+            from ethpipe.model_load import load_model_spec
 
             num_layers = load_model_spec(model).num_layers
         except UserError:
@@ -253,8 +254,10 @@ def plan_from_dict(data: Any) -> Plan:
         raise UserError(f"plan field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got "
                         f"{extra['attention']!r}: re-make the plan with `ethpipe plan --attention ...`")
     shard, weights = _sharding(data, sum(len(p.ranks) for p in pipes))
-    return Plan(str(data["method"]) if "method" in data else "custom", model, batch, seq_len, pipes, blocks,
-                spec, cluster, predicted, extra, version, idle, shard, weights)
+    return {"method": str(data["method"]) if "method" in data else "custom", "model": model,
+            "global_batch_size": batch, "seq_len": seq_len, "pipelines": pipes, "blocks": blocks, "model_spec": spec,
+            "cluster": cluster, "predicted": predicted, "extra": extra, "version": version, "idle_devices": idle,
+            "shard_optimizer": shard, "shard_weights": weights}
 
 
 def _sharding(data: dict[str, Any], world_size: int) -> tuple[bool, tuple[float, ...]]:

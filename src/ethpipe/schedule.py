@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from ethpipe.plan import Pipeline
+    from ethpipe.plan_parts import Pipeline
 
 ActionKind = Literal["F", "B", "W"]
 SCHEDULES = ("1f1b", "zb-h1", "interleaved")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ethpipe.plan import write_text_atomic
+from ethpipe.atomic import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"

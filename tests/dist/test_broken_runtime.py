@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import ethpipe.runtime.sync.stage_optim as stage_optim
 import ethpipe.runtime.train as train_module
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.sync.buckets import GradBuckets
 from ethpipe.runtime.train import TrainConfig, train
 

@@ -31,7 +31,7 @@ import ethpipe
 from ethpipe.cli.app import app
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint.layout import FAIL_SAVE_ENV, InjectedSaveFailure, complete_checkpoints
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import PARAM_ATOL, assert_params_match

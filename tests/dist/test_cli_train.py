@@ -23,7 +23,7 @@ from ethpipe.errors import CRASH_DIR_ENV
 from ethpipe.runtime import train as train_module
 from ethpipe.runtime.start import launch
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from ethpipe.errors import UserError
 from ethpipe.plan import Stage
 from ethpipe.runtime.start.checks import check_inputs
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_matches_reference

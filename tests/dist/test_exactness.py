@@ -22,11 +22,12 @@ from safetensors.torch import load_file
 
 from ethpipe import planner
 from ethpipe.cluster import Cluster, cluster_from_dict
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig, train
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 
 from .exactness import PARAM_ATOL, STAT_RTOL
 from .plans import GPT_LIKE, LLAMA_LIKE

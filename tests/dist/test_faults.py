@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
 from ethpipe.runtime.checkpoint.layout import complete_checkpoints
-from ethpipe.runtime.data import prepare_tokens, step_sample_ids
+from ethpipe.runtime.data import step_sample_ids
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.adapt.fault_hooks import ENOSPC_ENV, HANG_ENV, KILL_ENV
 from ethpipe.runtime.start.launch import TrainingFailed, run_local
 from ethpipe.runtime.train import TrainConfig

@@ -23,7 +23,7 @@ from ethpipe.cli.app import app
 from ethpipe.cluster_launch import NODE_RANK_ENV, check_node
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 
 pytestmark = [pytest.mark.dist]
 

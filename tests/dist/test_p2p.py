@@ -35,7 +35,7 @@ from ethpipe.comm.replay import Post
 from ethpipe.cost import memory
 from ethpipe.runtime.pipeline import executor as executor_module
 from ethpipe.runtime import train as train_module
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
 from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.runtime.model.decoder import build_stage

@@ -31,7 +31,7 @@ import torch
 
 import ethpipe.runtime.train as train_module
 from ethpipe.plan import Plan
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.adapt.fault_hooks import OVERFLOW_ENV
 from ethpipe.runtime.sync.loss_scale import INIT_SCALE
 from ethpipe.runtime.model.decoder import build_full_model

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ethpipe.errors import ReportedElsewhere, UserError
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
 from .harness import run_ranks

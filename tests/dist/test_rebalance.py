@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from ethpipe.runtime.data import prepare_tokens, step_sample_ids
+from ethpipe.runtime.data import step_sample_ids
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.adapt.emulate import Slowdown, with_emulation
 from ethpipe.runtime.adapt.rebalance import RebalanceConfig
 from ethpipe.runtime.train import TrainConfig, train

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import load_file
 
 from ethpipe.plan import Plan
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_params_match, assert_stats_match

@@ -25,7 +25,7 @@ import pytest
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 
 from .exactness import fails, assert_matches_reference, assert_params_match, assert_stats_match
 from .harness import run_ranks

@@ -32,7 +32,7 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.checkpoint.state import export_checkpoint
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.sync.layout import piece_runs, refinement, tied_stages
 from ethpipe.runtime.train import TrainConfig, train
 

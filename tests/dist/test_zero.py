@@ -30,7 +30,7 @@ import ethpipe.runtime.sync.stage_optim as stage_optim
 import ethpipe.runtime.sync.zero as zero
 from ethpipe.cost.memory import moment_bytes_per_param
 from ethpipe.plan import Plan
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.adapt.fault_hooks import OVERFLOW_ENV
 from ethpipe.runtime.model.decoder import build_full_model
 from ethpipe.runtime.train import TrainConfig, train

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _tokens(path: Path) -> str:
-    from ethpipe.runtime.data import prepare_tokens
+    from ethpipe.tokens.texts import prepare_tokens
 
     rng = np.random.default_rng(0)
     prepare_tokens([" ".join(rng.choice(["gpu", "pipeline", "data", "balance"], size=3000))], path)
@@ -162,7 +162,7 @@ def test_gpu_two_stage_pipeline_with_32_mib_messages_and_a_several_gb_final_save
     pipes = (Pipeline((Stage((0,), "gpu", (0, 3)), Stage((1,), "gpu", (3, 6))), (1, 1, 1, 1)),)
     plan = Plan("custom", "big", 4, 2048, pipes, compute_blocks(pipes), model_spec=spec)
     data = tmp_path / "t.bin"
-    from ethpipe.runtime.data import prepare_tokens
+    from ethpipe.tokens.texts import prepare_tokens
 
     prepare_tokens(["pipeline " * 20000], data)
     out = tmp_path / "w.safetensors"

@@ -14,7 +14,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import load_profile
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 
 V100 = {"nodes": [{"gpu": "v100_16gb_sxm2", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 100}]}
@@ -45,7 +45,7 @@ def test_materialised_attention_is_recorded_slower_and_priced_again_by_simulate(
 
 
 def test_replan_keeps_the_attention_choice(tmp_path: Path) -> None:
-    from ethpipe.cli.replan_cmds import replan
+    from ethpipe.cli.replanning import replan
 
     forced = _plan(tmp_path, "forced.json", "--attention", "materialised")
     smaller = cluster_from_dict({"nodes": [{**V100["nodes"][0], "num_nodes": 1}]})

@@ -1,5 +1,5 @@
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.baselines.baselines import equal_split
 from ethpipe.planner.devices.templates import equal_layers

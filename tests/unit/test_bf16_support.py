@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
-from ethpipe.cli.replan_cmds import replan
+from ethpipe.cli.replanning import replan
 from ethpipe.cluster import cluster_from_dict, load_cluster
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.precision import check_train_dtype
@@ -73,7 +73,7 @@ def test_auto_dtype_is_bf16_when_the_plan_idles_every_device_without_it() -> Non
     every = make_plan(cluster, spec, 8, 2048, options=PlannerOptions(allow_idle=False))
     assert "t4" in {s.device for p in every.pipelines for s in p.stages} and every.extra["dtype"] == "fp16"
     # A re-plan judges auto again on its own devices: bf16 while the T4s stay idle, fp16 (said) once one runs.
-    from ethpipe.cli.replan_cmds import describe_changes
+    from ethpipe.cli.replanning import describe_changes
 
     assert replan(plan, cluster).extra["dtype"] == "bf16"
     forced = replan(plan, cluster, allow_idle=False)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner.search.bounds import LowerBounds
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.replicated import (_order_bound, _price, _refined_bound, _split_bound, layer_balanced_layouts,

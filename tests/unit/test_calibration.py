@@ -21,7 +21,8 @@ from ethpipe.cost.hardware import (
 )
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 
 REPO = Path(__file__).resolve().parents[2]
 IDEAL = Calibration({a: ArchConstants(1.0, 1.0, 1.0, 1.0, 0.0, 0.0, "test", ("tensor_eff",))
@@ -240,7 +241,7 @@ def test_runtime_tf32_flag_is_a_no_op_on_cpu() -> None:
 
 def test_replan_keeps_the_plans_tf32_setting_and_compute_constants() -> None:
     """A re-plan is priced as the original was: same TF32 choice, same (user-fitted) constants."""
-    from ethpipe.cli.replan_cmds import replan
+    from ethpipe.cli.replanning import replan
     from ethpipe.planner import make_plan
 
     def cluster(num_nodes: int):
@@ -447,7 +448,7 @@ def test_plans_recording_constants_of_the_earlier_model_are_priced_with_the_ship
     """A plan from before the roofline model (calibration version 1) still simulates and re-plans."""
     import dataclasses
 
-    from ethpipe.cli.replan_cmds import recorded_calibration, replan
+    from ethpipe.cli.replanning import recorded_calibration, replan
     from ethpipe.planner import make_plan
 
     clu = cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 200}]})
@@ -491,7 +492,7 @@ def test_plan_says_which_gemm_efficiency_no_measurement_informs() -> None:
 
 
 def test_replan_keeps_the_recorded_fallback() -> None:
-    from ethpipe.cli.replan_cmds import recorded_calibration
+    from ethpipe.cli.replanning import recorded_calibration
     from ethpipe.planner import make_plan
 
     clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})

@@ -7,7 +7,7 @@ from ethpipe.cost import comm
 from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.profile import LayerTiming, MeasuredProfile
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Block, Stage
 
 CLUSTER = cluster_from_dict({"nodes": [

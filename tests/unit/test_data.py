@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ethpipe.runtime.data import (
-    builtin_text, gather_samples, open_tokens, prepare_tokens, step_sample_ids, token_dtype, validate_data,
-)
+from ethpipe.runtime.data import gather_samples, open_tokens, step_sample_ids, validate_data
+from ethpipe.tokens.format import token_dtype
+from ethpipe.tokens.texts import builtin_text, prepare_tokens
 
 
 def _write(path: Path, tokens: np.ndarray) -> Path:

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ethpipe.cluster import cluster_from_dict, load_cluster
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.planner.efficiency import FACTORS
 

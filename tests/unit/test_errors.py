@@ -16,7 +16,7 @@ from ethpipe.cli.app import app, user_errors
 from ethpipe.cluster import cluster_from_dict, load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import CRASH_DIR_ENV, Infeasible, UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.baselines import exhaustive
 from ethpipe.planner.devices import eth, grouping, replicated

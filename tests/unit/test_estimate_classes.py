@@ -11,7 +11,7 @@ import pytest
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner import make_plan
 from ethpipe.planner.estimate import _pipeline_finish, estimate_plan, plan_layout

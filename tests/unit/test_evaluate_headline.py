@@ -19,7 +19,7 @@ from eval import replay as rp  # noqa: E402
 from eval import scenarios as sc  # noqa: E402
 from eval.common import layout_signature  # noqa: E402
 
-from ethpipe.model_spec import load_model_spec  # noqa: E402
+from ethpipe.model_load import load_model_spec  # noqa: E402
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks  # noqa: E402
 from ethpipe.planner import CostModel, make_plan  # noqa: E402
 from ethpipe.sim import simulate  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.devices import eth
 from ethpipe.planner.layers.timing import StageSlot, action_times_s, timing_of_layers, weight_times_s

@@ -9,7 +9,7 @@ import pytest
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import distinct_gpus
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner.devices.grouping import StageNodes, homogeneous_group, make_group, rank_structures
 from ethpipe.planner.devices.instances import RankRows
 from ethpipe.planner.devices.replicated import layer_balanced_layouts, uniform_layouts

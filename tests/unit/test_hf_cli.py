@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import ethpipe.cli.commands  # noqa: E402,F401  (registers the commands on the app)
 from ethpipe.cli.app import app  # noqa: E402
 from ethpipe.hf.load import open_hf  # noqa: E402
-from ethpipe.model_spec import load_model_spec  # noqa: E402
+from ethpipe.model_load import load_model_spec  # noqa: E402
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks  # noqa: E402
 
 

@@ -18,7 +18,8 @@ from ethpipe.errors import UserError  # noqa: E402
 from ethpipe.hf.config import hf_architecture_of  # noqa: E402
 from ethpipe.hf.export import export_hf, parse_size  # noqa: E402
 from ethpipe.hf.load import load_full  # noqa: E402
-from ethpipe.model_spec import ModelSpec, load_model_spec  # noqa: E402
+from ethpipe.model_spec import ModelSpec  # noqa: E402
+from ethpipe.model_load import load_model_spec
 from ethpipe.runtime.model.decoder import build_full_model  # noqa: E402
 
 TOL = 1e-5

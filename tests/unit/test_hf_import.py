@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from ethpipe.errors import UserError  # noqa: E402
 from ethpipe.hf.load import load_full, open_hf  # noqa: E402
-from ethpipe.model_spec import load_model_spec  # noqa: E402
+from ethpipe.model_load import load_model_spec  # noqa: E402
 from ethpipe.runtime.model.decoder import build_full_model  # noqa: E402
 
 TOL = 1e-5

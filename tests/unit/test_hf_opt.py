@@ -35,7 +35,8 @@ from ethpipe.errors import UserError  # noqa: E402
 from ethpipe.hf.config import hf_architecture_of, hf_config_from_spec  # noqa: E402
 from ethpipe.hf.export import export_hf  # noqa: E402
 from ethpipe.hf.load import load_full, load_stage, open_hf  # noqa: E402
-from ethpipe.model_spec import ModelSpec, load_model_spec, spec_from_dict  # noqa: E402
+from ethpipe.model_spec import ModelSpec, spec_from_dict  # noqa: E402
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan  # noqa: E402
 from ethpipe.runtime.model.decoder import build_full_model, build_stage, state_dict_shapes  # noqa: E402
 from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim  # noqa: E402

@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 
 from ethpipe.cli import commands  # noqa: F401  (registers the commands)
 from ethpipe.cli.app import app
-from ethpipe.cli.replan_cmds import replan
+from ethpipe.cli.replanning import replan
 from ethpipe.cluster import cluster_from_dict, load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible, UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
 from ethpipe.planner.devices import idle

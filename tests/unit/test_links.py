@@ -9,7 +9,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost import comm, links
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import nic_share_gbps
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Block, Pipeline, Plan, Stage
 
 TINY = load_model_spec("tiny")

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from ethpipe.model_spec import load_model_spec, model_presets, published_param_counts, spec_from_dict
+from ethpipe.model_spec import model_presets, published_param_counts, spec_from_dict
+from ethpipe.model_load import load_model_spec
 
 
 @pytest.mark.parametrize("name", sorted(published_param_counts()))

@@ -7,7 +7,7 @@ import pytest
 from ethpipe.catalog import check_one_world, get_gpu
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.runtime.start.placement import DeviceInfo, check_placement, device_matches, identify_gpu
 

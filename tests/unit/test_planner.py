@@ -2,7 +2,7 @@ import pytest
 
 from ethpipe.cluster import cluster_from_dict, load_cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
 from ethpipe.planner.baselines.exhaustive import exhaustive_eth

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.errors import Infeasible
 from ethpipe.planner import make_plan
 

@@ -6,7 +6,7 @@ import pytest
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost.model import CostModel
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import PlannerOptions, estimate_plan, make_plan
 from ethpipe.planner.devices.templates import equal_layers
 

@@ -19,7 +19,7 @@ from ethpipe.cli.app import app
 from ethpipe.cluster import load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import memory_shortfalls
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import make_plan
 from ethpipe.planner.estimate import estimate_iteration_s, plan_layout

@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
 from ethpipe.errors import UserError
-from ethpipe.runtime import prepare
-from ethpipe.runtime.data import open_tokens, prepare_tokens
-from ethpipe.runtime.prepare import iter_docs, load_tokenizer, write_tokens
+from ethpipe.tokens import prepare
+from ethpipe.runtime.data import open_tokens
+from ethpipe.tokens.texts import prepare_tokens
+from ethpipe.tokens.prepare import iter_docs, load_tokenizer, write_tokens
 
 DOCS = ["The first document.\nIt has two lines.\n", "A second one, with ünïcode.", "Third: short."]
 
@@ -111,7 +112,7 @@ def test_cli_prepares_with_a_model_directory_tokenizer(tmp_path) -> None:
 _RSS_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from ethpipe.runtime.prepare import iter_docs, write_tokens
+    from ethpipe.tokens.prepare import iter_docs, write_tokens
 
     def peak_kib():  # VmHWM: this process's own peak (ru_maxrss would keep the forking pytest's across exec)
         line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ethpipe.cost.profile import LAYER_KINDS, load_profile
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.profiler import ProfileSettings, profile_model
 
 

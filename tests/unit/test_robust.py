@@ -11,7 +11,7 @@ from ethpipe.cli.app import app
 from ethpipe.cluster import cluster_from_dict, load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.robust import Scenario, perturbed, price_under, resplit, robust_record, scenarios

@@ -23,7 +23,7 @@ from ethpipe.cluster import load_cluster
 from ethpipe.cost.hardware import Calibration, DeviceScale, calibration_from_dict
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.run_fit import fit_device_scales, stage_observations
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import make_plan
 

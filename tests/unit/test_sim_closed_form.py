@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ethpipe.cluster import cluster_from_dict
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import CostModel, estimate_iteration_s, make_plan
 from ethpipe.sim import simulate
 

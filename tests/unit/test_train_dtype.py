@@ -12,10 +12,10 @@ import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.errors import UserError
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.precision import check_dtype_fits, train_dtype
-from ethpipe.runtime.data import prepare_tokens
+from ethpipe.tokens.texts import prepare_tokens
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import pytest
 
 from ethpipe.cluster import load_cluster
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.units import format_bytes
 

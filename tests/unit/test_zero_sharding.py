@@ -11,7 +11,7 @@ from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost import memory
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.model_comm import sharded_phase_fraction
-from ethpipe.model_spec import load_model_spec
+from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import estimate_iteration_s, make_plan
 from ethpipe.runtime.sync.zero import shard_bounds

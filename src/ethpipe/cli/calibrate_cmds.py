@@ -122,7 +122,7 @@ def calibrate(
     from ethpipe.cost.calibrate import fit, observations, relative_errors
     from ethpipe.cost.hardware import CONSTANT_NAMES, DEFAULT_CONSTANTS, load_calibration
     from ethpipe.cost.profile import load_profile
-    from ethpipe.plan import write_text_atomic
+    from ethpipe.atomic import write_text_atomic
 
     if len(gpu) not in (1, len(profiles)):  # profiles and gpu are given from here on
         raise UserError(f"--gpu given {len(gpu)} times for {len(profiles)} profiles: give one, or one per profile")

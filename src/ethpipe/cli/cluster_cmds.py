@@ -120,7 +120,7 @@ def detect(
     """Describe this node (under torchrun/srun: every node, one file written by rank 0) as a cluster file."""
     from ethpipe.cluster import load_cluster
     from ethpipe.cluster_detect import cluster_yaml, detect_cluster, gather_facts
-    from ethpipe.plan import write_text_atomic
+    from ethpipe.atomic import write_text_atomic
 
     if name is not None and (not name.strip() or "\n" in name):
         raise UserError("--name must be a non-empty single line")

@@ -102,8 +102,8 @@ def demo(
 
 def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool, save: bool) -> dict[str, Any]:
     from ethpipe import demo as d
-    from ethpipe.model_spec import load_model_spec
-    from ethpipe.runtime.data import builtin_text, prepare_tokens
+    from ethpipe.model_load import load_model_spec
+    from ethpipe.tokens.texts import builtin_text, prepare_tokens
     from ethpipe.runtime.start.launch import run_local
     from ethpipe.runtime.train import TrainConfig
 

@@ -38,7 +38,7 @@ class RunFit:
 
 def fit_run(plan: Plan, records: Sequence[Mapping[str, Any]], source: str = "") -> RunFit:
     """Fit ``records`` (one run's metrics lines under ``plan``) to per-type scales over the plan's constants."""
-    from ethpipe.cli.replan_cmds import recorded_calibration
+    from ethpipe.cli.replanning import recorded_calibration
     from ethpipe.cost.model import CostModel
     from ethpipe.cost.run_fit import fit_device_scales, fitted_calibration, stage_errors, stage_observations
 
@@ -78,7 +78,7 @@ class RunReplanner:
     emulate: bool = False  # an emulated run: a candidate must be emulatable
 
     def __call__(self, plan: Plan, records: Sequence[Mapping[str, Any]]) -> tuple[Plan | None, dict[str, Any]]:
-        from ethpipe.cli.replan_cmds import plan_shape, replan
+        from ethpipe.cli.replanning import plan_shape, replan
 
         fit = fit_run(plan, records)
         start = time.perf_counter()

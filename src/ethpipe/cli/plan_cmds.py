@@ -47,7 +47,7 @@ GIB = 2**30
 def _inputs(cluster: Path, model: str, profile: list[Path] | None, profile_as: list[str] | None):
     from ethpipe.cluster import load_cluster
     from ethpipe.cost.profile import load_profile
-    from ethpipe.model_spec import load_model_spec
+    from ethpipe.model_load import load_model_spec
 
     profile, profile_as = profile or [], profile_as or []
     if len(profile) != len(profile_as):
@@ -223,7 +223,7 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     from ethpipe.cost.model import CostModel
     from ethpipe.planner import METHODS, make_plan
     from ethpipe.planner.robust import robust_record
-    from ethpipe.plan import write_text_atomic
+    from ethpipe.atomic import write_text_atomic
 
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise UserError(f"--plot '{plot}' must end in .png, .svg or .pdf")

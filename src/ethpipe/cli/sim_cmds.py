@@ -138,7 +138,7 @@ def profile_cmd(
                                                 "materialised (SDPA's math path); recorded")] = "auto",
 ) -> None:
     """Measure per-layer forward/backward times and memory on this machine for `plan --profile`."""
-    from ethpipe.model_spec import load_model_spec
+    from ethpipe.model_load import load_model_spec
     from ethpipe.profiler import ProfileSettings, profile_model
 
     spec = load_model_spec(model)

@@ -124,7 +124,7 @@ def train(
     if (resume or auto_resume) and init_from is not None and from_config_file(ctx, "init_from"):
         init_from = None  # a repeated run's --init-from (run.toml): a resumed run takes its weights from the checkpoint
     if replan_cluster is not None:
-        from ethpipe.cli.replan_cmds import plan_for_world
+        from ethpipe.cli.replanning import plan_for_world
 
         world = int(os.environ["WORLD_SIZE"]) if in_torchrun() else the_plan.world_size
         the_plan = plan_for_world(the_plan, replan_cluster, world)
@@ -194,8 +194,8 @@ def prepare(
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from ethpipe.runtime.data import builtin_text as stdlib_docs
-    from ethpipe.runtime.prepare import Doc, iter_docs, write_tokens
+    from ethpipe.tokens.texts import builtin_text as stdlib_docs
+    from ethpipe.tokens.prepare import Doc, iter_docs, write_tokens
 
     files = [*(text or []), *(inputs or [])]
     if not files and not builtin_text:

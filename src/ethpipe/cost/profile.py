@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from ethpipe.cost.ops import ATTENTION_CHOICES
 from ethpipe.errors import UserError
-from ethpipe.plan import write_text_atomic
+from ethpipe.atomic import write_text_atomic
 
 PROFILE_VERSION = 1
 LayerKind = Literal["embedding", "block", "head"]

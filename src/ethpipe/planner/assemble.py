@@ -10,7 +10,7 @@ from typing import Any
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import IdleDevice, Pipeline, Plan, Stage, compute_blocks
-from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.planner.devices.grouping import Group
 from ethpipe.planner.layers.partition import Partition
 from ethpipe.planner.layers.timing import StageSlot, split_sizes

@@ -8,10 +8,7 @@ formula, so no data is ever sent between ranks and a re-planned run continues in
 
 from __future__ import annotations
 
-import ast
 import json
-import sysconfig
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,19 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from ethpipe.errors import UserError
+from ethpipe.tokens.format import sidecar_path, token_dtype
 
-MAX_UINT16_VOCAB = 65536
 _CHECK_CHUNK = 1 << 24
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits (nanoGPT's choice), else uint32."""
-    return np.dtype(np.uint16 if vocab_size <= MAX_UINT16_VOCAB else np.uint32)
-
-
-def sidecar_path(path: Path) -> Path:
-    """The ``.bin.json`` beside a token file: its dtype and vocabulary (and EOS id)."""
-    return path.with_name(path.name + ".json")
 
 
 @dataclass(frozen=True)
@@ -137,49 +124,3 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
                 f"data file '{data.path}' holds token id {top} but the model's vocab_size is {vocab_size}: "
                 "tokenize with the model's tokenizer"
             )
-
-
-# -- making token files ----------------------------------------------------------------
-
-
-def prepare_tokens(texts: Iterable[str], out: str | Path, tokenizer: str | Path | None = None) -> int:
-    """Tokenize texts into a ``.bin`` (+ ``.json`` sidecar); returns the token count.
-
-    The same as ``ethpipe data prepare`` (``runtime/prepare.write_tokens``), with each text a
-    document: byte-level (vocab 256, a blank line between documents) by default; with
-    ``tokenizer`` a Hugging Face tokenizer, its EOS between documents.
-    """
-    from ethpipe.runtime.prepare import Doc, write_tokens  # prepare builds on this module
-
-    docs = (Doc(text, True, len(text.encode("utf-8"))) for text in texts)
-    return write_tokens(docs, out, tokenizer)
-
-
-def builtin_text(max_bytes: int = 4_000_000) -> list[str]:
-    """Real English text present on every machine: docstrings of Python's standard library.
-
-    Read with ``ast`` from the source files (nothing is imported, so no side effects), in
-    sorted path order, so the same Python version always yields the same corpus.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
-    docs: list[str] = []
-    total = 0
-    for path in sorted(root.rglob("*.py")):
-        if skip & set(path.relative_to(root).parts):
-            continue
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= 40:
-                    docs.append(doc)
-                    total += len(doc) + 2
-                    if total >= max_bytes:
-                        return docs
-    if not docs:
-        raise UserError(f"no standard-library sources found under '{root}': use --text FILE instead")
-    return docs

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
-from ethpipe.planner.estimate import predicted_metrics
+from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.search.incumbent import incumbent_bar_s

@@ -21,7 +21,8 @@ import time
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import fits
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.planner.estimate import estimate_iteration_s, predicted_metrics
+from ethpipe.planner.estimate import estimate_iteration_s
+from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.schedule import interleaved_fits
 
 NUM_CHUNKS = 2  # Megatron's usual choice: most of the bubble gain, half the extra messages of 3 or 4

@@ -20,7 +20,8 @@ import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.planner.estimate import PlanLayout, estimate_iteration_s, plan_layout, predicted_metrics
+from ethpipe.planner.estimate import PlanLayout, estimate_iteration_s, plan_layout
+from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.planner.layers.interleave import try_interleaving
 from ethpipe.planner.layers.timing import (
     PipelineTiming, StageSlot, action_times_s, split_sizes, timing_of_layers, weight_times_s,

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ethpipe.model_spec import ModelSpec, load_model_spec
+from ethpipe.model_spec import ModelSpec
+from ethpipe.model_load import load_model_spec
 from ethpipe.runtime.model.tensor_parallel import (
     TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
 )

@@ -20,7 +20,8 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from ethpipe.plan import Plan, write_text_atomic
+from ethpipe.atomic import write_text_atomic
+from ethpipe.plan import Plan
 
 # Fields of the per-rank stats: computed on the device (read once per step), then timed on the host.
 DEVICE_FIELDS = ("loss_part", "square_norm_part", "nonfinite_part")

@@ -19,7 +19,7 @@ import numpy as np
 
 from ethpipe.atomic import atomic_path, write_bytes_atomic
 from ethpipe.errors import UserError
-from ethpipe.runtime.data import sidecar_path, token_dtype
+from ethpipe.tokens.format import sidecar_path, token_dtype
 
 BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once
 PIECE_CHARS = 1 << 20  # a plain text file is read in pieces of about this size, cut at line ends

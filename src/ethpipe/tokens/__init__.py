@@ -1,0 +1,1 @@
+"""Making token files offline (`ethpipe data prepare`): the format (`format`), streaming tokenisation of files of any size (`prepare`) and texts in memory (`texts`). Nothing here runs on a training rank."""
