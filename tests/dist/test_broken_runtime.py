@@ -24,9 +24,10 @@ import torch
 from safetensors.torch import load_file
 
 import ethpipe.runtime.sync.stage_optim as stage_optim
-import ethpipe.runtime.train as train_module
+import ethpipe.runtime.step as step_module
 from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import fails, assert_params_match, assert_stats_match
@@ -41,8 +42,8 @@ PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1)), ([(2, (0, 6)
 
 
 def _decay_everything(module: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(module.parameters(), lr=config.lr, betas=train_module.ADAM_BETAS,
-                             eps=train_module.ADAM_EPS, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(module.parameters(), lr=config.lr, betas=ADAM_BETAS,
+                             eps=ADAM_EPS, weight_decay=config.weight_decay)
 
 
 def _per_sample_loss(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -58,7 +59,7 @@ def _break(variant: str) -> None:
     if variant == "weight-decay-on-norms":
         stage_optim.make_optimizer = _decay_everything  # type: ignore[assignment]
     elif variant == "loss-per-sample":
-        train_module.run_stage_step = _per_sample_loss(train_module.run_stage_step)  # type: ignore[assignment]
+        step_module.run_stage_step = _per_sample_loss(step_module.run_stage_step)  # type: ignore[assignment]
     elif variant == "block-1-allreduce-skipped":
         real_issue = GradBuckets._issue
 
@@ -76,9 +77,9 @@ VARIANTS = ("correct", "weight-decay-on-norms", "loss-per-sample", "block-1-allr
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    originals = (stage_optim.make_optimizer, train_module.run_stage_step, GradBuckets._issue)
+    originals = (stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue)
     for variant in VARIANTS:
-        stage_optim.make_optimizer, train_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
+        stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
         _break(variant)
         config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
                              save_final=str(Path(out_dir, f"{variant}.safetensors")))

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from ethpipe.cli.app import app
 from ethpipe.errors import CRASH_DIR_ENV
-from ethpipe.runtime import train as train_module
+import ethpipe.runtime.step as step_module
 from ethpipe.runtime.start import launch
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
 from ethpipe.tokens.texts import prepare_tokens
@@ -101,14 +101,14 @@ def test_bad_inputs_give_one_line_and_touch_nothing(files: dict[str, Path], monk
 @pytest.mark.timeout(120)  # a hang (ranks left waiting on the failed one) fails here
 def test_crash_on_one_rank_ends_every_rank_and_keeps_its_traceback(files: dict[str, Path],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    real_build = train_module.build_stage
+    real_build = step_module.build_stage
 
     def failing_build(spec, layers, first, last, **kw):  # type: ignore[no-untyped-def]
         if not first:
             raise RuntimeError("injected failure on the last stage")
         return real_build(spec, layers, first, last, **kw)
 
-    monkeypatch.setattr(train_module, "build_stage", failing_build)  # inherited by the forked ranks
+    monkeypatch.setattr(step_module, "build_stage", failing_build)  # inherited by the forked ranks
     monkeypatch.setenv(CRASH_DIR_ENV, str(files["dir"] / "crashes"))
     plan = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1))])
     config = TrainConfig(data=str(files["data"]), steps=1, progress=False, timeout_s=600.0)

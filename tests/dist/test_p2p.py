@@ -34,7 +34,7 @@ from ethpipe.cost.sync import block_sync_shapes
 from ethpipe.comm.replay import Post
 from ethpipe.cost import memory
 from ethpipe.runtime.pipeline import executor as executor_module
-from ethpipe.runtime import train as train_module
+import ethpipe.runtime.step as step_module
 from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
 from ethpipe.runtime.observe.timeline import Timeline
@@ -109,21 +109,21 @@ def _bf16_run(rank: int, world_size: int, tmp_path: Path, data: str) -> None:
     """Train the traffic plan in bf16, recording every call and counting host reads per step."""
     log, reads = CommLog(), HostReads()
     windows: list[int] = []
-    real_gather = train_module.gather_stats
+    real_gather = step_module.gather_stats
 
     def gather(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = real_gather(*args, **kwargs)
         windows.append(reads.count)  # a window: from the end of one step's stats to the end of the next's
         return out
 
-    train_module.gather_stats = gather  # type: ignore[assignment]
+    step_module.gather_stats = gather  # type: ignore[assignment]
     config = TrainConfig(data=data, steps=STEPS + 1, lr=1e-3, progress=False, timeout_s=60.0, dtype="bf16",
                          clip_grad=1.0)
     try:
         with recording(log), reads:
             train(_traffic_plan(), config, rank, world_size)
     finally:
-        train_module.gather_stats = real_gather  # type: ignore[assignment]
+        step_module.gather_stats = real_gather  # type: ignore[assignment]
     steps = [[dataclasses.asdict(c) for c in calls] for calls in log.steps()]
     per_step_reads = [b - a for a, b in zip(windows, windows[1:])]
     (tmp_path / f"bf16-{rank}.json").write_text(json.dumps({"steps": steps, "reads": per_step_reads}))

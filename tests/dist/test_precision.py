@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 
-import ethpipe.runtime.train as train_module
+import ethpipe.runtime.step as step_module
 from ethpipe.plan import Plan
 from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.adapt.fault_hooks import OVERFLOW_ENV
@@ -50,13 +50,13 @@ UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, TrainConfig, str | None]], out_dir: str) -> None:
     stages: list[torch.nn.Module] = []
-    build = train_module.build_stage
+    build = step_module.build_stage
 
     def capturing(*args: Any, **kwargs: Any) -> torch.nn.Module:
         stages.append(build(*args, **kwargs))
         return stages[-1]
 
-    train_module.build_stage = capturing  # type: ignore[assignment]
+    step_module.build_stage = capturing  # type: ignore[assignment]
     for name, config, overflow in runs:
         if overflow:
             os.environ[OVERFLOW_ENV] = overflow

@@ -49,15 +49,15 @@ class FixedReplanner:
 
 def _worker(rank: int, world_size: int, data: str, out: str, name: str, forget_optimizer: bool) -> None:
     if forget_optimizer:  # a broken switch: the new stage's AdamW state starts empty instead of from the checkpoint
-        import ethpipe.runtime.train as train_module
+        import ethpipe.runtime.step as step_module
 
-        real = train_module.load_checkpoint
+        real = step_module.load_checkpoint
 
         def load_weights_only(start, module, optimizer, device, **kw):  # type: ignore[no-untyped-def]
             real(start, module, optimizer, device, **kw)
             return None
 
-        train_module.load_checkpoint = load_weights_only
+        step_module.load_checkpoint = load_weights_only
     config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
                          checkpoint_dir=str(Path(out, f"ckpt-{name}")), metrics=str(Path(out, f"{name}.jsonl")),
                          save_final=str(Path(out, f"{name}.safetensors")), clip_grad=0.05)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import ethpipe.runtime.train as train_module
+import ethpipe.runtime.step as step_module
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
@@ -59,14 +59,14 @@ PLAN_C = make_plan(SPEC, [
 
 def _capture_stages(out: list[torch.nn.Module]) -> None:
     """Keep the stage ``train`` builds (this forked rank only), to dump every replica afterwards."""
-    build = train_module.build_stage
+    build = step_module.build_stage
 
     def capturing(*args: Any, **kwargs: Any) -> torch.nn.Module:
         module = build(*args, **kwargs)
         out.append(module)
         return module
 
-    train_module.build_stage = capturing  # type: ignore[assignment]
+    step_module.build_stage = capturing  # type: ignore[assignment]
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, Plan, TrainConfig]], out_dir: str) -> None:

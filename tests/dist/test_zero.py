@@ -73,8 +73,8 @@ def _worker(rank: int, world_size: int, runs: list[tuple[str, Plan, TrainConfig,
         built.append(build(*args, **kwargs))
         return built[-1]
 
-    import ethpipe.runtime.train as train_module
-    train_module.build_stage_optimizer = capturing  # type: ignore[assignment]
+    import ethpipe.runtime.step as step_module
+    step_module.build_stage_optimizer = capturing  # type: ignore[assignment]
     for name, plan, config, env in runs:
         os.environ.update(env)
         zero.shard_bounds = _shifted_bounds if os.environ.get(BROKEN_ENV) == str(rank) else _true_bounds
