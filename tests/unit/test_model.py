@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ethpipe.model_spec import ModelSpec, model_presets
-from ethpipe.runtime.model.decoder import build_full_model, build_stage, state_dict_shapes
+from ethpipe.runtime.model.decoder import build_full_model, build_stage, cpu_kernel_cache_dir, state_dict_shapes
 
 SPEC = ModelSpec(name="u", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
                  vocab_size=97, max_seq_len=32)
@@ -99,3 +99,13 @@ def test_tied_embeddings() -> None:
 def test_too_long_sequence() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         build_full_model(SPEC)(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_compiled_cpu_kernels_are_cached_per_cpu_capability(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Inductor reuses cached C++ across ATEN_CPU_CAPABILITY values, and AVX2 code does not build under
+    `default`: `--compile` on CPU keeps a subfolder per capability of whatever cache folder is in force."""
+    leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    chosen = cpu_kernel_cache_dir(str(tmp_path))
+    assert chosen == str(tmp_path / leaf)
+    assert cpu_kernel_cache_dir(chosen) == chosen  # idempotent: a second compile in the process keeps it
+    assert cpu_kernel_cache_dir(None).endswith(leaf)

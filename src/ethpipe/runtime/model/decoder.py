@@ -15,6 +15,8 @@ is the model's own); training keeps the copies equal by summing their gradients 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import zlib
 
 import torch
@@ -293,8 +295,20 @@ def compile_blocks(module: Decoder) -> None:
     one compiled graph; the embeddings, head, loss and the executor's communication stay eager. Inductor
     reorders floating-point operations, so results match eager training to the order-noise bound, not
     bitwise (docs/runtime.md, "Kernels")."""
+    if next(module.parameters()).device.type == "cpu":
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cpu_kernel_cache_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     for layer in module.layers.values():
         layer.compile()
+
+
+def cpu_kernel_cache_dir(chosen: str | None) -> str:
+    """Inductor's cache folder for a CPU run: a subfolder per ATen CPU capability of the folder in force (the
+    user's ``TORCHINDUCTOR_CACHE_DIR``, or torch's default). Inductor's caches are not keyed by the capability
+    (torch 2.13): C++ generated for AVX2 and reused under ``ATEN_CPU_CAPABILITY=default`` fails to build
+    ("'at::vec' has not been declared"). Idempotent."""
+    base = chosen or os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}")
+    leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return base if os.path.basename(os.path.normpath(base)) == leaf else os.path.join(base, leaf)
 
 
 def build_full_model(model: str | ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:
