@@ -21,6 +21,7 @@ import numpy as np
 
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.sync import SyncShape, distinct_gpus
+from ethpipe.planner.search.hull import lower_hull
 
 
 class LowerBounds:
@@ -270,10 +271,10 @@ class LowerBounds:
         return hit  # type: ignore[no-any-return]
 
     def _hull(self, options: tuple[tuple[float, int], ...]) -> list[tuple[float, int]]:
-        """``_hull`` of a position's options (memoised like ``_thresholds``)."""
+        """``lower_hull`` of a position's options (memoised like ``_thresholds``)."""
         key = ("hull", options)
         if key not in self._compute:
-            self._compute[key] = _hull(sorted(options))
+            self._compute[key] = lower_hull(sorted(options))
         return self._compute[key]
 
     def chain_s(self, devices: Sequence[str], tp: int, b: int, num_samples: int, layers: Sequence[int] | None,
@@ -384,21 +385,3 @@ class LowerBounds:
         # curves must be the exact ones (a measured curve may beat the flat figure).
         return self.cost.sync_s(SyncShape(num_bytes, len(heads), len(here), max(here.values()), intra, nic,
                                           distinct_gpus(devs[r].gpu for r in heads)))
-
-
-def _hull(options: Sequence[tuple[float, int]]) -> list[tuple[float, int]]:
-    """The lower convex hull of a stage's time in its layers, as (per-layer slope, layers) segments from 0:
-    ``options`` are (per-layer cost, layers that fit) sorted by cost, so k layers cost k times the cheapest
-    option that holds them; empty if none holds a layer."""
-    hull: list[tuple[float, int]] = []
-    held, spent = 0, 0.0
-    for per, fit in options:
-        if fit > held:
-            slope = (fit * per - spent) / (fit - held)
-            while hull and hull[-1][0] >= slope:  # keep the slopes non-decreasing: merge with the last one
-                last_slope, last_len = hull.pop()
-                held, spent = held - last_len, spent - last_slope * last_len
-                slope = (fit * per - spent) / (fit - held)
-            hull.append((slope, fit - held))
-            held, spent = fit, fit * per
-    return hull
