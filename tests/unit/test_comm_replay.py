@@ -91,8 +91,9 @@ def test_tp_fan_in_out_and_block_sync_of_differing_pipelines_complete(case: int,
 @pytest.mark.parametrize("schedule", FLAT)
 @pytest.mark.parametrize("case", range(len(MIXED)))
 def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int, schedule: str) -> None:
-    """ZeRO-1 (``runtime/sync/zero.py``): one reduce per shard in the sync's order, one broadcast per shard after
-    the optimizer in the reversed order; tied embeddings (the matrix's holders overlap every block's)."""
+    """ZeRO-1 (``runtime/sync/zero.py``): one reduce-scatter per bucket tensor in the sync's order, one all-gather
+    per bucket tensor after the optimizer in the reversed order, however many holders; tied embeddings (the
+    matrix's holders overlap every block's)."""
     plan = make_plan(MIXED[case], spec=dataclasses.replace(SPEC, tie_embeddings=True), schedule=schedule)
     outcome = replay_plan(plan, sharded=True, lazy_init=True, warmup=True)
     assert outcome.completed and not outcome.errors, outcome.describe()
@@ -100,7 +101,7 @@ def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int, schedule
     rank = plan.pipelines[-1].stages[-1].ranks[0]
     plain, zero = stage_buckets(plan, rank), stage_buckets(plan, rank, sharded=True)
     assert plain is not None and isinstance(zero, ShardedBuckets)
-    assert len(zero.posts()) == sum(len(h) for _, h in plain.posts())  # k reduces for each all-reduce
+    assert zero.posts() == plain.posts()  # one reduce-scatter for each all-reduce, not one reduce per holder
     assert sorted(zero.gather_posts()) == sorted(zero.posts())
 
 

@@ -2,7 +2,7 @@
 
 Every message the runtime sends is priced here: stage-boundary p2p (each NIC shared by the pipelines
 crossing it, ``cost/p2p.py``), the block-wise gradient sync and, under ZeRO-1 across pipelines, its
-reduce and gather phases (``cost/sync.py``). The planner's estimate and the simulator call the same
+reduce-scatter and all-gather phases (``cost/sync.py``). The planner's estimate and the simulator call the same
 methods, so what a plan is priced at is what it is replayed at.
 """
 
@@ -19,10 +19,10 @@ from ethpipe.plan import Plan
 
 def sharded_phase_fraction(num_holders: int) -> float:
     """One phase of the sharded sync (``runtime/sync/zero.py``) as a fraction of the all-reduce of the same bytes.
-    The runtime reduces (and later broadcasts) each of the k shards in turn, so a phase moves the whole
-    buffer once, ~n / bw, where a ring all-reduce moves 2 (k - 1) / k of it: k / (2 (k - 1)) of its time
-    (1 at k = 2: the reduce phase alone costs an all-reduce there; 1/2 as k grows, like a reduce-scatter)."""
-    return num_holders / (2 * (num_holders - 1)) if num_holders > 1 else 1.0
+    The runtime runs one reduce-scatter per bucket tensor (and one all-gather after the optimizer): a ring
+    all-reduce is exactly those two, (k - 1) steps of S / k bytes each, so each phase is half its time, latency
+    included, whatever the number of holders (the hierarchical all-reduce likewise splits into halves)."""
+    return 0.5 if num_holders > 1 else 1.0
 
 
 class CommPricing:
@@ -84,7 +84,7 @@ class CommPricing:
 
     def sync_s(self, shape: SyncShape | None) -> float:
         """Seconds of one block's gradient sync of this shape (``cost/sync.py``): its all-reduce, or sharded
-        (``optimizer_holders`` > 1) the reduce phase, which the gather phase after the optimizer repeats."""
+        (``optimizer_holders`` > 1) the reduce-scatter, which the all-gather after the optimizer repeats."""
         if shape is None:
             return 0.0
         return sync_shape_s(shape, self.cluster) * (sharded_phase_fraction(shape.num_ranks)

@@ -177,9 +177,14 @@ class GradBuckets:
         bucket.issued = True
 
     def _reduce(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> list[dist.Work]:
-        """Sum the bucket's tensors over its holders: all-reduces (``zero.ShardedBuckets``: one reduce per shard)."""
+        """Sum the bucket's tensors over its holders: one all-reduce each (``zero.ShardedBuckets``: one
+        reduce-scatter each)."""
         group = self.groups[bucket.holders]
         return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
+
+    def _finish(self, bucket: _Bucket) -> None:
+        """After the bucket's collectives are waited, before copied slices are copied back (sharded: the summed
+        shard into place)."""
 
     def wait(self, on_done: Callable[[str], None] | None = None) -> None:
         """Wait in issue order and copy split parameters back; ``on_done(label)`` after each (tracing)."""
@@ -187,6 +192,7 @@ class GradBuckets:
         for bucket in self.buckets:
             for work in bucket.works:
                 work.wait()
+            self._finish(bucket)
             for sl, mode, offset in zip(bucket.slices, bucket.modes, bucket.offsets):
                 if mode == "copy":
                     region = _region(self.grads[sl.name], sl)

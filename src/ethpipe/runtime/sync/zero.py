@@ -4,19 +4,23 @@ The holders of a gradient bucket (one rank per pipeline, per TP slice: ``sync_la
 ranks that keep identical copies of its parameters, so they can share its optimizer state. Every bucket
 tensor (the flat buffer, each direct slice: ``grad_buckets``) is cut into one contiguous shard per holder,
 in proportion to the plan's ``shard_weights`` (equal by default); the cut is pure arithmetic on numbers
-every holder has, so all holders agree on it. Per step:
+every holder has, so all holders agree on it. Per step and bucket tensor, whatever the number of holders:
 
-1. instead of an all-reduce, one ``reduce`` per shard sums the gradient onto that shard's owner (the same
-   bytes a reduce-scatter moves, also for unequal shards, on gloo and NCCL alike);
+1. instead of an all-reduce, ONE ``reduce_scatter_tensor`` sums the gradient and leaves each holder its
+   shard (half an all-reduce's traffic and latency, on gloo and NCCL alike);
 2. each rank runs AdamW (``torch.optim.adamw.adamw``, the functional form of the unsharded optimizer) on
    its shards only, cut at parameter boundaries so weight decay stays per parameter, on views of the
    parameters themselves (the parameters of a bucket live in a flat buffer laid out like its gradients);
-3. each owner broadcasts its updated shard to the other holders (the all-gather), in the one global
+3. ONE ``all_gather_into_tensor`` brings every holder's updated shard to the others, in the one global
    bucket order reversed (a reversed total order is one order too), waited before the next step's forwards.
 
-The update is elementwise and the reduce sums the same gradient the all-reduce did, so training is
-exactly the unsharded one. Memory per parameter: fp32 weights and gradients (8 bytes) plus 8 / k bytes
-of moments over k holders, against 16. The global norm counts each element once from the owned shards.
+The collectives' chunks are equal and in group-rank order: where the shards are (equal shards of a tensor
+whose holders are in rank order), the tensor itself is the collective's buffer; otherwise (unequal
+``shard_weights``, a size not divisible by the holders, holders out of rank order) each shard is staged in
+a padded chunk of the longest shard's length and copied back after the wait. The update is elementwise and
+the reduce-scatter sums the same gradient the all-reduce did, so training is exactly the unsharded one.
+Memory per parameter: fp32 weights and gradients (8 bytes) plus 8 / k bytes of moments over k holders,
+against 16. The global norm counts each element once from the owned shards.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ class ShardedBuckets(GradBuckets):
         for bucket in self.buckets:
             self._layout_params(bucket)
         self.pieces: list[Piece] = [p for k in range(len(self.tensors)) for p in self._pieces(k)]
-        self._gathers: list[dist.Work] = []
+        self._gathers: list[tuple[dist.Work, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._scattered: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by id(bucket): (summed, shard)
         self._check_cover()
 
     def _layout_params(self, bucket: _Bucket) -> None:
@@ -105,10 +110,6 @@ class ShardedBuckets(GradBuckets):
     def _bounds(self, bucket: _Bucket, numel: int) -> list[tuple[int, int]]:
         return shard_bounds(numel, [self.weights.get(h, 1.0) for h in bucket.holders])
 
-    def _shards(self, bucket: _Bucket, numel: int) -> list[tuple[int, int, int]]:
-        """(owner, start, end) of each non-empty shard (an empty one is skipped alike on every holder)."""
-        return [(h, a, b) for h, (a, b) in zip(bucket.holders, self._bounds(bucket, numel)) if b > a]
-
     def _pieces(self, k: int) -> list[Piece]:
         bucket, grad, param, segments = self.tensors[k]
         start, end = self._bounds(bucket, grad.numel())[bucket.holders.index(self.rank)]
@@ -127,16 +128,41 @@ class ShardedBuckets(GradBuckets):
         assert not wrong, f"sync layout does not cover {wrong[:3]} exactly once"
 
     def _num_collectives(self, bucket: _Bucket) -> int:
-        return sum(len(self._shards(bucket, t.numel())) for b, t, *_ in self.tensors if b is bucket)
+        return sum(1 for b, *_ in self.tensors if b is bucket)
+
+    def _chunks(self, bucket: _Bucket, numel: int) -> tuple[list[tuple[int, int]], list[int], int, bool]:
+        """Each holder's shard bounds, its chunk (group rank) in the collective, the chunk length (the longest
+        shard), and whether the tensor itself can be the collective's buffer (no staging)."""
+        bounds = self._bounds(bucket, numel)
+        group = self.groups[bucket.holders]
+        slots = [dist.get_group_rank(group, h) for h in bucket.holders]
+        length = max(1, max(b - a for a, b in bounds))
+        direct = slots == list(range(len(slots))) and all(b - a == length for a, b in bounds)
+        return bounds, slots, length, direct
 
     def _reduce(self, bucket: _Bucket, tensors: list[torch.Tensor]) -> list[dist.Work]:
+        """One reduce-scatter per bucket tensor; ``_finish`` moves this rank's summed shard into place."""
         group = self.groups[bucket.holders]
-        works = []
+        me = bucket.holders.index(self.rank)
+        works, self._scattered[id(bucket)] = [], []
         for t in tensors:
             flat = t.reshape(-1)  # a contiguous buffer or region: a view
-            for holder, a, b in self._shards(bucket, flat.numel()):
-                works.append(dist.reduce(flat[a:b], dst=holder, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            bounds, slots, length, direct = self._chunks(bucket, flat.numel())
+            if direct:
+                source = flat
+            else:
+                source = flat.new_zeros(len(bounds) * length)
+                for (a, b), slot in zip(bounds, slots):
+                    source[slot * length:slot * length + b - a].copy_(flat[a:b])
+            out = flat.new_empty(length)
+            works.append(dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            a, b = bounds[me]
+            self._scattered[id(bucket)].append((out[:b - a], flat[a:b]))
         return works
+
+    def _finish(self, bucket: _Bucket) -> None:
+        for summed, shard in self._scattered.pop(id(bucket), []):
+            shard.copy_(summed)
 
     def copied_bytes(self) -> int:
         """Beyond ``GradBuckets.copied_bytes`` (the copied gradients), the weight mirror of those slices: a
@@ -147,24 +173,37 @@ class ShardedBuckets(GradBuckets):
         """This rank's shards of the summed gradients: every element of the world's counts once."""
         return [p.grad for p in self.pieces]
 
+    def _all_gather(self, bucket: _Bucket, full: torch.Tensor) -> tuple[dist.Work, list[tuple[torch.Tensor,
+                                                                                            torch.Tensor]]]:
+        """Start ONE all-gather of every holder's shard of the 1-D ``full`` into ``full``; returns the work and the
+        (staged chunk, destination) copies to make after it (none where ``full`` is the buffer itself)."""
+        bounds, slots, length, direct = self._chunks(bucket, full.numel())
+        a, b = bounds[bucket.holders.index(self.rank)]
+        mine = full.new_zeros(length)
+        mine[:b - a].copy_(full[a:b])  # the input never aliases the output
+        out = full if direct else full.new_empty(len(bounds) * length)
+        work = dist.all_gather_into_tensor(out, mine, group=self.groups[bucket.holders], async_op=True)
+        copies = [] if direct else [(out[s * length:s * length + hi - lo], full[lo:hi])
+                                    for (lo, hi), s in zip(bounds, slots)]
+        return work, copies
+
     def gather_params(self) -> None:
-        """After this rank's optimizer step: each owner broadcasts its updated shard to the other holders, in the
-        one global bucket order reversed (the first layers' first; ``wait_params`` before the next forwards)."""
+        """After this rank's optimizer step: one all-gather per bucket tensor brings the other holders' updated
+        shards, in the one global bucket order reversed (the first layers' first; ``wait_params`` before the
+        next forwards)."""
         for bucket, _, param, _ in reversed(self.tensors):
-            if len(bucket.holders) < 2:
-                continue
-            group = self.groups[bucket.holders]
-            for holder, a, b in self._shards(bucket, param.numel()):
-                self._gathers.append(dist.broadcast(param[a:b], src=holder, group=group, async_op=True))
+            if len(bucket.holders) > 1:
+                self._gathers.append(self._all_gather(bucket, param))
 
     def gather_posts(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(label, holders) of each broadcast ``gather_params`` issues, in order (``comm.program.step_program``)."""
-        return [(b.label, b.holders) for b, t, *_ in reversed(self.tensors) if len(b.holders) > 1
-                for _ in self._shards(b, t.numel())]
+        """(label, holders) of each all-gather ``gather_params`` issues, in order (``comm.program.step_program``)."""
+        return [(b.label, b.holders) for b, *_ in reversed(self.tensors) if len(b.holders) > 1]
 
     def wait_params(self) -> None:
-        for work in self._gathers:
+        for work, copies in self._gathers:
             work.wait()
+            for staged, dest in copies:
+                dest.copy_(staged)
         self._gathers.clear()
         with torch.no_grad():  # copied slices: their parameter columns from the flat buffer
             for bucket in self.buckets:
@@ -176,7 +215,7 @@ class ShardedBuckets(GradBuckets):
     def gather_full(self, values: Mapping[int, torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
         """Fill ``out`` (full local tensors, e.g. on the CPU, by parameter name) from every holder's pieces:
         ``values[i]`` is this rank's value of its i-th piece (e.g. an AdamW moment). Collective over every
-        bucket's holders, in the global bucket order, one bucket tensor's worth of device memory at a time."""
+        bucket's holders, in the global bucket order, one bucket tensor's worth of device memory at a time (one all-gather each)."""
         by_tensor: dict[int, list[int]] = {}
         for i, piece in enumerate(self.pieces):
             by_tensor.setdefault(piece.where[0], []).append(i)
@@ -186,9 +225,10 @@ class ShardedBuckets(GradBuckets):
                 _, a, b = self.pieces[i].where
                 buf[a:b].copy_(values[i])
             if len(bucket.holders) > 1:
-                group = self.groups[bucket.holders]
-                for holder, a, b in self._shards(bucket, buf.numel()):
-                    dist.broadcast(buf[a:b], src=holder, group=group)
+                work, copies = self._all_gather(bucket, buf)
+                work.wait()
+                for staged, dest in copies:
+                    dest.copy_(staged)
             for lo, hi, sl in segments:
                 region = _region(out[sl.name], sl)
                 region.copy_(buf[lo:hi].view(region.shape))
