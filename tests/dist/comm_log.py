@@ -1,8 +1,8 @@
 """Record every torch.distributed call a rank makes (a test double around the real functions).
 
 The runtime calls ``dist.<fn>`` through the module, so replacing the module's attributes inside a rank
-records exactly what it issues: batched p2p (kind, peer, elements, dtype), all-reduces and all-gathers
-(group, elements, dtype). ``isend``/``irecv`` are left alone: ``P2POp`` checks its op against them.
+records exactly what it issues: batched p2p (kind, peer, elements, dtype) and every collective (group,
+elements of its input, dtype). ``isend``/``irecv`` are left alone: ``P2POp`` checks its op against them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Call:
-    fn: str  # "batch", "all_reduce", "all_gather", "send", "recv", ...
+    fn: str  # "batch", or the torch.distributed function: "all_reduce", "all_gather_into_tensor", "send", ...
     group: tuple[int, ...]
     ops: tuple[tuple[str, int, int, str], ...] = ()  # batch: (kind, peer, elements, dtype) per op
     numel: int = 0
@@ -36,12 +36,12 @@ class CommLog:
     calls: list[Call] = field(default_factory=list)
 
     def steps(self) -> list[list[Call]]:
-        """The calls split after each step's stats all-gather over the world (one per step)."""
+        """The calls split after each step's stats all-gather over the world (one per step, ``gather_stats``)."""
         world = tuple(range(dist.get_world_size()))
         out: list[list[Call]] = [[]]
         for call in self.calls:
             out[-1].append(call)
-            if call.fn == "all_gather" and call.group == world:
+            if call.fn == STATS and call.group == world:
                 out.append([])
         return out[:-1] if not out[-1] else out
 
@@ -50,9 +50,15 @@ def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
+STATS = "all_gather_into_tensor"  # the step's stats collective (``observe/metrics.gather_stats``)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
+               "gather", "gather_object", "all_gather_object", "barrier", "send", "recv")
+TWO_TENSORS = ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")  # (output, input, ...): count the input
+
+
 @contextmanager
 def recording(log: CommLog) -> Iterator[CommLog]:
-    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "all_gather", "send", "recv")}
+    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", *COLLECTIVES)}
 
     def batch(ops: list[dist.P2POp]) -> Any:
         kinds = tuple(("send" if op.op.__name__ == "isend" else "recv", op.peer, op.tensor.numel(),
@@ -61,18 +67,18 @@ def recording(log: CommLog) -> Iterator[CommLog]:
         return originals["batch_isend_irecv"](ops)
 
     def collective(name: str):  # type: ignore[no-untyped-def]
-        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group")
-            first = tensor[0] if isinstance(tensor, list) else tensor
-            if name == "all_gather":
-                first = args[0]
-            log.calls.append(Call(name, _ranks(group), numel=first.numel(), dtype=str(first.dtype)))
-            return originals[name](tensor, *args, **kwargs)
+            first = args[1] if name in TWO_TENSORS else (args[0] if args else None)
+            first = first[0] if isinstance(first, list) and first else first
+            numel, dtype = (first.numel(), str(first.dtype)) if isinstance(first, torch.Tensor) else (0, "")
+            log.calls.append(Call(name, _ranks(group), numel=numel, dtype=dtype))
+            return originals[name](*args, **kwargs)
         return call
 
     try:
         dist.batch_isend_irecv = batch  # type: ignore[assignment]
-        for name in ("all_reduce", "all_gather", "send", "recv"):
+        for name in COLLECTIVES:
             setattr(dist, name, collective(name))
         yield log
     finally:

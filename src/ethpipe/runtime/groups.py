@@ -11,6 +11,7 @@ group gets the timeout explicitly: ``new_group`` does not inherit the one given 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from ethpipe.comm.program import Peers, plan_peers
 from ethpipe.plan import Plan, RankPosition
 from ethpipe.runtime.sync.layout import holder_sets, tied_stages
+
+LAZY_GLOO = "TORCH_GLOO_LAZY_INIT"  # gloo connects a pair at its first message instead of at creation
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,19 @@ def destroy_groups(groups: RankGroups) -> None:
 
 def control_group(timeout: timedelta) -> dist.ProcessGroup | None:
     """A gloo group over the world for objects and CPU tensors: the placement check, traces, the final
-    save and checkpoint bookkeeping. On NCCL, object collectives stage their pickles in GPU memory on
-    every rank; gloo keeps them on the host. None when the world is gloo already (use the default group)."""
+    save and checkpoint bookkeeping (never a training step). On NCCL, object collectives stage their pickles
+    in GPU memory on every rank; gloo keeps them on the host. None when the world is gloo already (use the
+    default group). Lazily connected (``TORCH_GLOO_LAZY_INIT``, set for its creation only): a rank opens a
+    connection to a peer at their first message, not a full mesh of world - 1 sockets at start-up (4095 at
+    4096 ranks, above a default ``ulimit -n`` of 1024): a rank connects only to the peers it exchanges with."""
     if dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo", timeout=timeout)
+    before = os.environ.get(LAZY_GLOO)
+    os.environ[LAZY_GLOO] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    finally:
+        if before is None:
+            del os.environ[LAZY_GLOO]
+        else:
+            os.environ[LAZY_GLOO] = before

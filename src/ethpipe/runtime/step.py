@@ -7,7 +7,7 @@ that syncs and updates it, its I/O) and steps it. A step (``train_step``) is, in
    pipeline's micro-batches of the global batch and the stage's schedule;
 2. ``forward_backward``: the schedule runs, and the block sync fires behind the last backward;
 3. ``finish_sync``: the block all-reduces waited;
-4. ``gather_step_stats``: the step's one device read (loss, gradient norm, non-finite flag, timings);
+4. ``gather_step_stats``: the step's one collective and read (loss, gradient norm, non-finite flag, timings);
 5. ``optimizer_step``: clipped AdamW, unless fp16 loss scaling skips the step;
 6. ``step_extra``: what the record says beyond the stats, and the loss scaler and rebalancer moved on.
 
@@ -120,7 +120,7 @@ def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, 
         for step in range(start.step, config.steps):
             watchdog.beat(f"step {step}")
             maybe_hang(rank, step)
-            record = train_step(run, step, control)
+            record = train_step(run, step)
             switch_to = None
             if replan_due(replanner, step, start) and step + 1 < config.steps and config.checkpoint_dir is not None:
                 watchdog.beat("re-planning")
@@ -194,7 +194,7 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         scaler=_initial_scaler(start) if dtype == "fp16" else None)
 
 
-def train_step(run: StageRun, step: int, control: dist.ProcessGroup | None) -> dict[str, Any]:
+def train_step(run: StageRun, step: int) -> dict[str, Any]:
     """One training step on this rank, in its phases; returns the step's metric record."""
     step_start = time.time()
     lr = lr_at(run.config, step)
@@ -202,7 +202,7 @@ def train_step(run: StageRun, step: int, control: dist.ProcessGroup | None) -> d
     scale = run.scaler.scale if run.scaler is not None else 1.0
     loss = forward_backward(run, step, batch, scale)
     finish_sync(run, step)
-    stats = gather_step_stats(run, loss, scale, control)
+    stats = gather_step_stats(run, loss, scale)
     skipped = run.scaler is not None and stats.num_nonfinite > 0  # the same world-wide count on every rank
     if not skipped:
         optimizer_step(run, stats, scale)
@@ -249,11 +249,11 @@ def finish_sync(run: StageRun, step: int) -> None:
     maybe_overflow(run.stage_opt.grads, run.rank, step)
 
 
-def gather_step_stats(run: StageRun, loss: torch.Tensor, scale: float,
-                      control: dist.ProcessGroup | None) -> StepStats:
-    """The step's one device read: the global loss, the gradient norm (of the unscaled gradients) and timings."""
+def gather_step_stats(run: StageRun, loss: torch.Tensor, scale: float) -> StepStats:
+    """The step's one collective and read: the global loss, the gradient norm (of the unscaled gradients) and
+    every rank's timings, on the world's device group (no host-side group in a step)."""
     on_device = torch.cat([(loss.double() / scale).reshape(1), run.stage_opt.norm_parts()])
-    stats = gather_stats(run.plan, on_device, lambda: _timings(run.timeline), run.device, control)
+    stats = gather_stats(run.plan, on_device, lambda: _timings(run.timeline), run.device)
     return dataclasses.replace(stats, grad_norm=stats.grad_norm / scale)
 
 

@@ -52,7 +52,7 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
     """
     problem: UserError | None = None
     try:
-        spec, data, start = check_inputs(plan, config, world_size)
+        spec, data, start = check_inputs(plan, config, world_size, rank)
     except UserError as err:  # settled with every rank's outcome once the world is up (runtime/start/preflight.py)
         problem = err
     try:
@@ -124,7 +124,7 @@ def _switch_point(plan: Plan, config: TrainConfig, world_size: int, step: int,
     does not see it yet (a shared file system's stale listing) must not load an older one."""
     problem: UserError | None = None
     try:
-        spec, data, start = check_inputs(plan, config, world_size)
+        spec, data, start = check_inputs(plan, config, world_size, dist.get_rank())
         if start.step != step:
             raise UserError(f"after the plan switch this rank found the checkpoint of step {start.step}, not {step}: "
                             "the checkpoint directory is not shared consistently; resume with --auto-resume")
@@ -163,8 +163,8 @@ def _check_same_plan(plan: Plan, device: torch.device) -> None:
     key = json.dumps([d[k] for k in ("model", "global_batch_size", "seq_len", "pipelines", "blocks")] +
                      [plan.extra.get("device_speeds"), plan.shard_optimizer, list(plan.shard_weights)], sort_keys=True)
     local = torch.tensor([zlib.crc32(key.encode())], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
-    if len({int(p) for p in parts}) > 1:
+    parts = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(parts, local)  # one collective, one tensor: no per-rank outputs
+    if len(set(parts.tolist())) > 1:
         raise UserError("the ranks were given different plans: give every rank the same --plan (or the same "
                         "--replan-cluster, so they all plan alike)")

@@ -135,9 +135,12 @@ def read_manifest(step_dir: Path) -> Manifest:
     return manifest
 
 
-def check_files(step_dir: Path, manifest: Manifest) -> Metadata:
-    """Every file the manifest lists is there with its size; the DCP metadata reads and only names them."""
-    for name, (size_bytes, _crc) in sorted(manifest.files.items()):
+def check_files(step_dir: Path, manifest: Manifest, part: tuple[int, int] | None = None) -> Metadata:
+    """Every file the manifest lists is there with its size; the DCP metadata reads and only names them.
+    ``part`` (rank, world): a rank checks only its stride of the files, so the world stats each file once
+    (O(1) per rank, not O(world)); the ranks settle their outcomes together (``start/preflight``)."""
+    files = sorted(manifest.files.items())
+    for name, (size_bytes, _crc) in (files if part is None else files[part[0]::part[1]]):
         path = step_dir / name
         if not path.is_file():
             raise UserError(f"checkpoint '{step_dir}' is missing file '{name}' (a lost shard): restore it, "
@@ -279,11 +282,12 @@ def check_fresh_dir(root: str | Path) -> None:
 
 
 def find_resume(root: str | Path, spec: ModelSpec, seq_len: int, shuffle: bool, seed: int,
-                num_samples: int) -> ResumePoint:
-    """The newest complete checkpoint under ``root``, checked against this run (before any process starts)."""
+                num_samples: int, part: tuple[int, int] | None = None) -> ResumePoint:
+    """The newest complete checkpoint under ``root``, checked against this run (before any process starts;
+    ``part``: this rank's stride of the files, ``check_files``)."""
     step_dir = resolve_checkpoint(root)
     manifest = read_manifest(step_dir)
-    metadata = check_files(step_dir, manifest)
+    metadata = check_files(step_dir, manifest, part)
     check_model(step_dir, metadata, spec)
     saved_seq = int(manifest.plan.get("seq_len", seq_len))
     if saved_seq != seq_len:

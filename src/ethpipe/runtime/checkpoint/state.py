@@ -26,14 +26,15 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.futures import Future
 
+from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
-from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError, check_shared
+from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError, blind_error, missing, settle_on_rank0
 from ethpipe.runtime.adapt.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
 from ethpipe.runtime.checkpoint.layout import (
-    FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint, check_files,
-    check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
+    DCP_METADATA, FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint,
+    check_files, check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
     optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
 from ethpipe.runtime.model.decoder import state_dict_shapes
@@ -130,14 +131,20 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: str, step: int, rank: int, kill: KillSpec | None) -> None:
         super().__init__(path)
         self._step, self._rank, self._kill = step, rank, kill
+        self.written: Future | None = None  # this rank's write results: which files it wrote
 
     def write_data(self, plan: Any, planner: Any) -> Future:  # type: ignore[override]
         maybe_enospc(self._step)
-        written = super().write_data(plan, planner)
+        written = self.written = super().write_data(plan, planner)
         if self._kill is not None:
             written.wait()  # this rank's shard is on disk; the metadata and the commit are not
             maybe_kill(self._kill, self._rank, "save", self._step)
         return written
+
+    def files(self) -> list[str]:
+        """The files this rank wrote (its shards; rank 0 also the metadata): known without listing the directory."""
+        own = {r.storage_data.relative_path for r in (self.written.wait() if self.written is not None else [])}
+        return sorted(own | ({DCP_METADATA} if self._rank == 0 else set()))
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -178,7 +185,7 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: A
     ``group``: a gloo group over the world for DCP's and this function's object collectives (None: the
     default group), so on NCCL no pickle is staged in GPU memory."""
     root = Path(root)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial(root)  # leftovers of a killed save; nobody writes into them until the barrier
@@ -186,9 +193,9 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: A
     tmp = root / tmp_dir_name(step)
     flat = _global_tensors(rank_state(module, optimizer_states(module, optimizer)), getattr(module, "tp", None), device)
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
+    writer = _Writer(str(tmp), step, rank, kill_spec())
     try:  # DCP gathers every rank's write outcome, so all ranks fail together
-        dcp.save(flat, storage_writer=_Writer(str(tmp), step, rank, kill_spec()),  # after .metadata is written
-                 process_group=group)
+        dcp.save(flat, storage_writer=writer, process_group=group)  # after .metadata is written
     except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - (DCP's is a BaseException)
         cause = _root_cause(err, root)  # before freeing the partial save's space: it tells a full disk
         dist.barrier(group=group)  # every rank has looked at the disk before rank 0 frees it
@@ -197,28 +204,32 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: A
         raise CheckpointWriteError(f"could not write checkpoint step {step} in '{root}' ({cause}); "
                                    "the previous checkpoint is intact: free space or fix the disk, then resume"
                                    ) from None
-    try:  # node-local disks: every node holds a different part of the save
-        names = check_shared(root, tmp, group=group)
-    except SharedFilesystemError:
-        shutil.rmtree(tmp, ignore_errors=True)  # each rank's own view of the partial save
-        raise
-    mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in names[rank::world]}
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, mine, group=group)  # also the barrier: every rank's shards are on disk
-    if os.environ.get(FAIL_SAVE_ENV) == str(step):
+    if os.environ.get(FAIL_SAVE_ENV) == str(step):  # every rank alike: nobody waits in a collective
         raise InjectedSaveFailure(f"{FAIL_SAVE_ENV}={step}: simulated crash after the shards, before the commit")
-    outcome: list[Any] = [None]
-    if rank == 0:
-        files = {n: info for part in parts for n, info in part.items()}
+    # O(1) file-system calls per rank: its own files (size, crc) and whether it sees rank 0's metadata.
+    mine = {n: ((tmp / n).stat().st_size, crc32_file(tmp / n)) for n in writer.files()}
+    report = (str(root), mine, missing(tmp, [DCP_METADATA]) if rank != 0 else [])
+
+    def commit_on_rank0(reports: list[Any]) -> Any:
+        """Rank 0: every rank's files visible here (O(world) lookups, on this rank only), then the commit."""
+        writers = {n: r for r, (_, files, _) in enumerate(reports) for n in files}
+        blind = [(0, missing(tmp, list(writers)))] + [(r, miss) for r, (_, _, miss) in enumerate(reports)]
+        error = blind_error(reports[0][0], blind, writers)
+        if error is not None:
+            return error
+        files = {n: info for _, part, _ in reports for n, info in part.items()}
         try:
-            outcome[0] = str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files, extra), keep))
+            return str(commit(root, tmp, new_manifest(step, cursor, plan.to_dict(), spec, files, extra), keep))
         except OSError as err:
-            outcome[0] = CheckpointWriteError(f"could not commit checkpoint step {step} in '{root}' ({err}); the "
-                                              "previous checkpoint is intact: free space or fix the disk, then resume")
-    dist.broadcast_object_list(outcome, src=0, group=group)
-    if isinstance(outcome[0], CheckpointWriteError):
-        raise outcome[0]
-    return Path(outcome[0])
+            return CheckpointWriteError(f"could not commit checkpoint step {step} in '{root}' ({err}); the "
+                                        "previous checkpoint is intact: free space or fix the disk, then resume")
+
+    outcome = settle_on_rank0(report, commit_on_rank0, group)
+    if isinstance(outcome, SharedFilesystemError):  # node-local disks: every node holds a different part
+        shutil.rmtree(tmp, ignore_errors=True)  # each rank's own view of the partial save
+    if isinstance(outcome, Exception):
+        raise outcome
+    return Path(outcome)
 
 
 def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -231,16 +242,29 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     assert point.step_dir is not None and point.manifest is not None
     step_dir, manifest = point.step_dir, point.manifest
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_shared(step_dir.parent, step_dir, [*manifest.files, MANIFEST], group=group)
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, corrupt_files(step_dir, manifest, sorted(manifest.files)[rank::world]), group=group)
-    bad = sorted(name for part in parts for name in part)
-    if bad:
-        raise corrupt_error(step_dir, bad[0])  # every rank raises the same error
     fused = optimizer is not None and bool(optimizer.defaults.get("fused"))  # its step lives on the device
     states = empty_states(module, state_device, fused)
     flat = rank_state(module, states)
-    saved = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    # O(1) file-system calls per rank: the files it will read, and its stride of the crc checks.
+    blind = missing(step_dir, [MANIFEST, DCP_METADATA])
+    metadata = FileSystemReader(str(step_dir)).read_metadata() if not blind else None
+    if metadata is not None:
+        keys = {*flat, *(_rng_key(kind, rank) for kind in _rng_states(device))}
+        blind = missing(step_dir, sorted({info.relative_path for index, info in metadata.storage_data.items()
+                                          if index.fqn in keys}))
+    stride = [n for n in sorted(manifest.files)[rank::world] if n not in blind and (step_dir / n).is_file()]
+    report = (str(step_dir.parent), blind, corrupt_files(step_dir, manifest, stride))
+
+    def verdict(reports: list[Any]) -> UserError | None:
+        error = blind_error(reports[0][0], [(r, miss) for r, (_, miss, _) in enumerate(reports)])
+        bad = sorted(name for _, _, corrupt in reports for name in corrupt)
+        return error or (corrupt_error(step_dir, bad[0]) if bad else None)
+
+    problem = settle_on_rank0(report, verdict, group)
+    if problem is not None:
+        raise problem  # every rank raises the same error
+    assert metadata is not None
+    saved = metadata.state_dict_metadata
     tp = getattr(module, "tp", None)
     local = flat
     flat = {k: torch.empty(tuple(saved[k].size), dtype=v.dtype, device=v.device) if _sharded(k, tp) else v

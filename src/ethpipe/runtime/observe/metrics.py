@@ -1,9 +1,9 @@
 """Per-step metrics (one JSON line per step), the console progress bar, and Chrome traces.
 
 Every rank contributes one small vector per step (loss part, squared-norm part, non-finite flag,
-timings); a world all-gather gives every rank the global loss and gradient norm (all ranks need
-the norm to clip identically), and rank 0 the per-pipeline timing it reports. Reading it is the
-step's one device-to-host read (``gather_stats``).
+timings); ONE world all-gather into one tensor gives every rank the global loss and gradient norm (all
+ranks need the norm to clip identically), and rank 0 the per-pipeline timing it reports. Reading it is
+the step's one read of gathered data (``gather_stats``).
 """
 
 from __future__ import annotations
@@ -55,28 +55,24 @@ class StepStats:
 
 
 def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[[], Sequence[float]],
-                 device: torch.device, group: dist.ProcessGroup | None = None) -> StepStats:
-    """The step's stats on every rank, with ONE device-to-host read.
+                 device: torch.device) -> StepStats:
+    """The step's stats on every rank, in ONE collective on the world's device group and one read of it.
 
-    ``device_values`` (``DEVICE_FIELDS``, fp64 on the device) are all-gathered over the world and read
-    once; that read is the step's host synchronisation, after which ``host_values()`` (``HOST_FIELDS``:
-    timings from the step's events, complete by then) is called and all-gathered over the gloo
-    ``group``. On CPU both go in one all-gather.
+    ``device_values`` (``DEVICE_FIELDS``, fp64 on the device) and ``host_values()`` (``HOST_FIELDS``: the
+    step's timings) go in one fixed-size vector per rank, all-gathered with ``all_gather_into_tensor`` (one
+    collective whatever the world size: no list of per-rank outputs, no host-side gloo ring over the world).
+    On a GPU the timings come from the step's CUDA events, so the host first waits for the step's work (the
+    events complete), then launches the all-gather and reads its result: the read after it waits for that
+    one small collective only.
     """
     world = dist.get_world_size()
-    if device.type == "cpu":
-        local = torch.cat([device_values, torch.tensor(list(host_values()), dtype=torch.float64)])
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
-        rows = torch.stack(parts).tolist()
-    else:
-        parts = [torch.empty_like(device_values) for _ in range(world)]
-        dist.all_gather(parts, device_values)
-        on_device = torch.stack(parts).tolist()
-        host = torch.tensor(list(host_values()), dtype=torch.float64)
-        host_parts = [torch.empty_like(host) for _ in range(world)]
-        dist.all_gather(host_parts, host, group=group)
-        rows = [d + h for d, h in zip(on_device, torch.stack(host_parts).tolist())]
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)  # the step's events are complete: its timings can be resolved
+    host = torch.tensor(list(host_values()), dtype=torch.float64).to(device)
+    local = torch.cat([device_values.reshape(-1), host])
+    gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
+    dist.all_gather_into_tensor(gathered, local)
+    rows = gathered.view(world, -1).tolist()
     col = {f: [row[i] for row in rows] for i, f in enumerate(DEVICE_FIELDS + HOST_FIELDS)}
     col["busy_s"] = [f + b for f, b in zip(col["fwd_s"], col["bwd_s"])]  # F and B time, as Timeline.busy_s
     compute = tuple(sum(col["busy_s"][r] for r in pipe.ranks) / len(pipe.ranks) for pipe in plan.pipelines)

@@ -50,8 +50,10 @@ def check_plan_runnable(plan: Plan, world_size: int) -> ModelSpec:
     return spec
 
 
-def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[ModelSpec, TokenFile, ResumePoint]:
-    """Every user-input check, before any process group exists; also where training starts."""
+def check_inputs(plan: Plan, config: TrainConfig, world_size: int,
+                 rank: int | None = None) -> tuple[ModelSpec, TokenFile, ResumePoint]:
+    """Every user-input check, before any process group exists; also where training starts. ``rank``: on a
+    rank, the checkpoint's files are checked a stride per rank (the launcher, with None, checks them all)."""
     spec = check_plan_runnable(plan, world_size)
     check_train_dtype(plan, config.dtype)
     if config.dtype is not None:
@@ -62,7 +64,7 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int) -> tuple[Mode
     if resume:
         assert config.checkpoint_dir is not None
         start = find_resume(config.checkpoint_dir, spec, plan.seq_len, config.shuffle, config.seed,
-                            data.num_samples(plan.seq_len))
+                            data.num_samples(plan.seq_len), None if rank is None else (rank, world_size))
         if start.step > config.steps or (start.step == config.steps and not config.auto_resume):
             raise UserError(f"the checkpoint is at step {start.step} and --steps is {config.steps}: nothing to "
                             "train; raise --steps")
