@@ -20,6 +20,7 @@ import pytest
 
 from ethpipe.comm.program import Peers, deferred_batches, p2p_batches, plan_peers, step_program
 from ethpipe.comm.replay import Op, Post, Wait, replay
+from ethpipe.runtime.config import one_queue_variable, overlap_is_safe
 from ethpipe.runtime.sync.zero import ShardedBuckets
 from ethpipe.schedule import SCHEDULES, one_f_one_b, zb_h1
 
@@ -103,6 +104,26 @@ def test_the_sharded_optimizers_reduces_and_gathers_complete(case: int, schedule
     assert plain is not None and isinstance(zero, ShardedBuckets)
     assert zero.posts() == plain.posts()  # one reduce-scatter for each all-reduce, not one reduce per holder
     assert sorted(zero.gather_posts()) == sorted(zero.posts())
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_under_one_queue_per_gpu_the_runtime_overlaps_only_what_completes(schedule: str) -> None:
+    """Every flat schedule x tied or not x overlap asked or not x sharded or not, replayed with ONE FIFO per
+    device (``CUDA_DEVICE_MAX_CONNECTIONS=1``): with the overlap the runtime then runs
+    (``config.overlap_is_safe``) every step completes; the tied + overlap case it turns off deadlocks under
+    1F1B, so the rule is needed, not just safe."""
+    deadlocked = 0
+    for case, tied, asked, sharded in itertools.product(MIXED, (False, True), (False, True), (False, True)):
+        plan = make_plan(case, spec=dataclasses.replace(SPEC, tie_embeddings=tied), schedule=schedule)
+        overlap = asked and overlap_is_safe(tied, one_queue=True)
+        assert replay_plan(plan, sharded=sharded, streams="device", overlap_sync=overlap).completed, (
+            case, tied, asked, sharded)
+        if asked and not overlap:
+            deadlocked += not replay_plan(plan, sharded=sharded, streams="device", overlap_sync=True).completed
+    assert deadlocked == (2 * len(MIXED) if schedule == "1f1b" else 0)
+    assert overlap_is_safe(True, one_queue=False) and overlap_is_safe(False, one_queue=True)
+    assert one_queue_variable({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == "CUDA_DEVICE_MAX_CONNECTIONS=1"
+    assert one_queue_variable({"CUDA_DEVICE_MAX_CONNECTIONS": "8", "NCCL_LAUNCH_ORDER_IMPLICIT": "0"}) is None
 
 
 def test_the_overlapped_sync_needs_communicators_that_run_side_by_side() -> None:

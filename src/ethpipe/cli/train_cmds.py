@@ -53,6 +53,8 @@ def train(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
     device: str = typer.Option("auto", "--device", help="auto (accelerator if present) or cpu."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Fail any collective that waits longer."),
+    start_timeout_s: float = typer.Option(
+        1800.0, "--start-timeout-s", help="Wait this long for the slowest rank to build and load its stage."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (and no console lines)."),
     log_every: int = typer.Option(0, "--log-every", help="A console line (step, loss, tokens/s, measured vs "
                                   "predicted step time, loss scale) every N steps; 0: every 10 s when the output is "
@@ -140,7 +142,7 @@ def train(
         save_final=str(save_final) if save_final else None, emulate=emulate,
         emulate_mode=emulate_mode, warmup_steps=warmup_steps,  # type: ignore[arg-type]
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
-        timeout_s=timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
+        timeout_s=timeout_s, start_timeout_s=start_timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -49,6 +50,9 @@ class TrainConfig:
     overlap_grad_sync: bool = True  # fire each bucket from backward hooks during the last backward
     compile: bool = False  # torch.compile each decoder block (runtime/model.compile_blocks)
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
+    # Start-up (groups, building and loading stages) ends in a CPU barrier that waits this long for the slowest
+    # rank (a 1-layer V100 stage is ready minutes before a 12-layer H100 one), not the collective timeout.
+    start_timeout_s: float = 1800.0
     progress: bool = True  # rich progress bar on rank 0
     device: Literal["auto", "cpu"] = "auto"
     checkpoint_dir: str | None = None  # training checkpoints (torch.distributed.checkpoint), see docs/checkpoints.md
@@ -126,3 +130,19 @@ def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.
     return torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, eps=ADAM_EPS, fused=fused or None)
 
 
+# Environment variables that make a GPU run all of a rank's NCCL communicators in one queue (one hardware
+# connection, or kernels launched in the host's issue order): Megatron environments set the first.
+ONE_QUEUE_VARIABLES = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_LAUNCH_ORDER_IMPLICIT": "1"}
+
+
+def one_queue_variable(environ: Mapping[str, str]) -> str | None:
+    """The variable (``NAME=value``) that serialises this rank's communicators, if one is set."""
+    return next((f"{k}={v}" for k, v in ONE_QUEUE_VARIABLES.items() if environ.get(k, "").strip() == v), None)
+
+
+def overlap_is_safe(tied: bool, one_queue: bool) -> bool:
+    """Whether the block sync may start inside the last backward. Under one queue per GPU, a last stage's
+    tied-matrix all-reduce posted before its last send waits for the first stage, which waits for that send
+    (``ethpipe.comm.replay`` shows it for 1F1B; tests/unit/test_comm_replay.py): the sync then starts after the
+    sends. Untied models, or communicators that run side by side, overlap as asked."""
+    return not (tied and one_queue)

@@ -1,11 +1,17 @@
-"""Process groups of a plan: one per pipeline (p2p), one per tensor-parallel stage, and the
-gradient sync's groups (``sync_layout.holder_sets``: one per block, plus one per slice pattern
-where TP degrees differ, and with tied embeddings the groups of the ranks holding a copy of the
-embedding matrix).
+"""Process groups of a plan, made family by family: one pipeline group each, one group per tensor-parallel
+stage, and the gradient sync's groups (``sync_layout.holder_sets``: one per block, plus one per slice pattern
+where TP degrees differ, and with tied embeddings those of the ranks holding a copy of the matrix).
 
-Every rank creates every group in the same order (pipelines in plan order, TP stages, then the
-sync's holder sets), because ``new_group`` is collective over the world. Each
-group gets the timeout explicitly: ``new_group`` does not inherit the one given to
+A family is a list of disjoint rank sets (``group_families``): the pipelines, the TP stages, and the holder
+sets colored greedily into as few families as the most of them any rank belongs to (first fit, in the one
+order every rank computes). On NCCL with the world bound to a GPU (``init_process_group(device_id=...)``) a
+group is an ``ncclCommSplit`` of the world's communicator, a collective every rank of the world joins, so
+each family is made with ONE ``dist.split_group``: a handful of world-wide splits at start-up instead of one
+per group (820-2572 for the planner's 4096-GPU plans). Elsewhere (gloo; NCCL without a bound device, whose
+communicators are made lazily at their first use) every rank calls ``new_group`` for every group in the
+same order, as torch requires; for a rank outside a group that call returns at once without communicating
+(no device bound: torch makes no split), so what a rank communicates at start-up is its own groups' set-up.
+Each group gets the timeout explicitly: ``new_group`` does not inherit the one given to
 ``init_process_group``, and a hang would otherwise wait 30 minutes.
 """
 
@@ -44,37 +50,76 @@ def tied_ranks(plan: Plan) -> tuple[int, ...]:
     return tuple(r for ranks in tied_stages(plan) for r in ranks)
 
 
+@dataclass(frozen=True)
+class GroupFamilies:
+    """A plan's groups as families of disjoint rank sets (module docstring)."""
+
+    pipelines: list[tuple[int, ...]]  # every pipeline, one-rank ones too
+    tp_stages: list[tuple[int, ...]]  # every stage of tp > 1 (empty: no TP family)
+    holders: list[list[tuple[int, ...]]]  # the sync's holder sets of two or more ranks, greedily colored
+
+    def all(self) -> list[list[tuple[int, ...]]]:
+        return [self.pipelines, *([self.tp_stages] if self.tp_stages else []), *self.holders]
+
+
+def group_families(plan: Plan, tied: bool = False) -> GroupFamilies:
+    """Every group of ``plan`` in families of disjoint rank sets, in the one order every rank computes: the
+    pipelines; the TP stages; then the sync's holder sets of two or more ranks, each into the first family it
+    is disjoint from (greedy coloring)."""
+    colored: list[tuple[list[tuple[int, ...]], set[int]]] = []
+    for holders in holder_sets(plan, tied):
+        if len(holders) < 2:
+            continue  # one holder syncs nothing
+        family = next((f for f in colored if f[1].isdisjoint(holders)), None)
+        if family is None:
+            family = ([], set())
+            colored.append(family)
+        family[0].append(holders)
+        family[1].update(holders)
+    return GroupFamilies([tuple(pipe.ranks) for pipe in plan.pipelines],
+                         [tuple(st.ranks) for pipe in plan.pipelines for st in pipe.stages if len(st.ranks) > 1],
+                         [f for f, _ in colored])
+
+
+def make_family(family: list[tuple[int, ...]], rank: int, timeout: timedelta,
+                split: bool) -> tuple[tuple[int, ...], dist.ProcessGroup] | None:
+    """This rank's group of ``family`` (None if it is in none): one ``split_group`` of the world (``split``), or
+    one ``new_group`` per member set (module docstring). Every rank of the world calls it alike."""
+    mine = next((ranks for ranks in family if rank in ranks), None)
+    if split:
+        group = dist.split_group(split_ranks=[list(ranks) for ranks in family], timeout=timeout)
+        return (mine, group) if mine is not None and group is not None else None
+    made = None
+    for ranks in family:
+        group = dist.new_group(ranks=list(ranks), timeout=timeout)
+        if ranks == mine:
+            made = (mine, group)
+    return made
+
+
+def can_split(device: torch.device | None) -> bool:
+    """Whether groups are made by splitting the world's communicator: NCCL with the world bound to a GPU."""
+    return (device is not None and device.type == "cuda" and dist.get_backend() == "nccl"
+            and dist.distributed_c10d._get_default_group().bound_device_id is not None)
+
+
 def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False,
                  device: torch.device | None = None) -> RankGroups:
-    """This rank's groups; ``tied`` (the model ties its embeddings) adds the tied matrix's groups. With
-    ``device``, one collective on the pipeline group warms it up (``comm.program``: a lazily created NCCL
-    communicator's first batched p2p would need the whole group at once)."""
+    """This rank's groups, family by family (module docstring); ``tied`` (the model ties its embeddings) adds the
+    tied matrix's groups. With ``device``, one collective on the pipeline group warms it up (``comm.program``: a
+    lazily created NCCL communicator's first batched p2p would need the whole group at once)."""
     position = plan.position_of(rank)
-    created: list[dist.ProcessGroup] = []
-    mine_pipe: dist.ProcessGroup | None = None
-    for p_idx, pipe in enumerate(plan.pipelines):
-        group = dist.new_group(ranks=list(pipe.ranks), timeout=timeout)
-        if p_idx == position.pipeline:
-            mine_pipe = group
-            created.append(group)
-    tp_group: dist.ProcessGroup | None = None
-    for pipe in plan.pipelines:
-        for stage in pipe.stages:
-            if len(stage.ranks) > 1:
-                group = dist.new_group(ranks=list(stage.ranks), timeout=timeout)
-                if rank in stage.ranks:
-                    tp_group = group
-                    created.append(group)
-    blocks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for holders in holder_sets(plan, tied):
-        group = dist.new_group(ranks=list(holders), timeout=timeout)
-        if rank in holders:
-            blocks[holders] = group
-            created.append(group)
-    assert mine_pipe is not None
+    split = can_split(device)
+    families = group_families(plan, tied)
+    pipeline = make_family(families.pipelines, rank, timeout, split)
+    assert pipeline is not None, "every rank is in one pipeline"
+    tp = make_family(families.tp_stages, rank, timeout, split) if families.tp_stages else None
+    blocks = dict(m for m in (make_family(f, rank, timeout, split) for f in families.holders) if m is not None)
     if device is not None:
-        dist.all_reduce(torch.zeros(1, device=device), group=mine_pipe)
-    return RankGroups(rank, position, mine_pipe, blocks, tuple(created), plan_peers(plan, rank), tp_group)
+        dist.all_reduce(torch.zeros(1, device=device), group=pipeline[1])
+    created = (pipeline[1], *([tp[1]] if tp is not None else []), *blocks.values())
+    return RankGroups(rank, position, pipeline[1], blocks, created, plan_peers(plan, rank),
+                      tp[1] if tp is not None else None)
 
 
 def destroy_groups(groups: RankGroups) -> None:

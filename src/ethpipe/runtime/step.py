@@ -37,16 +37,17 @@ from ethpipe.runtime.adapt.replan_step import Outcome, Replanner, decide_replan,
 from ethpipe.runtime.checkpoint.consolidated import gather_consolidated, load_into, save_atomic
 from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint
 from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
-from ethpipe.runtime.config import AUTOCAST_DTYPES, TrainConfig, lr_at
+from ethpipe.runtime.config import AUTOCAST_DTYPES, TrainConfig, lr_at, one_queue_variable, overlap_is_safe
 from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
 from ethpipe.runtime.groups import RankGroups, build_groups, destroy_groups
 from ethpipe.runtime.model.decoder import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import TPGroup
 from ethpipe.runtime.observe.metrics import (MetricsWriter, StepStats, gather_stats, peak_memory_bytes,
-                                             step_record, write_chrome_trace)
+                                             step_record, write_trace)
 from ethpipe.runtime.observe.sinks import metrics_writer
 from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
+from ethpipe.runtime.start.preflight import wait_for_every_rank
 from ethpipe.runtime.start.run_settings import run_settings, write_run_config
 from ethpipe.runtime.start.watchdog import Watchdog
 from ethpipe.runtime.sync.buckets import GradBuckets
@@ -85,6 +86,7 @@ class StageRun:
     restart: int
     current: Plan
     scaler: LossScaler | None
+    overlap: bool  # the block sync starts inside the last backward (``config.overlap_is_safe``)
 
     @property
     def first(self) -> bool:
@@ -117,6 +119,7 @@ def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, 
     """Step ``plan`` from ``start`` to the last step, or to the step where ``replanner`` switches plans."""
     run = build_stage_run(plan, config, spec, data, start, rank, device, watchdog, control, sinks or [])
     try:
+        wait_for_every_rank(config.start_timeout_s, watchdog, control)
         for step in range(start.step, config.steps):
             watchdog.beat(f"step {step}")
             maybe_hang(rank, step)
@@ -151,6 +154,7 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
                     sinks: list[Any]) -> StageRun:
     """This rank's groups, stage (initialised, loaded or resumed), optimizer, I/O, timeline and reporters."""
     tied = spec.tie_embeddings
+    watchdog.beat("creating process groups")
     groups = build_groups(plan, rank, config.timeout, tied, device)
     pos = groups.position
     pipe = plan.pipelines[pos.pipeline]
@@ -159,10 +163,12 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     dtype = train_dtype(plan, config.dtype)
     param_dtype = PARAM_DTYPES[dtype]
     tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
+    watchdog.beat("building the stage")
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
                          chunks=stage.chunks)
     if config.init_from is not None and start.step_dir is None:
+        watchdog.beat(f"loading --init-from {config.init_from}")
         load_into(module, config.init_from)
     if config.compile:
         compile_blocks(module)
@@ -172,6 +178,7 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         # a sharded optimizer keeps only its pieces of the full states: they load on the CPU first
         states = load_checkpoint(start, module, None, device, group=control,
                                  state_device=torch.device("cpu") if plan.shard_optimizer else None)
+    watchdog.beat("building the optimizer")
     stage_opt = build_stage_optimizer(plan, config, rank, module, state_dict_shapes(spec), tied, groups, device,
                                       states)
     del states
@@ -182,6 +189,11 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     timeline = Timeline(device, synchronous=device.type == "cpu" or emulator is not None,
                         record=config.trace is not None)
     kill = kill_spec()
+    one_queue = one_queue_variable(os.environ)
+    if config.overlap_grad_sync and rank == 0 and not overlap_is_safe(tied, device.type == "cuda" and bool(one_queue)):
+        print(f"ethpipe train: {one_queue} runs each GPU's communicators in one queue, where the tied embedding's "
+              "all-reduce inside the last backward deadlocks: the gradient sync starts after the last sends",
+              flush=True)
     return StageRun(
         plan=plan, config=config, spec=spec, data=data, start=start, rank=rank, device=device, groups=groups,
         module=module, stage_opt=stage_opt, io=io, timeline=timeline,
@@ -191,7 +203,8 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         forward_kill=ForwardKill.arm(module, kill, rank), dtype=dtype, autocast_dtype=autocast_dtype,
         loss_scale=1.0 / (plan.global_batch_size * plan.seq_len), num_samples=data.num_samples(plan.seq_len),
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), current=plan,
-        scaler=_initial_scaler(start) if dtype == "fp16" else None)
+        scaler=_initial_scaler(start) if dtype == "fp16" else None,
+        overlap=config.overlap_grad_sync and overlap_is_safe(tied, device.type == "cuda" and one_queue is not None))
 
 
 def train_step(run: StageRun, step: int) -> dict[str, Any]:
@@ -239,7 +252,7 @@ def forward_backward(run: StageRun, step: int, batch: StepInputs, scale: float) 
     return run_stage_step(run.module, batch.actions, cur_pipe.micro_batch_sizes, batch.inputs, batch.targets,
                           run.io, run.loss_scale * scale, run.emulator, step, run.timeline, run.autocast_dtype,
                           on_last_backward=run.sync.fire_rest,
-                          before_last_backward=run.sync.arm if run.config.overlap_grad_sync else None)
+                          before_last_backward=run.sync.arm if run.overlap else None)
 
 
 def finish_sync(run: StageRun, step: int) -> None:
@@ -312,7 +325,7 @@ def finish_run(run: StageRun, watchdog: Watchdog, control: dist.ProcessGroup | N
         if state is not None:
             save_atomic(state, run.config.save_final)
     if run.config.trace is not None:
-        _write_trace(run.plan, run.config.trace, run.timeline, run.rank, control)
+        write_trace(run.plan, run.config.trace, run.timeline.events, run.rank, control)
 
 
 def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
@@ -368,15 +381,3 @@ def _initial_scaler(start: ResumePoint) -> LossScaler:
     """A fresh fp16 loss scaler, or the one the checkpoint we resume from saved."""
     saved = start.manifest.extra.get("loss_scaler") if start.manifest is not None else None
     return LossScaler.from_dict(saved) if saved else LossScaler()
-
-
-def _write_trace(plan: Plan, path: str, timeline: Timeline, rank: int, group: dist.ProcessGroup | None) -> None:
-    gathered: list[Any] | None = [None] * plan.world_size if rank == 0 else None
-    dist.gather_object(timeline.events, gathered, dst=0, group=group)
-    if gathered is not None:
-        labels = []
-        for r in range(plan.world_size):
-            p = plan.position_of(r)
-            device = plan.pipelines[p.pipeline].stages[p.stage].device
-            labels.append(f"rank {r} (pipeline {p.pipeline} stage {p.stage}, {device})")
-        write_chrome_trace(path, gathered, labels)

@@ -217,3 +217,17 @@ def write_chrome_trace(path: str | Path, events_by_rank: list[list[tuple[str, fl
             trace.append({"name": name, "ph": "X", "pid": 0, "tid": rank, "ts": (start - origin) * 1e6,
                           "dur": max(0.0, end - start) * 1e6, "cat": name.split(" ")[0].rstrip("0123456789")})
     write_text_atomic(Path(path), json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}) + "\n")
+
+
+def write_trace(plan: Plan, path: str, events: list[tuple[str, float, float]], rank: int,
+                group: dist.ProcessGroup | None) -> None:
+    """Every rank's trace events to rank 0 (one gather at the end of a run), written there as one Chrome trace."""
+    gathered: list[Any] | None = [None] * plan.world_size if rank == 0 else None
+    dist.gather_object(events, gathered, dst=0, group=group)
+    if gathered is not None:
+        labels = []
+        for r in range(plan.world_size):
+            p = plan.position_of(r)
+            device = plan.pipelines[p.pipeline].stages[p.stage].device
+            labels.append(f"rank {r} (pipeline {p.pipeline} stage {p.stage}, {device})")
+        write_chrome_trace(path, gathered, labels)

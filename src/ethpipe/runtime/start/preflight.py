@@ -6,16 +6,20 @@ until ``--timeout-s`` (310 s by default) and dying with a store time-out that na
 rank joins the world, and one object all-gather over the gloo control group tells every rank every
 outcome within seconds: the lowest failing rank raises its own one-line error (naming the rank and its
 host), every other rank ends with ``ReportedElsewhere`` (exit 2, nothing printed), so the cause shows once.
+After the stages are built, a CPU barrier with the start-up timeout waits for the slowest rank
+(``wait_for_every_rank``) before the first step's point-to-point.
 """
 
 from __future__ import annotations
 
 import socket
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from ethpipe.errors import ReportedElsewhere, UserError
+from ethpipe.runtime.start.watchdog import Watchdog
 
 
 def settle(problem: UserError | None, group: dist.ProcessGroup | None) -> None:
@@ -31,3 +35,11 @@ def settle(problem: UserError | None, group: dist.ProcessGroup | None) -> None:
         others = f" ({len(failed) - 1} more ranks failed their checks too)" if len(failed) > 1 else ""
         raise UserError(f"rank {first} on {host}: {message}{others}")
     raise ReportedElsewhere(f"rank {first} on {host}: {message}")
+
+
+def wait_for_every_rank(start_timeout_s: float, watchdog: Watchdog, control: dist.ProcessGroup | None) -> None:
+    """A CPU barrier (gloo: the control group, or the gloo world) with the start-up timeout before the first
+    step: ranks finish building and loading their stages minutes apart, and the first point-to-point would
+    otherwise wait for the slowest under the collective timeout. Names a rank that never arrives."""
+    watchdog.beat("waiting for every rank to finish start-up", limit_s=start_timeout_s + 60)
+    dist.monitored_barrier(group=control, timeout=timedelta(seconds=start_timeout_s))

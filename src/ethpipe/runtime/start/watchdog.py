@@ -26,6 +26,7 @@ class Watchdog:
         self.limit_s = limit_s
         self._poll_s = min(poll_s, max(0.05, limit_s / 10))
         self._phase = "start-up"
+        self._phase_limit_s = limit_s
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,16 +42,18 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join()
 
-    def beat(self, phase: str) -> None:
-        """Progress: now in ``phase`` (named in the message if it is where the rank gets stuck)."""
+    def beat(self, phase: str, limit_s: float | None = None) -> None:
+        """Progress: now in ``phase`` (named in the message if it is where the rank gets stuck); ``limit_s``: this
+        phase may take that long (a wait with a longer timeout of its own, like the start-up barrier)."""
         self._phase = phase
+        self._phase_limit_s = self.limit_s if limit_s is None else max(limit_s, self.limit_s)
         self._last = time.monotonic()
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_s):
             idle_s = time.monotonic() - self._last
-            if idle_s > self.limit_s:
+            if idle_s > self._phase_limit_s:
                 print(f"ethpipe watchdog: rank {self.rank} made no progress for {idle_s:.0f} s in '{self._phase}' "
-                      f"(limit --watchdog-s {self.limit_s:g}): exiting so the job does not hang",
+                      f"(limit {self._phase_limit_s:g} s, --watchdog-s): exiting so the job does not hang",
                       file=sys.stderr, flush=True)
                 os._exit(WATCHDOG_EXIT_CODE)
