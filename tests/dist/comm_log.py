@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Call:
-    fn: str  # "batch", or the torch.distributed function: "all_reduce", "all_gather_into_tensor", "send", ...
+    fn: str  # "batch", or the torch.distributed function: "all_reduce", "all_gather_single", "send", ...
     group: tuple[int, ...]
     ops: tuple[tuple[str, int, int, str], ...] = ()  # batch: (kind, peer, elements, dtype) per op
     numel: int = 0
@@ -36,12 +36,13 @@ class CommLog:
     calls: list[Call] = field(default_factory=list)
 
     def steps(self) -> list[list[Call]]:
-        """The calls split after each step's stats all-gather over the world (one per step, ``gather_stats``)."""
+        """The calls split after start-up (its last call: the barrier before the first step) and after each
+        step's stats all-gather over the world (one per step, ``gather_stats``)."""
         world = tuple(range(dist.get_world_size()))
         out: list[list[Call]] = [[]]
         for call in self.calls:
             out[-1].append(call)
-            if call.fn == STATS and call.group == world:
+            if (call.fn == STATS and call.group == world) or call.fn == START_BARRIER:
                 out.append([])
         return out[:-1] if not out[-1] else out
 
@@ -50,10 +51,11 @@ def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
-STATS = "all_gather_into_tensor"  # the step's stats collective (``observe/metrics.gather_stats``)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
-               "gather", "gather_object", "all_gather_object", "barrier", "send", "recv")
-TWO_TENSORS = ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")  # (output, input, ...): count the input
+STATS = "all_gather_single"  # the step's stats collective (``observe/metrics.gather_stats``)
+START_BARRIER = "monitored_barrier"  # start-up's last collective (``start/preflight.wait_for_every_rank``)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "reduce_scatter_single", "reduce", "broadcast",
+               "gather", "gather_object", "all_gather_object", "barrier", "monitored_barrier", "send", "recv")
+TWO_TENSORS = ("all_gather", "all_gather_single", "reduce_scatter_single")  # (output, input, ...): count the input
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from ethpipe.runtime.data import TokenFile, sample_ids
 from ethpipe.runtime.groups import control_group
 from ethpipe.runtime.observe.sinks import open_sinks
 from ethpipe.runtime.start.checks import check_inputs, check_plan_runnable
-from ethpipe.runtime.start.placement import gather_and_check
+from ethpipe.runtime.start.placement import check_placement, local_device_info
 from ethpipe.runtime.start.preflight import settle
 from ethpipe.runtime.start.run_settings import resume_line, write_replanned_plan
 from ethpipe.runtime.start.watchdog import Watchdog
@@ -84,10 +84,11 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
                 sinks = open_sinks(plan, config, start)
             except Exception as err:  # noqa: BLE001 - a directory, a login, a package: the user's to fix
                 problem = UserError(f"--tensorboard / --wandb could not start: {str(err).splitlines()[0]}")
-        settle(problem, control)
-        _check_same_plan(plan, device)
-        if not config.emulate:  # emulated device types run on CPUs
-            gather_and_check(plan, device, control)
+        device_info = None if config.emulate else local_device_info(device)  # emulated types run on CPUs
+        payloads = settle(problem, control, (plan_key(plan), device_info))
+        check_same_plan([key for key, _ in payloads])
+        if device_info is not None:
+            check_placement(plan, [info for _, info in payloads])
         if rank == 0:
             print(start_banner(plan, config, start, device), flush=True)
             if start.manifest is not None:
@@ -102,7 +103,6 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
                 plan, replanner = outcome.switch_to, None  # one switch per run
                 config = dataclasses.replace(config, resume=True, auto_resume=False, init_from=None)
                 spec, data, start = _switch_point(plan, config, world_size, outcome.switch_step, control)
-                _check_same_plan(plan, device)
                 _release_memory(device)
                 if rank == 0:
                     saved = write_replanned_plan(plan, config.checkpoint_dir)
@@ -130,7 +130,7 @@ def _switch_point(plan: Plan, config: TrainConfig, world_size: int, step: int,
                             "the checkpoint directory is not shared consistently; resume with --auto-resume")
     except UserError as err:
         problem = err
-    settle(problem, control)
+    check_same_plan(settle(problem, control, plan_key(plan)))
     return spec, data, start
 
 
@@ -157,14 +157,16 @@ def start_banner(plan: Plan, config: TrainConfig, start: ResumePoint, device: to
             f"{dtype} ({why}), {steps}")
 
 
-def _check_same_plan(plan: Plan, device: torch.device) -> None:
-    """Every rank must run the same plan (each may have re-planned on its own, e.g. after a restart)."""
-    d = plan.to_dict()  # what execution depends on (not e.g. the planner's timing of itself)
+def plan_key(plan: Plan) -> int:
+    """A checksum of what execution depends on (not e.g. the planner's timing of itself)."""
+    d = plan.to_dict()
     key = json.dumps([d[k] for k in ("model", "global_batch_size", "seq_len", "pipelines", "blocks")] +
                      [plan.extra.get("device_speeds"), plan.shard_optimizer, list(plan.shard_weights)], sort_keys=True)
-    local = torch.tensor([zlib.crc32(key.encode())], dtype=torch.int64, device=device)
-    parts = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(parts, local)  # one collective, one tensor: no per-rank outputs
-    if len(set(parts.tolist())) > 1:
+    return zlib.crc32(key.encode())
+
+
+def check_same_plan(keys: list[int]) -> None:
+    """Every rank must run the same plan (each may have re-planned on its own, e.g. after a restart)."""
+    if len(set(keys)) > 1:
         raise UserError("the ranks were given different plans: give every rank the same --plan (or the same "
                         "--replan-cluster, so they all plan alike)")

@@ -59,7 +59,7 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
     """The step's stats on every rank, in ONE collective on the world's device group and one read of it.
 
     ``device_values`` (``DEVICE_FIELDS``, fp64 on the device) and ``host_values()`` (``HOST_FIELDS``: the
-    step's timings) go in one fixed-size vector per rank, all-gathered with ``all_gather_into_tensor`` (one
+    step's timings) go in one fixed-size vector per rank, all-gathered with ``all_gather_single`` (one
     collective whatever the world size: no list of per-rank outputs, no host-side gloo ring over the world).
     On a GPU the timings come from the step's CUDA events, so the host first waits for the step's work (the
     events complete), then launches the all-gather and reads its result: the read after it waits for that
@@ -71,7 +71,7 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
     host = torch.tensor(list(host_values()), dtype=torch.float64).to(device)
     local = torch.cat([device_values.reshape(-1), host])
     gathered = torch.empty(world * local.numel(), dtype=local.dtype, device=device)
-    dist.all_gather_into_tensor(gathered, local)
+    dist.all_gather_single(gathered, local)
     rows = gathered.view(world, -1).tolist()
     col = {f: [row[i] for row in rows] for i, f in enumerate(DEVICE_FIELDS + HOST_FIELDS)}
     col["busy_s"] = [f + b for f, b in zip(col["fwd_s"], col["bwd_s"])]  # F and B time, as Timeline.busy_s

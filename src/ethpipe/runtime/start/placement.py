@@ -18,10 +18,8 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ethpipe.catalog import GpuSpec, gpu_catalog
 from ethpipe.cluster import cluster_from_dict
@@ -167,11 +165,3 @@ def _node_order(plan: Plan) -> dict[int, int]:
     if plan.cluster is None:
         return {}
     return {d.rank: d.node for d in plan.active_cluster().devices}
-
-
-def gather_and_check(plan: Plan, device: torch.device, group: dist.ProcessGroup | None) -> list[DeviceInfo]:
-    """All-gather every rank's device over ``group`` (gloo) and check the placement on every rank."""
-    infos: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(infos, local_device_info(device), group=group)
-    check_placement(plan, infos)
-    return infos

@@ -22,14 +22,16 @@ from ethpipe.errors import ReportedElsewhere, UserError
 from ethpipe.runtime.start.watchdog import Watchdog
 
 
-def settle(problem: UserError | None, group: dist.ProcessGroup | None) -> None:
-    """Collective over the world: raise the first failing rank's error there, ``ReportedElsewhere`` elsewhere."""
+def settle(problem: UserError | None, group: dist.ProcessGroup | None, payload: Any = None) -> list[Any]:
+    """Collective over the world: raise the first failing rank's error there, ``ReportedElsewhere`` elsewhere;
+    else every rank's ``payload`` (what else start-up compares across ranks rides in the same exchange: the
+    plan's key, the device: one world-wide collective instead of three)."""
     mine = None if problem is None else (socket.gethostname(), str(problem).splitlines()[0])
     outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, mine, group=group)
-    failed = [(rank, o) for rank, o in enumerate(outcomes) if o is not None]
+    dist.all_gather_object(outcomes, (mine, payload), group=group)
+    failed = [(rank, o) for rank, (o, _) in enumerate(outcomes) if o is not None]
     if not failed:
-        return
+        return [p for _, p in outcomes]
     first, (host, message) = failed[0]
     if dist.get_rank() == first:
         others = f" ({len(failed) - 1} more ranks failed their checks too)" if len(failed) > 1 else ""

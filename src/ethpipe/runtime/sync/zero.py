@@ -6,12 +6,12 @@ tensor (the flat buffer, each direct slice: ``grad_buckets``) is cut into one co
 in proportion to the plan's ``shard_weights`` (equal by default); the cut is pure arithmetic on numbers
 every holder has, so all holders agree on it. Per step and bucket tensor, whatever the number of holders:
 
-1. instead of an all-reduce, ONE ``reduce_scatter_tensor`` sums the gradient and leaves each holder its
+1. instead of an all-reduce, ONE ``reduce_scatter_single`` sums the gradient and leaves each holder its
    shard (half an all-reduce's traffic and latency, on gloo and NCCL alike);
 2. each rank runs AdamW (``torch.optim.adamw.adamw``, the functional form of the unsharded optimizer) on
    its shards only, cut at parameter boundaries so weight decay stays per parameter, on views of the
    parameters themselves (the parameters of a bucket live in a flat buffer laid out like its gradients);
-3. ONE ``all_gather_into_tensor`` brings every holder's updated shard to the others, in the one global
+3. ONE ``all_gather_single`` brings every holder's updated shard to the others, in the one global
    bucket order reversed (a reversed total order is one order too), waited before the next step's forwards.
 
 The collectives' chunks are equal and in group-rank order: where the shards are (equal shards of a tensor
@@ -155,7 +155,7 @@ class ShardedBuckets(GradBuckets):
                 for (a, b), slot in zip(bounds, slots):
                     source[slot * length:slot * length + b - a].copy_(flat[a:b])
             out = flat.new_empty(length)
-            works.append(dist.reduce_scatter_tensor(out, source, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            works.append(dist.reduce_scatter_single(out, source, op=dist.ReduceOp.SUM, group=group, async_op=True))
             a, b = bounds[me]
             self._scattered[id(bucket)].append((out[:b - a], flat[a:b]))
         return works
@@ -182,7 +182,7 @@ class ShardedBuckets(GradBuckets):
         mine = full.new_zeros(length)
         mine[:b - a].copy_(full[a:b])  # the input never aliases the output
         out = full if direct else full.new_empty(len(bounds) * length)
-        work = dist.all_gather_into_tensor(out, mine, group=self.groups[bucket.holders], async_op=True)
+        work = dist.all_gather_single(out, mine, group=self.groups[bucket.holders], async_op=True)
         copies = [] if direct else [(out[s * length:s * length + hi - lo], full[lo:hi])
                                     for (lo, hi), s in zip(bounds, slots)]
         return work, copies
