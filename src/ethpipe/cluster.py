@@ -57,11 +57,23 @@ class NodeGroup(BaseModel):
         return self
 
 
+# A rank's NCCL communicators: the world's, its pipeline's and the gradient sync's families it is in (the
+# planner's 1024/4096-GPU plans put a rank in 2-3 groups besides the world: tests/unit/test_runtime_at_scale.py).
+NCCL_COMMUNICATORS_PER_RANK = 4
+# 656 MiB (688 MB) each: NVIDIA/nccl#964, a 4-GPU A100 NVLink node through PyTorch, 544 MB for a 2-rank group
+# and 688 MB for larger ones (#864 reports about 1.6 GB for one communicator on another system).
+NCCL_COMMUNICATOR_MIB = 656.0
+
+
 class ClusterModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
     nodes: list[NodeGroup] = Field(min_length=1)
     inter_node_latency_us: float = Field(default=10.0, ge=0)
     intra_node_latency_us: float = Field(default=5.0, ge=0)
+    # GPU memory NCCL's communicators take on each rank, outside the allocator (docs/cost-model.md, "Memory"):
+    # communicators per rank x memory per communicator, kept free on every catalog GPU.
+    nccl_communicators_per_rank: int = Field(default=NCCL_COMMUNICATORS_PER_RANK, ge=0)
+    nccl_communicator_mib: float = Field(default=NCCL_COMMUNICATOR_MIB, ge=0)
 
 
 @dataclass(frozen=True)
@@ -105,6 +117,7 @@ class Cluster:
     source: dict[str, Any]  # the validated spec, for writing into plans
     # Devices of ``source`` left out by ``without_devices``; each one's ``rank`` is its index in the full cluster.
     idle_devices: tuple[Device, ...] = ()
+    comm_reserve_bytes: int = 0  # GPU memory NCCL takes per rank (``ClusterModel.nccl_*``), outside the allocator
 
     @property
     def num_devices(self) -> int:
@@ -231,6 +244,7 @@ def cluster_from_dict(data: Any) -> Cluster:
         inter_node_latency_s=model.inter_node_latency_us * 1e-6,
         intra_node_latency_s=model.intra_node_latency_us * 1e-6,
         source=model.model_dump(mode="json", exclude_none=True),
+        comm_reserve_bytes=int(model.nccl_communicators_per_rank * model.nccl_communicator_mib * 2**20),
     )
 
 

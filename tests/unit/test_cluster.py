@@ -36,3 +36,25 @@ def test_inline_gpu_and_overrides(tmp_path) -> None:
     assert c.devices[1].gpu.id == "fast" and c.devices[1].gpu.efficiency == 0.5
     with pytest.raises(ValueError, match="not found"):
         load_cluster(tmp_path / "missing.yaml")
+
+
+def test_nccl_communicators_are_kept_free_on_catalog_gpus() -> None:
+    """Usable memory = 90% of the device less NCCL's communicators per rank x memory per communicator (the
+    cluster's own figures, defaults from NVIDIA/nccl#964); an inline device's memory figure is the user's."""
+    from ethpipe.cluster import NCCL_COMMUNICATOR_MIB, NCCL_COMMUNICATORS_PER_RANK
+    from ethpipe.cost.model import CostModel
+    from ethpipe.model_load import load_model_spec
+
+    spec = load_model_spec("tiny")
+    nodes = [{"gpu": "a100_40gb_sxm", "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 100}]
+    gib = 2 ** 30
+    cost = CostModel(cluster_from_dict({"nodes": nodes}), spec, 64)
+    nccl = int(NCCL_COMMUNICATORS_PER_RANK * NCCL_COMMUNICATOR_MIB * 2 ** 20)
+    assert nccl > gib and cost.usable_memory_bytes("a100_40gb_sxm") == int(40 * gib * 0.9) - nccl
+    mine = cluster_from_dict({"nodes": nodes, "nccl_communicators_per_rank": 6, "nccl_communicator_mib": 100})
+    assert CostModel(mine, spec, 64).usable_memory_bytes("a100_40gb_sxm") == int(40 * gib * 0.9) - 600 * 2 ** 20
+    inline = cluster_from_dict({"nodes": [{"gpu": {"id": "x", "memory_gib": 1, "peak_tflops": 1.0},
+                                           "num_nodes": 1, "gpus_per_node": 2, "nic_gbit_s": 100}]})
+    assert CostModel(inline, spec, 64).usable_memory_bytes("x") == int(gib * 0.9)
+    with pytest.raises(ValueError, match="nccl_communicator_mib"):
+        cluster_from_dict({"nodes": nodes, "nccl_communicator_mib": -1})

@@ -159,7 +159,12 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         return dict(self._speeds)  # type: ignore[attr-defined]
 
     def usable_memory_bytes(self, device_type: str) -> int:
-        return int(self.gpu(device_type).memory_bytes * memory.USABLE_MEMORY_FRACTION)
+        """What a stage may use: the device's memory less the CUDA context and fragmentation
+        (``USABLE_MEMORY_FRACTION``) and, on a catalog GPU, NCCL's communicators (``Cluster.comm_reserve_bytes``;
+        an inline device's memory figure is the user's own)."""
+        gpu = self.gpu(device_type)
+        nccl = self.cluster.comm_reserve_bytes if gpu.vendor else 0
+        return int(gpu.memory_bytes * memory.USABLE_MEMORY_FRACTION) - nccl
 
     def achievable_flops(self, device_type: str) -> float:
         """Achievable FLOP/s (over a run-measured ``DeviceScale`` where the calibration has one)."""

@@ -138,11 +138,12 @@ class _Rounds:
 
 
 def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
-    """A plan searched on the unsharded plan's devices carries that plan's idle devices and their reasons."""
-    if not plain.idle_devices:
+    """A plan searched on the unsharded plan's devices carries that plan's idle devices and the idle search's
+    record (also where it left none idle: which candidates it tried and why they lost)."""
+    record = plain.extra.get("search", {}).get("idle")
+    if not plain.idle_devices and record is None:
         return plan
-    search = {**plan.extra.get("search", {}), **({"idle": plain.extra["search"]["idle"]}
-                                                 if "idle" in plain.extra.get("search", {}) else {})}
+    search = {**plan.extra.get("search", {}), **({"idle": record} if record is not None else {})}
     return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
 
 
