@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint, read_manifest
 from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 
 from .harness import run_ranks
 from .plans import LLAMA_LIKE, make_plan
+from .test_shared_fs import _stage  # distinct keys per rank, with AdamW state
 
 pytestmark = pytest.mark.dist
 
@@ -50,14 +50,6 @@ def counted(into: Counter) -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(os, name, fn)
-
-
-def _stage(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    module = nn.ModuleDict({f"part{rank}": nn.Linear(4, 4)})
-    optimizer = torch.optim.AdamW(module.parameters())
-    sum(p.sum() for p in module.parameters()).backward()
-    optimizer.step()
-    return module, optimizer
 
 
 def _ranks(rank: int, world_size: int, root: str, out: str) -> None:

@@ -23,6 +23,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.start import launch
+from ethpipe.tokens.texts import prepare_tokens
 
 FAST = settings(max_examples=40, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -161,3 +162,34 @@ def test_replan_with_bad_clusters_gives_one_line(doc: dict[str, Any], tmp_path: 
     assert exc is None, repr(exc)
     assert "Traceback" not in out
     assert code == 0 or (code == 2 and len(out.strip().splitlines()) == 1 and out.startswith("error:")), out
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_any_process(tmp_path: Path, no_spawn: None) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GOOD_PLAN))
+    prepare_tokens(["a checkpoint directory that is a file " * 40], tmp_path / "t.bin")
+    (tmp_path / "ckpt").write_text("not a directory")
+    code, out, exc = _cli(["train", "--plan", str(plan), "--data", str(tmp_path / "t.bin"), "--steps", "1",
+                           "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert exc is None and code == 2 and out.strip().splitlines() == [
+        f"error: --checkpoint-dir '{tmp_path / 'ckpt'}' is a file, not a directory: give a directory (it is "
+        "created if missing)"], out
+
+
+def test_a_failed_run_prints_its_cause_verbatim_even_when_it_looks_like_markup(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's messages hold '[/__w/pytorch/...pair.cc:537]': printed as rich markup they crashed the reporter."""
+    from ethpipe.runtime.start.launch import TrainingFailed
+
+    message = "rank 1 crashed: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:537] Connection closed [/b]"
+
+    def failing(*_: Any, **__: Any) -> None:
+        raise TrainingFailed(message)
+
+    monkeypatch.setattr(launch, "run_local", failing)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GOOD_PLAN))
+    prepare_tokens(["markup in a message " * 40], tmp_path / "t.bin")
+    code, out, exc = _cli(["train", "--plan", str(plan), "--data", str(tmp_path / "t.bin"), "--steps", "1",
+                           "--no-progress"])
+    assert exc is None and code == 1 and out.strip() == f"error: {message}", out

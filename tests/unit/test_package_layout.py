@@ -137,3 +137,18 @@ def test_the_runtime_never_imports_the_planner_and_the_planner_never_torch_distr
             assert not any(t.startswith("ethpipe.planner") for t in targets), module
     for path in (PACKAGE / "planner").rglob("*.py"):
         assert "torch.distributed" not in path.read_text(), path
+
+
+def test_the_torch_pin_keeps_a_containers_pre_release_numbered_build() -> None:
+    """NGC ships torch as 2.13.0a0+<sha>.nv..; a pin that rejects it makes `pip install -e .` replace the
+    container's CUDA torch (README: "in a container that already has one ... keeps it")."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    torch_pin = next(Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("torch"))
+    assert torch_pin.specifier.contains("2.13.0a0+ecf3bae40a.nv25.09")
+    assert torch_pin.specifier.contains("2.13.0") and torch_pin.specifier.contains("2.13.1")
+    assert not torch_pin.specifier.contains("2.14.0a0") and not torch_pin.specifier.contains("2.12.1")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ethpipe.cli.app import app, console, err_console, user_errors
 from ethpipe.cli.run_config import config_option, config_text, from_config_file
@@ -165,7 +166,7 @@ def train(
         records = (run_torchrun(the_plan, config, replanner) if in_torchrun()
                    else run_local(the_plan, config, replanner=replanner))
     except TrainingFailed as err:  # a rank died or crashed: one line (naming the kept traceback of a crash)
-        err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)  # not markup
         sys.exit(1)
     if records:
         last = records[-1]

@@ -6,12 +6,20 @@ every rank raise the same one-line UserError instead of some ranks hanging.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ethpipe.catalog import check_one_world
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.plan_validate import check_tp
-from ethpipe.precision import check_dtype_fits, check_train_dtype, plan_gpus, train_dtype
+from ethpipe.precision import (
+    check_dtype_fits,
+    check_train_dtype,
+    plan_gpus,
+    train_dtype,
+)
+from ethpipe.runtime.adapt.emulate import check_emulation
 from ethpipe.runtime.checkpoint.consolidated import check_checkpoint
 from ethpipe.runtime.checkpoint.layout import (
     ResumePoint,
@@ -21,7 +29,6 @@ from ethpipe.runtime.checkpoint.layout import (
 )
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
-from ethpipe.runtime.adapt.emulate import check_emulation
 from ethpipe.runtime.start.run_settings import check_strict_resume
 
 
@@ -60,6 +67,10 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int,
         check_dtype_fits(plan, config.dtype)
     data = open_tokens(config.data, spec.vocab_size)
     start = ResumePoint()
+    if config.checkpoint_dir is not None and Path(config.checkpoint_dir).exists() and not Path(
+            config.checkpoint_dir).is_dir():
+        raise UserError(f"--checkpoint-dir '{config.checkpoint_dir}' is a file, not a directory: give a directory "
+                        "(it is created if missing)")
     resume = config.resume or (config.auto_resume and bool(complete_checkpoints(config.checkpoint_dir or "")))
     if resume:
         assert config.checkpoint_dir is not None
