@@ -68,6 +68,8 @@ def test_catalog_lists_gpus_and_models() -> None:
      "smaller than the"),
     (["--cluster", DEMO, "--model", "tiny", "--profile", "x.json"], "--profile-as"),
     (["--cluster", DEMO, "--model", "tiny", "--attention", "flash2"], "attention must be one of auto, materialised"),
+    (["--cluster", DEMO, "--model", "tiny", "--global-batch", "100000000"],  # extra zeros: one line, not an OOM
+     "--global-batch 100000000 is 16666666 samples per device, above 65536"),
 ])
 def test_errors_one_line_exit_2_no_file(tmp_path: Path, args, needle) -> None:
     out = tmp_path / "plan.json"

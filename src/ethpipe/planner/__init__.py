@@ -48,6 +48,11 @@ def _cyclic_gc_paused(fn: _F) -> _F:
     return paused  # type: ignore[return-value]
 
 
+# Far above any real step (4M tokens over 1024 GPUs is one 4096-token sample per GPU); the planner's tables grow
+# with the samples per pipeline, so a batch with extra zeros would fill memory before any line is printed.
+MAX_SAMPLES_PER_DEVICE = 65536
+
+
 @_cyclic_gc_paused
 def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_len: int, method: str = "eth", *,
               max_tp: int = 8, profiles: Mapping[str, MeasuredProfile] | None = None, recompute: str = "auto",
@@ -85,6 +90,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         raise UserError(f"unknown recompute mode '{recompute}': use one of {', '.join(RECOMPUTE_MODES)}")
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise UserError(f"global batch size must be a positive integer, got {global_batch_size!r}")
+    if global_batch_size > MAX_SAMPLES_PER_DEVICE * cluster.num_devices:
+        raise UserError(f"--global-batch {global_batch_size} is {global_batch_size // cluster.num_devices} samples per "
+                        f"device, above {MAX_SAMPLES_PER_DEVICE}: a batch that size is a typo (extra zeros?); give "
+                        "the samples of one optimizer step")
     if max_tp < 1:
         raise UserError(f"--max-tp must be >= 1, got {max_tp}")
     if robust and method != "eth":
