@@ -24,6 +24,7 @@ class Call:
     ops: tuple[tuple[str, int, int, str], ...] = ()  # batch: (kind, peer, elements, dtype) per op
     numel: int = 0
     dtype: str = ""
+    default_group: bool = False  # issued on the default (world) group itself, not a group of the same ranks
 
     @property
     def num_bytes(self) -> int:
@@ -38,11 +39,10 @@ class CommLog:
     def steps(self) -> list[list[Call]]:
         """The calls split after start-up (its last call: the barrier before the first step) and after each
         step's stats all-gather over the world (one per step, ``gather_stats``)."""
-        world = tuple(range(dist.get_world_size()))
         out: list[list[Call]] = [[]]
         for call in self.calls:
             out[-1].append(call)
-            if (call.fn == STATS and call.group == world) or call.fn == START_BARRIER:
+            if (call.fn == STATS and call.default_group) or call.fn == START_BARRIER:
                 out.append([])
         return out[:-1] if not out[-1] else out
 
@@ -74,7 +74,7 @@ def recording(log: CommLog) -> Iterator[CommLog]:
             first = args[1] if name in TWO_TENSORS else (args[0] if args else None)
             first = first[0] if isinstance(first, list) and first else first
             numel, dtype = (first.numel(), str(first.dtype)) if isinstance(first, torch.Tensor) else (0, "")
-            log.calls.append(Call(name, _ranks(group), numel=numel, dtype=dtype))
+            log.calls.append(Call(name, _ranks(group), numel=numel, dtype=dtype, default_group=group is None))
             return originals[name](*args, **kwargs)
         return call
 

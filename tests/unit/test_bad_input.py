@@ -193,3 +193,23 @@ def test_a_failed_run_prints_its_cause_verbatim_even_when_it_looks_like_markup(t
     code, out, exc = _cli(["train", "--plan", str(plan), "--data", str(tmp_path / "t.bin"), "--steps", "1",
                            "--no-progress"])
     assert exc is None and code == 1 and out.strip() == f"error: {message}", out
+
+
+def test_a_gpu_plan_on_a_machine_without_gpus_is_refused_unless_asked() -> None:
+    """One CPU process per rank of a GPU plan would exhaust the host: refused, with the ways to go on."""
+    from ethpipe.runtime.config import TrainConfig
+    from ethpipe.runtime.start.launch import check_local_devices
+
+    cluster = {"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 3, "nic_gbit_s": 100}]}
+    plan = Plan.from_dict({**GOOD_PLAN, "pipelines": [
+        {**p, "stages": [{**s, "device": "a100_80gb_sxm"} for s in p["stages"]]} for p in GOOD_PLAN["pipelines"]],
+        "cluster": cluster})
+    with pytest.raises(UserError) as err:
+        check_local_devices(plan, TrainConfig(data="x", steps=1), has_accelerator=False)
+    assert str(err.value) == ("the plan runs on a100_80gb_sxm but this machine has no GPU: start it where those GPUs "
+                              "are (`ethpipe launch`), or pass --emulate to emulate them here, or --device cpu to run "
+                              "its 3 ranks as CPU processes anyway")
+    check_local_devices(plan, TrainConfig(data="x", steps=1), has_accelerator=True)
+    check_local_devices(plan, TrainConfig(data="x", steps=1, emulate=True), has_accelerator=False)
+    check_local_devices(plan, TrainConfig(data="x", steps=1, device="cpu"), has_accelerator=False)
+    check_local_devices(Plan.from_dict(GOOD_PLAN), TrainConfig(data="x", steps=1), has_accelerator=False)  # "cpu": no GPU

@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
 from ethpipe.cli.learn import RunReplanner, fit_run, priced_with
+from ethpipe.cli.replanning import recorded_calibration
+from ethpipe.cost.hardware import load_calibration, shipped_calibration
 from ethpipe.cluster import load_cluster
 from ethpipe.cost.hardware import Calibration, DeviceScale, calibration_from_dict
 from ethpipe.cost.model import CostModel
@@ -121,7 +123,14 @@ def test_calibrate_from_run_writes_a_catalog_that_plan_and_replan_use(tmp_path: 
     replanned = runner.invoke(app, ["replan", "--plan", str(tmp_path / "plan.json"), "--catalog",
                                     str(tmp_path / "fitted.yaml"), "--out", str(tmp_path / "new.json")])
     assert replanned.exit_code == 0, replanned.output
-    assert Plan.load(tmp_path / "new.json").world_size == plan.world_size
+    new = Plan.load(tmp_path / "new.json")
+    assert new.world_size == plan.world_size
+    # the headline pairs prices from the same constants (the old plan's own, uncalibrated, is only mentioned)
+    headline = next(line for line in replanned.output.splitlines() if line.startswith("predicted iteration"))
+    repriced = priced_with(plan, (recorded_calibration(plan) or shipped_calibration()).merged(
+        load_calibration(tmp_path / "fitted.yaml")))
+    assert headline.startswith(f"predicted iteration {repriced:.4f} s -> {new.predicted['iteration_time_s']:.4f} s "
+                               "(both with the new constants; the old plan's own price was"), headline
     (tmp_path / "old.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
     old = runner.invoke(app, ["calibrate", "--from-run", str(tmp_path / "old.jsonl"), "--plan",
                               str(tmp_path / "plan.json"), "--out", str(tmp_path / "x.yaml")])

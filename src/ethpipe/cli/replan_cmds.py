@@ -52,11 +52,11 @@ def replan_cmd(
     took_s = time.perf_counter() - start
     if out is not None:
         new.save(out)
-    for line in describe_changes(old, new):
-        console.print(line, highlight=False)
+    repriced = None
     if calibration is not None:
         from ethpipe.cli.learn import priced_with
 
-        console.print(f"the old plan priced with --catalog: {priced_with(old, calibration):.4f} s (the same constants "
-                      "as the new plan's prediction)", highlight=False)
+        repriced = priced_with(old, calibration)
+    for line in describe_changes(old, new, repriced):  # with --catalog: both prices from the same constants
+        console.print(line, highlight=False)
     console.print(f"planned in {took_s:.3f} s" + (f"; written to {out}" if out is not None else ""), highlight=False)

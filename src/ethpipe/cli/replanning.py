@@ -105,8 +105,9 @@ def plan_shape(plan: Plan) -> str:
     return " ".join(parts)
 
 
-def describe_changes(old: Plan, new: Plan) -> list[str]:
-    """What a person needs to know: world, pipelines, split, predicted iteration time."""
+def describe_changes(old: Plan, new: Plan, old_repriced_s: float | None = None) -> list[str]:
+    """What a person needs to know: world, pipelines, split, predicted iteration time. ``old_repriced_s``: the
+    old plan priced with the new plan's constants (``replan --catalog``), the fair pair of the new price."""
     lines = [f"world size {old.world_size} -> {new.world_size}, pipelines {len(old.pipelines)} -> {len(new.pipelines)}",
              f"old: {plan_shape(old)}", f"new: {plan_shape(new)}  (device[layers per stage] x samples)"]
     if new.idle_devices:
@@ -117,7 +118,10 @@ def describe_changes(old: Plan, new: Plan) -> list[str]:
                      f"with a rank has it): resume with `ethpipe train --dtype {new.extra.get('dtype')}`")
     old_t = (old.predicted or {}).get("iteration_time_s")
     new_t = (new.predicted or {}).get("iteration_time_s")
-    if new_t is not None:
+    if new_t is not None and old_repriced_s is not None:
+        own = f"; the old plan's own price was {old_t:.4f} s" if old_t is not None else ""
+        lines.append(f"predicted iteration {old_repriced_s:.4f} s -> {new_t:.4f} s (both with the new constants{own})")
+    elif new_t is not None:
         before = f"{old_t:.4f} s -> " if old_t is not None else ""
         lines.append(f"predicted iteration {before}{new_t:.4f} s")
     return lines

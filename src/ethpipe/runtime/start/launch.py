@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ethpipe.errors import ReportedElsewhere, UserError, write_crash_report
 from ethpipe.plan import Plan
+from ethpipe.precision import plan_gpus
 from ethpipe.runtime.model.kernel_modes import apply_kernel_modes
 from ethpipe.runtime.train import Replanner, TrainConfig, check_inputs, check_plan_runnable, train
 from ethpipe.runtime.start.watchdog import WATCHDOG_EXIT_CODE
@@ -130,6 +131,17 @@ def _local_worker(rank: int, plan: Plan, config: TrainConfig, world_size: int, r
         Path(run_dir, "records.json").write_text(json.dumps(records))
 
 
+def check_local_devices(plan: Plan, config: TrainConfig, has_accelerator: bool | None = None) -> None:
+    """A plan for catalog GPUs, spawned on a machine without any: refuse rather than start one CPU process per
+    rank (a 7B plan's 16 ranks would exhaust the host) unless asked (``--emulate``, ``--device cpu``)."""
+    gpus = sorted({g.id for g in plan_gpus(plan) if g.vendor})
+    has_accelerator = torch.accelerator.is_available() if has_accelerator is None else has_accelerator
+    if gpus and not has_accelerator and not config.emulate and config.device == "auto":
+        raise UserError(f"the plan runs on {', '.join(gpus)} but this machine has no GPU: start it where those GPUs "
+                        f"are (`ethpipe launch`), or pass --emulate to emulate them here, or --device cpu to run its "
+                        f"{plan.world_size} ranks as CPU processes anyway")
+
+
 def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
               num_threads: int = 1, replanner: Replanner | None = None) -> list[dict[str, Any]]:
     """Spawn the plan's whole world on this machine, train, return rank 0's per-step records.
@@ -137,6 +149,7 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
     All input checks run here first, so bad input fails before any process starts.
     """
     check_inputs(plan, config, plan.world_size)
+    check_local_devices(plan, config)
     import torch.optim  # noqa: F401  (imported before fork so children do not each pay for it)
 
     accelerator = uses_accelerator(config)
