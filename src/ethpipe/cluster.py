@@ -8,6 +8,8 @@ none (``Cluster.without_devices``: the others, renumbered in the same order).
 
 from __future__ import annotations
 
+import difflib
+
 import functools
 import json
 from collections.abc import Iterable
@@ -216,8 +218,16 @@ def _resolve_gpu(group: NodeGroup) -> GpuSpec:
 
 
 def _first_error(err: ValidationError) -> str:
-    e = err.errors()[0]
+    """One line for the first problem; an unknown key first (a typo there also makes a required key "missing"),
+    naming the nearest valid key."""
+    errors = err.errors()
+    e = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
     where = ".".join(str(p) for p in e["loc"]) or "cluster"
+    if e["type"] == "extra_forbidden":
+        model = NodeGroup if len(e["loc"]) > 1 and e["loc"][0] == "nodes" else ClusterModel
+        near = difflib.get_close_matches(str(e["loc"][-1]), list(model.model_fields), n=1)
+        hint = f": did you mean '{near[0]}'?" if near else f": use one of {', '.join(model.model_fields)}"
+        return f"cluster spec field '{where}' is not a known key{hint}"
     return f"cluster spec field '{where}': {e['msg']}"
 
 

@@ -96,3 +96,16 @@ def check_dtype_fits(plan: Plan, dtype: str) -> None:
             f"{format_bytes(s.need_bytes)}, {format_bytes(over)} ({over} bytes) more than its "
             f"{format_bytes(s.usable_bytes)} usable (the plan was made for {planned}): re-plan with "
             f"`ethpipe plan --dtype {dtype}`, or train in {planned} (drop --dtype)")
+
+
+# torch's spellings of the precisions ethpipe names shortly (``torch.bfloat16`` -> bf16, ...).
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+                 "float64": "fp64", "double": "fp64"}
+
+
+def canonical_dtype(name: str | None) -> str | None:
+    """A precision as ethpipe names it, taking torch's spellings too (``--dtype bfloat16``)."""
+    if name is None:
+        return None
+    key = name.strip().lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(key, key)

@@ -213,3 +213,16 @@ def test_a_gpu_plan_on_a_machine_without_gpus_is_refused_unless_asked() -> None:
     check_local_devices(plan, TrainConfig(data="x", steps=1, emulate=True), has_accelerator=False)
     check_local_devices(plan, TrainConfig(data="x", steps=1, device="cpu"), has_accelerator=False)
     check_local_devices(Plan.from_dict(GOOD_PLAN), TrainConfig(data="x", steps=1), has_accelerator=False)  # "cpu": no GPU
+
+
+def test_device_cuda_without_one_is_refused_in_one_line(tmp_path: Path, no_spawn: None) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: --device cuda is valid here")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(GOOD_PLAN))
+    code, out, exc = _cli(["train", "--plan", str(plan), "--data", str(tmp_path / "t.bin"), "--steps", "1",
+                           "--no-progress", "--device", "cuda"])
+    assert exc is None and code == 2 and out.strip().splitlines() == [
+        "error: --device cuda: this machine has no CUDA device; train where the GPUs are, or use --device cpu"], out

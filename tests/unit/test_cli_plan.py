@@ -123,3 +123,12 @@ def test_a_plan_priced_partly_from_profiles_says_so_and_fully_profiled_does_not(
     both = _run(*args, "--profile", str(tmp_path / "cpu.json"), "--profile-as", "fast",
                 "--profile", str(tmp_path / "cpu.json"), "--profile-as", "slow")
     assert both.exit_code == 0 and "note:" not in both.output
+
+
+def test_torch_spellings_of_a_precision_are_taken(tmp_path: Path) -> None:
+    for spelled, meant in (("bfloat16", "bf16"), ("float32", "fp32"), ("torch.float16", "fp16")):
+        out = tmp_path / f"{spelled}.json"
+        res = _run("plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24", "--seq-len", "64",
+                   "--max-tp", "1", "--dtype", spelled, "--out", str(out))
+        assert res.exit_code == 0, res.output
+        assert json.loads(out.read_text())["dtype"] == meant

@@ -58,3 +58,17 @@ def test_nccl_communicators_are_kept_free_on_catalog_gpus() -> None:
     assert CostModel(inline, spec, 64).usable_memory_bytes("x") == int(gib * 0.9)
     with pytest.raises(ValueError, match="nccl_communicator_mib"):
         cluster_from_dict({"nodes": nodes, "nccl_communicator_mib": -1})
+
+
+@pytest.mark.parametrize("doc, line", [
+    ({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_nod": 8, "nic_gbit_s": 100}]},
+     "cluster spec field 'nodes.0.gpus_per_nod' is not a known key: did you mean 'gpus_per_node'?"),
+    ({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100}],
+      "inter_node_latency": 3}, "cluster spec field 'inter_node_latency' is not a known key: did you mean "
+                                "'inter_node_latency_us'?"),
+])
+def test_a_typo_in_a_key_names_the_key_and_the_nearest_valid_one(doc, line) -> None:
+    """Not "gpus_per_node: Field required", which hid the typo that caused it."""
+    with pytest.raises(ValueError) as err:
+        cluster_from_dict(doc)
+    assert str(err.value) == line

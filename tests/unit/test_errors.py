@@ -169,3 +169,13 @@ def test_when_nothing_is_feasible_the_reason_is_one_infeasible_line() -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(Infeasible, match="smaller than the"):
         make_plan(load_cluster("examples/clusters/a100_v100.yaml"), load_model_spec("tiny"), 1, 64, max_tp=1)
+
+
+def test_help_shows_the_extras_to_install() -> None:
+    """rich reads '[tensorboard]' as markup: the help said 'needs ethpipe.'"""
+    from typer.testing import CliRunner
+
+    from ethpipe.cli.app import app
+
+    out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "250"}).output
+    assert "ethpipe[tensorboard]" in out and "ethpipe[wandb]" in out

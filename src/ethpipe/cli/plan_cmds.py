@@ -14,6 +14,7 @@ from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cli.run_config import config_option
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
+from ethpipe.precision import canonical_dtype
 
 UNSHARDED = "eth (no ZeRO)"  # compare's row: eth planned with --no-shard-optimizer
 ONE_F_ONE_B = "eth 1F1B only"  # compare's row: eth planned with --schedules 1f1b
@@ -25,9 +26,10 @@ SeqOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per sample.")]
 TpOpt = Annotated[int, typer.Option("--max-tp", help="Largest tensor-parallel degree the planner may choose (within a "
                                                      "node; 1: pipelines and data parallelism only).")]
 RecomputeOpt = Annotated[str, typer.Option("--recompute", help="auto | never | always.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Training precision the plan is priced for: auto (bf16 where "
-                                                   "every device the plan runs on has it, else fp16) | bf16 | fp16 | fp32 "
-                                                   "(match `ethpipe train --dtype`).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", callback=canonical_dtype,
+                                       help="Training precision the plan is priced for: auto (bf16 where every device "
+                                            "the plan runs on has it, else fp16) | bf16 | fp16 | fp32 (torch's "
+                                            "spellings too: bfloat16, float16, float32; match `ethpipe train --dtype`).")]
 ProfileOpt = Annotated[Optional[list[Path]], typer.Option("--profile", help="Measured profile (repeatable).")]
 ProfileAsOpt = Annotated[Optional[list[str]], typer.Option("--profile-as", help="Device type of each --profile.")]
 Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32", help="fp32 plans: matmuls on TF32 tensor cores where the "

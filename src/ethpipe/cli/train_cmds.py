@@ -13,6 +13,7 @@ from rich.markup import escape
 from ethpipe.cli.app import app, console, err_console, user_errors
 from ethpipe.cli.run_config import config_option, config_text, from_config_file
 from ethpipe.errors import UserError
+from ethpipe.precision import canonical_dtype
 from ethpipe.cli.learn import DEFAULT_MIN_GAIN
 from ethpipe.comm.program import DEFAULT_BUCKET_BYTES
 
@@ -34,7 +35,7 @@ def train(
     seed: int = typer.Option(0, "--seed", help="Seed of the model init and of --shuffle."),
     shuffle: bool = typer.Option(False, "--shuffle", help="Visit samples in a seeded random permutation."),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="Default: the plan's precision (what its memory was checked for; fp32 if it records "
+        None, "--dtype", callback=canonical_dtype, help="Default: the plan's precision (what its memory was checked for; fp32 if it records "
                               "none). fp32; bf16 or fp16 (autocast over fp32 weights and optimizer; fp16 with "
                               "dynamic loss scaling); or fp64 (weights, activations and optimizer in float64: "
                               "verifies exactness, ~2x slower). Another precision than the plan's is re-checked "
@@ -52,7 +53,8 @@ def train(
     warmup_steps: int = typer.Option(0, "--warmup-steps", help="Linear LR warm-up steps (default: none)."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant (default) or cosine."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
-    device: str = typer.Option("auto", "--device", help="auto (accelerator if present) or cpu."),
+    device: str = typer.Option("auto", "--device", help="auto (accelerator if present), cuda (refuse to run "
+                               "without one) or cpu."),
     timeout_s: float = typer.Option(300.0, "--timeout-s", help="Fail any collective that waits longer."),
     start_timeout_s: float = typer.Option(
         1800.0, "--start-timeout-s", help="Wait this long for the slowest rank to build and load its stage."),
@@ -61,9 +63,9 @@ def train(
                                   "predicted step time, loss scale) every N steps; 0: every 10 s when the output is "
                                   "not a terminal (SLURM logs, | tee), else the progress bar only."),
     tensorboard: Optional[Path] = typer.Option(None, "--tensorboard", help="Write TensorBoard event files here "
-                                               "(needs the tensorboard package: ethpipe[tensorboard])."),
+                                               "(needs the tensorboard package: pip install 'ethpipe\\[tensorboard]')."),
     wandb: Optional[str] = typer.Option(None, "--wandb", help="Log to this Weights & Biases project, offline (a run "
-                                        "directory for `wandb sync`) unless WANDB_MODE is set; needs ethpipe[wandb]."),
+                                        "directory for `wandb sync`) unless WANDB_MODE is set; needs ethpipe\\[wandb]."),
     checkpoint_dir: Optional[Path] = typer.Option(
         None, "--checkpoint-dir", help="Save training checkpoints here (plan-independent; see `ethpipe inspect`)."),
     save_every: int = typer.Option(0, "--save-every", help="Checkpoint every K steps (0: only after the last)."),
@@ -115,8 +117,15 @@ def train(
     from ethpipe.runtime.adapt.rebalance import parse_rebalance
     from ethpipe.runtime.train import TrainConfig
 
-    if device not in ("auto", "cpu"):
-        raise UserError(f"--device must be auto or cpu, got {device!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device must be auto, cuda or cpu, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: this machine has no CUDA device; train where the GPUs are, or use "
+                            "--device cpu")
+        device = "auto"  # the accelerator, one per local rank
     slowdowns = tuple(parse_slowdown(text) for text in emulate_slowdown or [])
     if slowdowns and not emulate:
         raise UserError("--emulate-slowdown needs --emulate (it slows an emulated device)")
