@@ -315,3 +315,17 @@ def test_robust_idling_is_judged_by_the_worst_case() -> None:
     assert all("worst_case_time_s" in c for c in tried if "iteration_time_s" in c)
     assert plan.idle_devices and "worst case" in plan.idle_devices[0].reason
     assert plan.predicted["worst_case_time_s"] <= plan.extra["search"]["idle"]["full_cluster_iteration_time_s"]
+
+
+def test_no_idle_uses_every_device(tmp_path: Path) -> None:
+    """`plan --no-idle`: the whole cluster has ranks even where the planner would leave the slow nodes idle."""
+    cluster, out = tmp_path / "c.yaml", tmp_path / "p.json"
+    cluster.write_text(yaml.safe_dump(SLOW_FIRST))
+    args = ["plan", "--cluster", str(cluster), "--model", "tiny", "--global-batch", "8", "--seq-len", str(SEQ),
+            "--max-tp", "1", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0 and Plan.load(out).idle_devices, res.output  # the planner idles the slow nodes
+    res = CliRunner().invoke(app, [*args, "--no-idle"])
+    assert res.exit_code == 0, res.output
+    plan = Plan.load(out)
+    assert not plan.idle_devices and plan.world_size == 8

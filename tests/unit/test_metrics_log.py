@@ -60,3 +60,16 @@ def test_log_every_steps_prints_on_a_terminal_too() -> None:
     writer.write(_record(1))
     writer.close()
     assert "step 1/2" in out.getvalue() and "step 2/2" in out.getvalue()
+
+
+def test_the_console_line_says_what_torchtitan_prints() -> None:
+    """Loss, grad norm, lr, memory (GiB and the fullest rank's share of its device), throughput, MFU."""
+    out = io.StringIO()
+    gib = 2 ** 30
+    writer = MetricsWriter(None, 1, progress=True, interactive=False, out=out, predicted_step_s=0.25,
+                           predicted_mfu=0.4, capacity_bytes=[80 * gib, 16 * gib])
+    writer.write(_record(0, grad_norm=1.2345, lr=3e-4, peak_memory_bytes=[40 * gib, 12 * gib]))
+    writer.close()
+    assert out.getvalue().splitlines() == [
+        "step 1/1  loss 3.0000  grad norm 1.23  lr 0.0003  memory 12.00 GiB (75% of rank 1's device)  "
+        "12,346 tok/s  step 0.500 s (plan predicted 0.250 s)  MFU 20.0%"]

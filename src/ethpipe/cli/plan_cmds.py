@@ -170,18 +170,22 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
              help="eth: also plan with the AdamW state sharded across pipelines (ZeRO-1) and keep it where that "
                   "is faster; --no-shard-optimizer: every rank keeps its stage's whole state.")] = True,
          schedules: SchedulesOpt = None,
+         no_idle: Annotated[bool, typer.Option("--no-idle", help="Use every device, also where the planner would "
+                                                                "leave some idle (docs/plan-format.md, \"Idle "
+                                                                "devices\").")] = False,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          config_file: Annotated[Optional[Path], config_option(annotated=True)] = None,
          ) -> None:
     """Plan a training iteration and print (or write) the plan."""
     from ethpipe.cost.hardware import load_calibration
-    from ethpipe.planner import make_plan
+    from ethpipe.planner import PlannerOptions, make_plan
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
                        dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
-                       attention=attention, shard_optimizer=shard_optimizer, schedules=parse_schedules(schedules))
+                       attention=attention, shard_optimizer=shard_optimizer, schedules=parse_schedules(schedules),
+                       options=PlannerOptions(allow_idle=not no_idle))
     if out is not None:
         result.save(out)
     if as_json:

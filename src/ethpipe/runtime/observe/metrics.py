@@ -114,16 +114,30 @@ def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: in
 LOG_EVERY_S = 10.0  # piped runs: one console line at least this often (and after the last step)
 
 
-def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | None) -> str:
-    """One step as a plain console line: what a log file of a long run needs to be watched."""
+def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | None,
+             capacity_bytes: Sequence[int] = ()) -> str:
+    """One step as a plain console line: what a log file of a long run needs to be watched (as torchtitan
+    prints: loss, grad norm, lr, memory, throughput, MFU). ``capacity_bytes``: each rank's device memory, for
+    the fullest rank's share."""
     parts = [f"step {record['step'] + 1}/{num_steps}"]
     if record.get("loss") is not None:
         parts.append(f"loss {record['loss']:.4f}")
+    if record.get("grad_norm") is not None:
+        parts.append(f"grad norm {record['grad_norm']:.3g}")
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.3g}")
+    peaks = record.get("peak_memory_bytes") or []
+    if peaks:
+        fullest = max(range(len(peaks)), key=lambda r: peaks[r] / capacity_bytes[r] if capacity_bytes else peaks[r])
+        share = f" ({peaks[fullest] / capacity_bytes[fullest]:.0%} of rank {fullest}'s device)" if capacity_bytes else ""
+        parts.append(f"memory {peaks[fullest] / 2**30:.2f} GiB{share}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     step = f"step {record['iteration_time_s']:.3f} s"
     if predicted_step_s:
         step += f" (plan predicted {predicted_step_s:.3f} s)"
     parts.append(step)
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu']:.1%}")
     if record.get("loss_scale") is not None:
         parts.append(f"loss scale {record['loss_scale']:g}" + (" (skipped)" if record.get("skipped") else ""))
     return "  ".join(parts)
@@ -140,8 +154,10 @@ class MetricsWriter:
     def __init__(self, path: str | None, num_steps: int, progress: bool, append: bool = False,
                  log_every_s: float = LOG_EVERY_S, predicted_step_s: float | None = None,
                  interactive: bool | None = None, out: IO[str] | None = None, total_steps: int | None = None,
-                 log_every_steps: int = 0, predicted_mfu: float | None = None, sinks: Sequence[Any] = ()) -> None:
-        """``sinks`` (dashboards) get every record; their owner closes them."""
+                 log_every_steps: int = 0, predicted_mfu: float | None = None, sinks: Sequence[Any] = (),
+                 capacity_bytes: Sequence[int] = ()) -> None:
+        """``sinks`` (dashboards) get every record; their owner closes them. ``capacity_bytes``: each rank's
+        device memory (GPUs), for the console line's memory share."""
         self.records: list[dict[str, Any]] = []
         self._file: IO[str] | None = None
         if path is not None:
@@ -155,6 +171,7 @@ class MetricsWriter:
         self._lines = progress and (not interactive or log_every_steps > 0)
         self._num_steps, self._log_every_s, self._predicted_s = num_steps, log_every_s, predicted_step_s
         self._log_every_steps, self._predicted_mfu, self._sinks = log_every_steps, predicted_mfu, list(sinks)
+        self._capacity = list(capacity_bytes)
         self._total = total_steps if total_steps is not None else num_steps  # a resumed run counts from its start
         self._last_line = -math.inf
         if progress and interactive:
@@ -189,7 +206,7 @@ class MetricsWriter:
         now = time.monotonic()
         if self._lines and self._due(now):
             self._last_line = now
-            line = log_line(record, self._total, self._predicted_s)
+            line = log_line(record, self._total, self._predicted_s, self._capacity)
             if self._progress is not None:
                 self._progress.console.print(line, highlight=False, markup=False)
             else:

@@ -155,6 +155,9 @@ def metrics_writer(plan: Plan, config: TrainConfig, start: ResumePoint, device: 
     memory = plan_memory(plan, config, device)
     for sink in sinks:
         sink.plan_memory_bytes = memory
+    capacity = {d["rank"]: int(d.get("memory_capacity_bytes", 0)) for d in predicted.get("devices", [])}
+    on_gpus = memory and all(capacity.get(r, 0) > 0 for r in range(plan.world_size))
     return MetricsWriter(config.metrics, config.steps - start.step, config.progress, append=start.step > 0,
                          predicted_step_s=predicted.get("iteration_time_s"), total_steps=config.steps,
-                         log_every_steps=config.log_every, predicted_mfu=predicted.get("mfu"), sinks=sinks)
+                         log_every_steps=config.log_every, predicted_mfu=predicted.get("mfu"), sinks=sinks,
+                         capacity_bytes=[capacity[r] for r in range(plan.world_size)] if on_gpus else ())
