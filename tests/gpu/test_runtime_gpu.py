@@ -172,3 +172,16 @@ def test_gpu_two_stage_pipeline_with_32_mib_messages_and_a_several_gb_final_save
     assert out.stat().st_size > 5e9
     with safe_open(str(out), framework="pt") as f:
         assert "layers.5.mlp.w2.weight" in f.keys() and "tok_emb.weight" in f.keys()
+
+
+def test_the_device_memory_in_use_covers_the_allocators_and_more() -> None:
+    """`device_used_bytes` (total - free) sees the CUDA context and the allocator's cache beside its tensors."""
+    import torch
+
+    from ethpipe.runtime.observe.metrics import device_used_bytes
+
+    device = torch.device("cuda", 0)
+    block = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=device)
+    used = device_used_bytes(device)
+    assert used >= torch.cuda.memory_reserved(device) >= block.numel()
+    del block

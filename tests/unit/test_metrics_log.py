@@ -73,3 +73,13 @@ def test_the_console_line_says_what_torchtitan_prints() -> None:
     assert out.getvalue().splitlines() == [
         "step 1/1  loss 3.0000  grad norm 1.23  lr 0.0003  memory 12.00 GiB (75% of rank 1's device)  "
         "12,346 tok/s  step 0.500 s (plan predicted 0.250 s)  MFU 20.0%"]
+
+
+def test_the_memory_the_device_shows_is_reported_beside_the_allocators_peak() -> None:
+    """On CPU the resident set now (torch alone is well over 50 MiB); on a GPU total - free (tests/gpu)."""
+    import torch
+
+    from ethpipe.runtime.observe.metrics import HOST_FIELDS, device_used_bytes
+
+    assert "device_used_bytes" in HOST_FIELDS and "peak_memory_bytes" in HOST_FIELDS
+    assert device_used_bytes(torch.device("cpu")) > 50 * 2 ** 20

@@ -42,8 +42,8 @@ from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
 from ethpipe.runtime.groups import RankGroups, build_groups, destroy_groups
 from ethpipe.runtime.model.decoder import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import TPGroup
-from ethpipe.runtime.observe.metrics import (MetricsWriter, StepStats, gather_stats, peak_memory_bytes,
-                                             step_record, write_trace)
+from ethpipe.runtime.observe.metrics import (MetricsWriter, StepStats, device_used_bytes, gather_stats,
+                                             peak_memory_bytes, step_record, write_trace)
 from ethpipe.runtime.observe.sinks import metrics_writer
 from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_step
@@ -374,7 +374,7 @@ def _timings(timeline: Timeline) -> list[float]:
     """This step's HOST_FIELDS (``metrics``), resolved from its marks (complete after the stats read)."""
     timeline.finish_step()
     return [timeline.fwd_s, timeline.bwd_s, max(0.0, timeline.phase_s - timeline.busy_s), timeline.sync_exposed_s,
-            float(peak_memory_bytes(timeline.device))]
+            float(peak_memory_bytes(timeline.device)), float(device_used_bytes(timeline.device))]
 
 
 def _initial_scaler(start: ResumePoint) -> LossScaler:

@@ -9,6 +9,7 @@ are read lazily (each stage reads only its own tensors); anything else goes thro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.runtime.model.decoder import state_dict_shapes
-from ethpipe.runtime.model.tensor_parallel import gather_full, local_slice
+from ethpipe.runtime.model.tensor_parallel import gather_full, local_slice, shard_dim
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -36,7 +37,7 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         if _is_safetensors(path):
             with safe_open(str(path), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # shapes only: nothing read
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
         raise UserError(f"--init-from file '{path}' is not a readable state dict: {str(err).splitlines()[0]}") from None
     if not isinstance(state, dict):
@@ -76,21 +77,32 @@ def load_into(module: nn.Module, path: str | Path) -> None:
 
         load_stage(module, path)
         return
-    names = list(module.state_dict().keys())
-    if _is_safetensors(path):
-        with safe_open(str(path), framework="pt") as f:
-            subset = {k: f.get_tensor(k) for k in names}
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        subset = {k: state[k] for k in names}
     tp = getattr(module, "tp", None)
-    module.load_state_dict({k: local_slice(v, k, tp) for k, v in subset.items()})  # a TP rank keeps its slice
+    params = module.state_dict()
+    with torch.no_grad():
+        if _is_safetensors(path):
+            with safe_open(str(path), framework="pt") as f:
+                for name, param in params.items():  # this rank's slice read, one tensor at a time
+                    param.copy_(_slice_read(f.get_slice(name), name, tp))
+        else:  # memory-mapped: only this stage's pages (its TP rank's part) are read, one tensor at a time
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            for name, param in params.items():
+                param.copy_(local_slice(state[name], name, tp))
+
+
+def _slice_read(full: Any, name: str, tp: Any) -> torch.Tensor:
+    """This TP rank's part of a safetensors slice, read as that part only (``local_slice`` on the file)."""
+    dim = shard_dim(name)
+    if tp is None or tp.size == 1 or dim is None:
+        return full[:]
+    start, end = tp.part(full.get_shape()[dim])
+    return full[start:end] if dim == 0 else full[:, start:end]
 
 
 def save_atomic(state: dict[str, torch.Tensor], path: str | Path) -> None:
     """Write durably via ``atomic_path`` (fsync, rename, directory fsync): a crash never leaves half a file."""
     path = Path(path)
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    tensors = {k: _own_cpu(v) for k, v in state.items()}
     with atomic_path(path) as tmp:
         if _is_safetensors(path):
             save_file(tensors, str(tmp))
@@ -135,4 +147,14 @@ def gather_consolidated(module: nn.Module, plan: Plan, rank: int, spec: ModelSpe
             buf = torch.empty(shape, dtype=dtype)
             dist.recv(buf, src=owner, group=group)
             out[name] = buf
+    return out
+
+
+def _own_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its elements: copied only where it is a device tensor, a non-contiguous one
+    or a view into a larger storage (a parameter living in a sync bucket's flat buffer), so a state already on the
+    CPU is written without a second copy of the model."""
+    out = tensor.detach().to("cpu").contiguous()
+    if out.storage_offset() or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+        out = out.clone()
     return out

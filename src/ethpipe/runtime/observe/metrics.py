@@ -25,7 +25,7 @@ from ethpipe.plan import Plan
 
 # Fields of the per-rank stats: computed on the device (read once per step), then timed on the host.
 DEVICE_FIELDS = ("loss_part", "square_norm_part", "nonfinite_part")
-HOST_FIELDS = ("fwd_s", "bwd_s", "idle_s", "sync_exposed_s", "peak_memory_bytes")
+HOST_FIELDS = ("fwd_s", "bwd_s", "idle_s", "sync_exposed_s", "peak_memory_bytes", "device_used_bytes")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -39,6 +39,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
+def device_used_bytes(device: torch.device) -> int:
+    """What the device shows in use now, beside the allocator's peak: on a GPU total - free
+    (``torch.cuda.mem_get_info``: the CUDA context, NCCL's communicators and the allocator's cached blocks
+    included, none of which ``peak_memory_bytes`` sees); on CPU the process's resident set now."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total - free)
+    try:
+        with open("/proc/self/statm") as f:  # Linux: resident pages
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 @dataclass(frozen=True)
 class StepStats:
     loss: float  # global mean token loss
@@ -49,6 +65,7 @@ class StepStats:
     rank_busy_s: tuple[float, ...] = ()  # F/B busy time of every rank (the same on every rank: rebalancing input)
     num_nonfinite: int = 0  # ranks with a non-finite gradient (fp16 loss scaling skips the step if > 0)
     rank_peak_memory_bytes: tuple[int, ...] = ()  # every rank's peak so far (``peak_memory_bytes``)
+    rank_device_used_bytes: tuple[int, ...] = ()  # every rank's device memory in use now (``device_used_bytes``)
     rank_fwd_s: tuple[float, ...] = ()  # every rank's forward time this step (device time on GPUs)
     rank_bwd_s: tuple[float, ...] = ()  # ... and backward time: what `calibrate --from-run` fits
     rank_idle_s: tuple[float, ...] = ()  # every rank's waiting time in the schedule (p2p, bubbles)
@@ -86,6 +103,7 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
         rank_busy_s=tuple(col["busy_s"]),
         num_nonfinite=int(sum(col["nonfinite_part"])),
         rank_peak_memory_bytes=tuple(int(b) for b in col["peak_memory_bytes"]),
+        rank_device_used_bytes=tuple(int(b) for b in col["device_used_bytes"]),
         rank_fwd_s=tuple(col["fwd_s"]), rank_bwd_s=tuple(col["bwd_s"]), rank_idle_s=tuple(col["idle_s"]),
     )
 
@@ -104,6 +122,7 @@ def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: in
         "grad_norm": stats.grad_norm,
         "lr": lr,
         "peak_memory_bytes": list(stats.rank_peak_memory_bytes),
+        "device_used_bytes": list(stats.rank_device_used_bytes),
         "rank_fwd_s": list(stats.rank_fwd_s),
         "rank_bwd_s": list(stats.rank_bwd_s),
         "rank_idle_s": list(stats.rank_idle_s),
@@ -129,7 +148,8 @@ def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | N
     peaks = record.get("peak_memory_bytes") or []
     if peaks:
         fullest = max(range(len(peaks)), key=lambda r: peaks[r] / capacity_bytes[r] if capacity_bytes else peaks[r])
-        share = f" ({peaks[fullest] / capacity_bytes[fullest]:.0%} of rank {fullest}'s device)" if capacity_bytes else ""
+        share = (f" ({peaks[fullest] / capacity_bytes[fullest]:.0%} of rank {fullest}'s device)"
+                 if capacity_bytes else "")
         parts.append(f"memory {peaks[fullest] / 2**30:.2f} GiB{share}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     step = f"step {record['iteration_time_s']:.3f} s"
