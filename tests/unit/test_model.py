@@ -109,3 +109,17 @@ def test_compiled_cpu_kernels_are_cached_per_cpu_capability(tmp_path) -> None:  
     assert chosen == str(tmp_path / leaf)
     assert cpu_kernel_cache_dir(chosen) == chosen  # idempotent: a second compile in the process keeps it
     assert cpu_kernel_cache_dir(None).endswith(leaf)
+
+
+def test_a_stage_that_will_be_overwritten_draws_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`build_stage(init=False)` (a resume or a state file loads every parameter): no parameter is drawn."""
+    import ethpipe.runtime.model.decoder as decoder
+
+    drawn: list[str] = []
+    real = decoder.init_parameter
+    monkeypatch.setattr(decoder, "init_parameter", lambda spec, name, *a: (drawn.append(name), real(spec, name, *a)))
+    spec = model_presets()["tiny"]
+    build_stage(spec, (0, 2), True, False, init=False)
+    assert drawn == []
+    build_stage(spec, (0, 2), True, False)
+    assert drawn and all(name in dict(build_stage(spec, (0, 2), True, False).named_parameters()) for name in drawn)

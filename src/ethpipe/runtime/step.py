@@ -21,6 +21,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,9 +165,12 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     param_dtype = PARAM_DTYPES[dtype]
     tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
     watchdog.beat("building the stage")
+    # A resume or a state file (--init-from .pt / .safetensors: every name checked present) overwrites every
+    # parameter: nothing to draw. A Hugging Face directory keeps the draw for what it might not hold.
+    loaded = start.step_dir is not None or (config.init_from is not None and not Path(config.init_from).is_dir())
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
-                         chunks=stage.chunks)
+                         chunks=stage.chunks, init=not loaded)
     if config.init_from is not None and start.step_dir is None:
         watchdog.beat(f"loading --init-from {config.init_from}")
         load_into(module, config.init_from)

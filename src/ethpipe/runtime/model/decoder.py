@@ -274,16 +274,20 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int,
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
                 device: torch.device | str = "cpu", recompute: bool = False,
                 dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
-                chunks: tuple[tuple[int, int], ...] = ()) -> Decoder:
+                chunks: tuple[tuple[int, int], ...] = (), init: bool = True) -> Decoder:
     """One pipeline stage: built on meta, then only its own parameters are allocated and initialised.
 
     ``dtype`` is the parameters' (fp32, or fp64 for exactness checks); the init draws fp32
     values either way, so an fp64 model starts from the fp32 model's exact numbers. ``tp``:
-    this rank's tensor-parallel group; each parameter holds its slice of the global tensor.
+    this rank's tensor-parallel group; each parameter holds its slice of the global tensor. ``init`` False:
+    allocated only, for a caller that overwrites every parameter (a checkpoint or a state file it loads:
+    drawing a 70B stage's global tensors first took minutes on one core).
     """
     with torch.device("meta"):
         module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp, chunks=chunks).to(dtype)
     module = module.to_empty(device=device)
+    if not init:
+        return module
     full = state_dict_shapes(spec) if module.tp is not None else {}
     for name, param in module.named_parameters():  # a tied last stage's copy is `tok_emb.weight` too: same bits
         init_parameter(spec, name, param, seed, full.get(name), module.tp)
