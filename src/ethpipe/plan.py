@@ -8,6 +8,7 @@ starts. This module must not import torch or the planner.
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -165,3 +166,12 @@ class Plan:
         except json.JSONDecodeError as err:
             raise UserError(f"plan file '{path}' is not valid JSON: {err}") from None
         return Plan.from_dict(data)
+
+
+def layout_key(plan: Plan) -> int:
+    """A checksum of the plan's stages (ranks, devices, layers, TP, chunks, schedules), not of its data split: the
+    steps of a run measured under one layout (rebalancing moves only the split) carry it in their metrics
+    (``layout``), so a fit of a run's steps takes those of the plan it is given and no other."""
+    stages = [[p.schedule, [[list(s.ranks), s.device, list(s.layers), s.tp, [list(c) for c in s.chunks]]
+                            for s in p.stages]] for p in plan.pipelines]
+    return zlib.crc32(json.dumps(stages).encode())

@@ -20,11 +20,17 @@ import ethpipe.cli.commands  # noqa: F401  (registers the commands on the app)
 from ethpipe.cli.app import app
 from ethpipe.cli.learn import RunReplanner, fit_run, priced_with
 from ethpipe.cli.replanning import recorded_calibration
-from ethpipe.cost.hardware import load_calibration, shipped_calibration
 from ethpipe.cluster import load_cluster
-from ethpipe.cost.hardware import Calibration, DeviceScale, calibration_from_dict
+from ethpipe.cost.hardware import (
+    Calibration,
+    DeviceScale,
+    calibration_from_dict,
+    load_calibration,
+    shipped_calibration,
+)
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.run_fit import fit_device_scales, stage_observations
+from ethpipe.errors import UserError
 from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import make_plan
@@ -162,3 +168,23 @@ def test_a_tensor_parallel_stages_all_reduces_are_taken_out_of_the_fit() -> None
                         "micro_batch_sizes": [list(p.micro_batch_sizes) for p in plan.pipelines]})
     scale = fit_device_scales(stage_observations(plan, records, cost))["cpu"]
     assert (scale.fwd_scale, scale.bwd_scale) == pytest.approx((3.0, 3.0), rel=1e-9)
+
+
+def test_a_fit_takes_only_the_steps_of_the_plan_it_is_given() -> None:
+    """A run that switched plans (--replan-after) has steps of two layouts in one metrics file: each step records
+    its layout, and a fit against one plan takes its own steps only (before: the old plan's steps were fitted
+    against the new plan's layout, silently)."""
+    from ethpipe.plan import layout_key
+
+    plan = _plan()
+    other = dataclasses.replace(plan, pipelines=tuple(reversed(plan.pipelines)))
+    assert layout_key(other) != layout_key(plan)
+    mine = [{**r, "layout": layout_key(plan)} for r in _records(plan)]
+    theirs = [{**r, "layout": layout_key(other), "rank_fwd_s": [9.0 * t for t in r["rank_fwd_s"]]}
+              for r in _records(plan, seed=1)]
+    clean = fit_run(plan, mine)
+    mixed = fit_run(plan, theirs + mine)  # the other layout's 9x slower steps are left out
+    assert {k: (s.fwd_scale, s.bwd_scale) for k, s in mixed.scales.items()} == {
+        k: (s.fwd_scale, s.bwd_scale) for k, s in clean.scales.items()}
+    with pytest.raises(UserError, match="no step of these metrics ran under this --plan's layout"):
+        fit_run(plan, theirs)

@@ -42,6 +42,7 @@ def fit_run(plan: Plan, records: Sequence[Mapping[str, Any]], source: str = "") 
     from ethpipe.cost.model import CostModel
     from ethpipe.cost.run_fit import fit_device_scales, fitted_calibration, stage_errors, stage_observations
 
+    records = _steps_of(plan, records)
     cost = CostModel.for_plan(plan, profiles=emulation_profiles(plan))
     obs = stage_observations(plan, records, cost)
     if not obs:
@@ -52,6 +53,20 @@ def fit_run(plan: Plan, records: Sequence[Mapping[str, Any]], source: str = "") 
     scales = fit_device_scales(obs, source)
     base = recorded_calibration(plan) or shipped_calibration()
     return RunFit(scales, fitted_calibration(base, scales, source), stage_errors(obs), stage_errors(obs, scales))
+
+
+def _steps_of(plan: Plan, records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The steps measured under ``plan``'s layout (a run that switched plans, ``--replan-after``, has steps of
+    two); metrics written before steps recorded their layout are taken as they are."""
+    from ethpipe.errors import UserError
+    from ethpipe.plan import layout_key
+
+    key = layout_key(plan)
+    mine = [r for r in records if r.get("layout", key) == key]
+    if records and not mine:
+        raise UserError("no step of these metrics ran under this --plan's layout: give the plan the run trained "
+                        "with (after a --replan-after switch, the re-planned one saved beside its checkpoints)")
+    return mine
 
 
 def priced_with(plan: Plan, calibration: Calibration) -> float:

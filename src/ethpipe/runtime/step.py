@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ethpipe.model_spec import ModelSpec
-from ethpipe.plan import Plan
+from ethpipe.plan import Plan, layout_key
 from ethpipe.precision import train_dtype
 from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
 from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
@@ -289,6 +289,7 @@ def step_extra(run: StageRun, step: int, batch: StepInputs, stats: StepStats, sc
     first_sample = run.first_sample(step)
     extra: dict[str, Any] = {"samples": [first_sample, first_sample + run.plan.global_batch_size],
                              "split": list(split_of(run.current)), "restart": run.restart,
+                             "layout": layout_key(run.plan),
                              "micro_batch_sizes": [list(p.micro_batch_sizes) for p in run.current.pipelines]}
     if run.scaler is not None:
         extra.update({"loss_scale": scale, "skipped": skipped, **({"grad_norm": None} if skipped else {})})
