@@ -42,3 +42,34 @@ def test_a_resume_names_every_changed_setting_and_the_plan_change() -> None:
     check_strict_resume(manifest, before, "fp32")  # nothing changed: fine
     old = dataclasses.replace(manifest, extra={})  # a checkpoint from before settings were recorded
     assert changed_settings(old, after, "fp32") == [] and "settings unchanged" in resume_line(old, plan, after, "fp32")
+
+
+def test_a_resume_continues_with_the_checkpoints_settings_unless_told(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`train --resume` without --lr kept 'lr 0.001 -> 0.0003' (the default) and went on; now every recorded
+    setting not given comes from the checkpoint, and a given one stays (a change the start line reports)."""
+    from types import SimpleNamespace
+
+    from ethpipe.cli.train_cmds import settings_of_the_checkpoint
+    from ethpipe.runtime.checkpoint.layout import MANIFEST, step_dir_name
+
+    plan = Plan.from_dict(dict(BASE))
+    before = TrainConfig(data="/data/tokens.bin", steps=100, lr=1e-3, clip_grad=1.0, shuffle=True, seed=7)
+    step_dir = tmp_path / step_dir_name(100)
+    step_dir.mkdir()
+    (step_dir / MANIFEST).write_text(_manifest(before, plan).to_json())
+
+    class Ctx:
+        def __init__(self, given: set[str]) -> None:
+            self.given = given
+
+        def get_parameter_source(self, name: str):  # type: ignore[no-untyped-def]
+            return SimpleNamespace(name="COMMANDLINE" if name in self.given else "DEFAULT")
+
+    resumed = TrainConfig(data="/data/tokens.bin", steps=200, checkpoint_dir=str(tmp_path), resume=True)
+    got = settings_of_the_checkpoint(Ctx(set()), resumed)
+    assert (got.lr, got.clip_grad, got.shuffle, got.seed, got.steps) == (1e-3, 1.0, True, 7, 200)
+    assert changed_settings(_manifest(before, plan), got, "fp32") == []
+    told = settings_of_the_checkpoint(Ctx({"lr"}), dataclasses.replace(resumed, lr=5e-4))
+    assert (told.lr, told.clip_grad) == (5e-4, 1.0)
+    fresh = settings_of_the_checkpoint(Ctx(set()), dataclasses.replace(resumed, resume=False))
+    assert fresh.lr == resumed.lr  # no resume: the defaults stand

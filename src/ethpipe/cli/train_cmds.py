@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.markup import escape
@@ -160,6 +160,7 @@ def train(
         log_every=log_every, tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb,
         run_config=config_text(ctx) if checkpoint_dir else None,
     )
+    config = settings_of_the_checkpoint(ctx, config)
     replanner = None
     if replan_after:
         from ethpipe.runtime.adapt.replan_step import MIN_STEPS_BEFORE_REPLAN
@@ -227,3 +228,38 @@ def prepare(
         task = bar.add_task("tokenize", total=total)
         count = write_tokens(docs, out, tokenizer, progress=lambda n: bar.advance(task, n))
     console.print(f"wrote {count} tokens to {out}")
+
+
+# TrainConfig fields a resume takes from the checkpoint unless given (``run_settings.SETTINGS``; the precision stays
+# the plan's, which a re-plan may have changed);
+# min_lr_ratio has no option: always the checkpoint's.
+RESUMED = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_grad", "seed", "shuffle")
+
+
+def settings_of_the_checkpoint(ctx: typer.Context, config: Any) -> Any:
+    """A resume continues the run as it was, as torchtitan and Megatron do: every recorded setting not given on
+    the command line (or by --config) comes from the checkpoint it resumes; a given one is a change, which the
+    start line reports (``--strict-resume`` refuses it)."""
+    import dataclasses
+
+    from ethpipe.runtime.checkpoint.layout import complete_checkpoints, read_manifest
+
+    if config.checkpoint_dir is None or not (config.resume or config.auto_resume):
+        return config
+    found = complete_checkpoints(config.checkpoint_dir)
+    if not found:
+        return config  # a fresh start (--auto-resume), or an error check_inputs words
+    try:
+        saved = read_manifest(found[-1][1]).extra.get("settings") or {}
+    except UserError:
+        return config
+    given = set()
+    for name in RESUMED:
+        try:
+            source = ctx.get_parameter_source(name)
+        except (KeyError, AttributeError):
+            source = None
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP"):
+            given.add(name)
+    taken = {k: saved[k] for k in RESUMED if k in saved and k not in given}
+    return dataclasses.replace(config, **taken) if taken else config
