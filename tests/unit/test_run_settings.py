@@ -73,3 +73,15 @@ def test_a_resume_continues_with_the_checkpoints_settings_unless_told(tmp_path) 
     assert (told.lr, told.clip_grad) == (5e-4, 1.0)
     fresh = settings_of_the_checkpoint(Ctx(set()), dataclasses.replace(resumed, resume=False))
     assert fresh.lr == resumed.lr  # no resume: the defaults stand
+
+
+def test_after_a_plan_switch_run_toml_names_the_new_plan() -> None:
+    import tomllib
+
+    from ethpipe.runtime.start.run_settings import with_plan
+
+    text = "# the options of an `ethpipe train` run\nplan = \"old.json\"\nsteps = 10\nlr = 0.001\n"
+    new = with_plan(text, "/ckpt/plan-replanned.json")
+    assert new is not None and new.startswith("# the options of an `ethpipe train` run\n")
+    assert tomllib.loads(new) == {"plan": "/ckpt/plan-replanned.json", "steps": 10, "lr": 0.001}
+    assert with_plan(None, "x") is None

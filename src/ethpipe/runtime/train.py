@@ -31,7 +31,8 @@ from ethpipe.runtime.observe.sinks import open_sinks
 from ethpipe.runtime.start.checks import check_inputs, check_plan_runnable
 from ethpipe.runtime.start.placement import check_placement, local_device_info
 from ethpipe.runtime.start.preflight import settle
-from ethpipe.runtime.start.run_settings import resume_line, write_replanned_plan
+from ethpipe.runtime.start.run_settings import (replanned_path, resume_line, with_plan, write_replanned_plan,
+                                                write_run_config)
 from ethpipe.runtime.start.watchdog import Watchdog
 from ethpipe.runtime.step import run_plan
 
@@ -101,11 +102,16 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
                 if outcome.switch_to is None:
                     return records
                 plan, replanner = outcome.switch_to, None  # one switch per run
-                config = dataclasses.replace(config, resume=True, auto_resume=False, init_from=None)
+                assert config.checkpoint_dir is not None, "a plan switch goes through a checkpoint"
+                config = dataclasses.replace(config, resume=True, auto_resume=False, init_from=None,
+                                             run_config=with_plan(config.run_config, replanned_path(
+                                                 config.checkpoint_dir)))
                 spec, data, start = _switch_point(plan, config, world_size, outcome.switch_step, control)
                 _release_memory(device)
                 if rank == 0:
                     saved = write_replanned_plan(plan, config.checkpoint_dir)
+                    if config.run_config is not None:  # run.toml repeats the run from here: with the new plan
+                        write_run_config(config.run_config, config.checkpoint_dir)
                     print(f"switched to the re-planned plan at step {start.step}: {len(plan.pipelines)} pipelines, "
                           f"predicted {(plan.predicted or {}).get('iteration_time_s', 0.0):.4f} s/step; after a "
                           f"crash resume with --plan {saved}", flush=True)

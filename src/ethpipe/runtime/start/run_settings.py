@@ -63,9 +63,26 @@ def write_run_config(text: str, checkpoint_dir: str) -> None:
 REPLANNED_PLAN_NAME = "plan-replanned.json"  # the plan a `--replan-after` switch chose
 
 
+def replanned_path(checkpoint_dir: str) -> str:
+    return os.path.join(checkpoint_dir, REPLANNED_PLAN_NAME)
+
+
 def write_replanned_plan(plan: Plan, checkpoint_dir: str | None) -> str:
     """Keep the switched-to plan beside its checkpoints: a restart after a crash resumes with it (``--plan``)."""
     assert checkpoint_dir is not None, "a plan switch goes through a checkpoint"
-    path = os.path.join(checkpoint_dir, REPLANNED_PLAN_NAME)
+    path = replanned_path(checkpoint_dir)
     plan.save(path)
     return path
+
+
+def with_plan(run_config: str | None, plan_path: str) -> str | None:
+    """``run.toml``'s text naming ``plan_path`` as the plan (after a ``--replan-after`` switch: the run goes on,
+    and is repeated, with the re-planned plan); its comment lines are kept."""
+    if run_config is None:
+        return None
+    import tomllib
+
+    import tomli_w
+
+    header = "".join(line + "\n" for line in run_config.splitlines() if line.startswith("#"))
+    return header + tomli_w.dumps({**tomllib.loads(run_config), "plan": plan_path})
