@@ -96,3 +96,13 @@ def test_measured_style_trace_reads_and_draws(tmp_path: Path) -> None:
     assert trace.span_s == pytest.approx(4e-3) and trace.thread_names == {(0, 0): "rank 0 (cpu)"}
     draw_timeline(trace, tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 5_000
+
+
+def test_weight_gradient_passes_have_their_own_colour_and_legend_entry() -> None:
+    """zb-h1's W passes drew as backward with no legend entry."""
+    from ethpipe.sim.timeline import _COLOURS, _kind
+    from ethpipe.sim.trace import TraceEvent
+
+    kinds = {name: _kind(TraceEvent(name, "compute", 0, 0, 0.0, 1.0)) for name in ("F3", "B3", "W3", "W3.1")}
+    assert kinds == {"F3": "forward", "B3": "backward", "W3": "weight grad (W)", "W3.1": "weight grad (W)"}
+    assert _COLOURS["weight grad (W)"] not in (_COLOURS["backward"], _COLOURS["forward"])

@@ -23,6 +23,7 @@ from ethpipe.sim.trace import Trace, TraceEvent
 _COLOURS = {
     "forward": "#4C78A8",
     "backward": "#F58518",
+    "weight grad (W)": "#FFBF79",  # zb-h1's deferred weight-gradient passes
     "p2p": "#B279A2",
     "allreduce": "#E45756",
     "optimizer": "#54A24B",
@@ -44,10 +45,10 @@ def _boxes(spans: list[tuple[float, float, float]], half_height: float, colour: 
 def _kind(event: TraceEvent) -> str:
     """Colour class by name first (``F3``/``B3``/``W3``/``recv F3``/``allreduce block 2``), then category,
     so traces from the runtime (which may categorise differently) draw the same way; a split backward's
-    W draws as backward."""
+    W draws in its own lighter colour."""
     head = event.name.split(" ")[0]
     if is_action_name(head):
-        return "forward" if head[0] == "F" else "backward"
+        return {"F": "forward", "W": "weight grad (W)"}.get(head[0], "backward")
     if head in ("recv", "send") or event.cat == "p2p":
         return "p2p"
     if head.startswith("allreduce") or event.cat == "allreduce":
@@ -89,7 +90,7 @@ def draw_timeline(trace: Trace, path: str | Path, title: str | None = None) -> N
         ax.add_collection(_boxes(spans, 0.4, _COLOURS[kind], edge_width))
     if len(work) <= _LABEL_LIMIT:
         for e in work:
-            if _kind(e) in ("forward", "backward"):
+            if _kind(e) in ("forward", "backward", "weight grad (W)"):
                 x = (e.start_s - origin + e.dur_s / 2) * 1e3
                 ax.text(x, y_of[(e.pid, e.tid)], e.name[1:], ha="center", va="center", fontsize=6, color="white")
     ax.set_ylim(y - 0.4, -0.6)
@@ -109,7 +110,7 @@ def draw_timeline(trace: Trace, path: str | Path, title: str | None = None) -> N
             ys = [y_of[r] for r in rows if r[0] == pid]
             ax.text(1.004, (min(ys) + max(ys)) / 2, trace.process_names.get(pid, f"pipeline {pid}"), transform=side,
                     rotation=270, va="center", ha="left", fontsize=8, color="#444444")
-    legend = [Patch(facecolor=c, label=k) for k, c in _COLOURS.items() if k != "other"]
+    legend = [Patch(facecolor=c, label=k) for k, c in _COLOURS.items() if k in spans_by_kind and k != "other"]
     legend.append(Patch(facecolor="#F2F2F2", edgecolor="#CCCCCC", label="idle (bubble / waiting)"))
     ax.legend(handles=legend, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(legend), fontsize=8,
               frameon=False)
