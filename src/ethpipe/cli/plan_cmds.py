@@ -277,27 +277,27 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
 
 
 def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
+    """Horizontal bars, one row per method (long method names never overlap), the first method on top; a bare
+    Figure (no pyplot state)."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     names = list(rows)
+    fig = Figure(figsize=(10, 1.2 + 0.45 * len(names)))
+    ax1, ax2 = fig.subplots(1, 2, sharey=True)
     colors = ["#2a9d8f" if n == "eth" else "#8d99ae" for n in names]
-    ax1.bar(names, [rows[n]["tokens_per_s"] for n in names], color=colors)
-    ax1.set_ylabel("predicted tokens/s")
-    ax2.bar(names, [rows[n]["balance_efficiency"] for n in names], color=colors)
-    ax2.set_ylabel("balance efficiency")
-    ax2.set_ylim(0, 1)
-    fig.suptitle(title)
+    ax1.barh(names, [rows[n]["tokens_per_s"] for n in names], color=colors)
+    ax1.set_xlabel("predicted tokens/s")
+    ax1.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:,.0f}k" if v else "0"))
+    ax1.locator_params(axis="x", nbins=5)
+    ax1.invert_yaxis()
+    ax2.barh(names, [rows[n]["balance_efficiency"] for n in names], color=colors)
+    ax2.set_xlabel("balance efficiency")
+    ax2.set_xlim(0, 1)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp)
-    finally:
-        plt.close(fig)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def _key_column(table: Table, header: str, keys: Any) -> None:
