@@ -105,6 +105,7 @@ def test_torchrun_agents_with_the_data_missing_on_one_node_all_end_within_30_s_w
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n127.0.0.1\n127.0.0.1\n")
     res = CliRunner().invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts), "--port", str(_free_port()),
+                                   "--max-restarts", "0",  # one failure's cause, not the restarts after it
                                    "--", "--data", "tokens.bin", "--steps", "3", "--device", "cpu", "--no-progress",
                                    "--timeout-s", "300"])
     assert res.exit_code == 0, res.output

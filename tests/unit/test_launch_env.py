@@ -25,7 +25,7 @@ def test_accelerator_ranks_are_spawned_never_forked() -> None:
     assert default_start_method(accelerator=False) == ("fork" if sys.platform.startswith("linux") else "spawn")
 
 
-def test_launch_takes_the_hosts_the_cluster_file_names(tmp_path) -> None:
+def test_launch_takes_the_hosts_the_cluster_file_names(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from typer.testing import CliRunner
 
     from ethpipe.cli import commands  # noqa: F401
@@ -44,6 +44,14 @@ def test_launch_takes_the_hosts_the_cluster_file_names(tmp_path) -> None:
     ons = [line for line in res.output.splitlines() if line.startswith("# on ")]
     assert [line.split()[2].rstrip(":") for line in ons] == ["gpu-a", "gpu-b"]
     assert "--master-addr gpu-a" in res.output
+    lines = [line for line in res.output.splitlines() if not line.startswith("#")]
+    assert all(f"--plan {tmp_path / 'p.json'}" in line and "--max-restarts 3" in line for line in lines)  # absolute
+    assert all("--auto-resume" not in line for line in lines)  # nothing to resume from without a checkpoint dir
+    monkeypatch.chdir(tmp_path)  # a relative --plan is printed absolute: nodes' shells start elsewhere
+    resumable = runner.invoke(app, ["launch", "--plan", "p.json", "--", "--data", "t.bin", "--checkpoint-dir", "ckpt"])
+    assert f"--plan {tmp_path / 'p.json'} " in resumable.output
+    assert all(line.endswith("--checkpoint-dir ckpt --auto-resume")
+               for line in resumable.output.splitlines() if not line.startswith("#")), resumable.output
     cluster.write_text(cluster.read_text().replace("hostname: gpu-b, ", ""))
     runner.invoke(app, ["plan", "--cluster", str(cluster), "--model", "gpt3-1.3b", "--global-batch", "64",
                         "--seq-len", "1024", "--out", str(tmp_path / "p.json")])

@@ -22,11 +22,14 @@ def launch(
     scheduler: str = typer.Option("none", "--scheduler", help="none (one command per node) | slurm (an sbatch "
                                                               "script)."),
     port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts a node's ranks this often "
+                                     "after a failure; with --checkpoint-dir the ranks then resume (--auto-resume)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the commands (or the script) here."),
 ) -> None:
     """Print the commands that start a plan on its nodes; arguments after `--` go to `ethpipe train`."""
     from ethpipe.cluster_launch import commands, node_ranks, read_hosts, recorded_hosts, slurm_script
-    from ethpipe.plan import Plan, write_text_atomic
+    from ethpipe.atomic import write_text_atomic
+    from ethpipe.plan import Plan
 
     if scheduler not in ("none", "slurm"):
         raise UserError(f"--scheduler must be none or slurm, got {scheduler!r}")
@@ -36,11 +39,15 @@ def launch(
     nodes = node_ranks(the_plan)
     host_list = read_hosts(hosts, nodes) if hosts is not None else recorded_hosts(the_plan, nodes)
     train_args = list(ctx.args)
+    if max_restarts and any(a.split("=")[0] == "--checkpoint-dir" for a in train_args) and not any(
+            a in ("--resume", "--auto-resume") for a in train_args):
+        train_args.append("--auto-resume")  # a restarted node's ranks continue from the last checkpoint
+    plan_path = str(plan.resolve())  # the same file from any directory a node's shell starts in
     if scheduler == "slurm":
-        text = slurm_script(the_plan, str(plan), host_list, train_args, port)
+        text = slurm_script(the_plan, plan_path, host_list, train_args, port, max_restarts=max_restarts)
     else:
         lines = ["# ethpipe launch: run each line on its host (static rendezvous, node ranks in the plan's order)"]
-        for host, node, command in commands(the_plan, str(plan), host_list, train_args, port):
+        for host, node, command in commands(the_plan, plan_path, host_list, train_args, port, max_restarts):
             lines.append(f"# on {host}: node {node.cluster_node} of the cluster file, {node.num_ranks} x {node.gpu}, "
                          f"ranks {node.ranks.start}-{node.ranks.stop - 1}")
             lines.append(command)
