@@ -179,3 +179,19 @@ def test_help_shows_the_extras_to_install() -> None:
 
     out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "250"}).output
     assert "ethpipe[tensorboard]" in out and "ethpipe[wandb]" in out
+
+
+def test_a_piped_heading_is_a_line_not_a_hundred_thousand_characters(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`ethpipe demo | tee log` started with a 100,000-character rule (piped consoles are PIPED_WIDTH wide)."""
+    import importlib
+    import io
+
+    from rich.console import Console
+
+    app_module = importlib.import_module("ethpipe.cli.app")  # the module (the package's `app` is the Typer app)
+
+    piped = Console(width=app_module.PIPED_WIDTH, file=io.StringIO())
+    monkeypatch.setattr(app_module, "console", piped)
+    app_module.heading("ethpipe demo")
+    (line,) = piped.file.getvalue().splitlines()
+    assert len(line) == app_module.HEADING_WIDTH and "ethpipe demo" in line

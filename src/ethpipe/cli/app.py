@@ -33,6 +33,14 @@ def _width(stream: Any) -> int | None:
 
 console = Console(width=_width(sys.stdout))
 err_console = Console(stderr=True, width=_width(sys.stderr))
+HEADING_WIDTH = 100
+
+
+def heading(text: str) -> None:
+    """A titled rule, at most ``HEADING_WIDTH`` wide: a rule spans the console, which piped is PIPED_WIDTH."""
+    from rich.rule import Rule
+
+    console.print(Rule(text), width=min(console.width, HEADING_WIDTH))
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cli.app import app, console, heading, user_errors
 from ethpipe.errors import UserError
 
 MODEL, GLOBAL_BATCH, SEQ_LEN = "tiny", 24, 128
@@ -107,7 +107,7 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
     from ethpipe.runtime.start.launch import run_local
     from ethpipe.runtime.train import TrainConfig
 
-    console.rule("[bold]ethpipe demo[/]: ETH vs uniform vs layer-balanced on an emulated mixed cluster")
+    heading("[bold]ethpipe demo[/]: ETH vs uniform vs layer-balanced on an emulated mixed cluster")
     spec, cluster = load_model_spec(MODEL), d.demo_cluster()
     speeds = d.cluster_speeds(cluster, spec, seq_len)
     scale = d.cluster_time_scale(cluster, speeds)
