@@ -195,3 +195,18 @@ def test_a_piped_heading_is_a_line_not_a_hundred_thousand_characters(monkeypatch
     app_module.heading("ethpipe demo")
     (line,) = piped.file.getvalue().splitlines()
     assert len(line) == app_module.HEADING_WIDTH and "ethpipe demo" in line
+
+
+def test_a_memory_error_names_every_type_of_the_binding_memory_and_the_recompute_flag() -> None:
+    """Two types with the same memory: both named (one of them read as the only culprit); recompute off: the flag
+    that turns it on, not a description of it."""
+    from ethpipe.cluster import cluster_from_dict
+    from ethpipe.cost.model import CostModel
+    from ethpipe.model_load import load_model_spec
+    from ethpipe.planner.assemble import memory_error
+
+    cluster = cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": 1, "gpus_per_node": 1, "nic_gbit_s": 100}
+                                           for g in ("v100_16gb", "t4")]})
+    text = str(memory_error(CostModel(cluster, load_model_spec("llama2-70b"), 4096), "never"))
+    assert "on v100_16gb / t4" in text or "on t4 / v100_16gb" in text, text
+    assert text.endswith("use more nodes or --recompute always"), text

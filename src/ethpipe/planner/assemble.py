@@ -60,7 +60,7 @@ def memory_error(cost: CostModel, recompute: str) -> Infeasible:
     """One line naming the model, the deepest possible pipeline, the binding device and the fix."""
     depth = min(cost.model.num_layers, cost.cluster.num_devices)
     rc = recompute in ("always", "auto")
-    fix = "use more nodes or a shorter --seq-len" if rc else "use more nodes or enable recompute"
+    fix = "use more nodes or a shorter --seq-len" if rc else "use more nodes or --recompute always"
     by_memory = sorted(cost.cluster.gpu_types, key=lambda t: cost.gpu(t).memory_bytes)
     layers = math.ceil(cost.model.num_layers / depth)
     for device, num_layers, first in ((by_memory[-1], layers, True), (by_memory[0], 1, False)):
@@ -71,6 +71,8 @@ def memory_error(cost: CostModel, recompute: str) -> Infeasible:
             break
     usable, total = cost.usable_memory_bytes(device), cost.gpu(device).memory_bytes
     short_bytes = math.ceil(need - usable)
+    alike = [t for t in by_memory if cost.gpu(t).memory_bytes == total]  # types of the same memory: all named
+    device = " / ".join(alike) if len(alike) > 1 else device
     if short_bytes <= 0:  # each stage fits alone; the method's layouts (equal layers, shapes) do not
         return Infeasible(
             f"no layout of {cost.model.name} fits in memory with this method: a depth-{depth} stage alone needs "
