@@ -42,7 +42,7 @@ def _plan(tmp: Path) -> Path:
     res = CliRunner().invoke(app, ["plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24",
                                    "--seq-len", "128", "--max-tp", "1", "--dtype", "fp32", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    assert "nodes: node 0 (2 x fast): ranks 0-1; node 1 (2 x slow): ranks 2-3; node 2 (2 x slow): ranks 4-5" in res.output
+    assert "nodes: node 0 (2 x fast): ranks 0-1; nodes 1-2 (2 x slow each): ranks 2-5" in res.output
     return out
 
 

@@ -99,3 +99,18 @@ def test_profile_errors_exit_2(tmp_path: Path, args: tuple[str, ...], message: s
     result = _run("profile", *[x for kv in base.items() for x in kv])
     assert result.exit_code == 2 and message in result.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_the_nodes_line_groups_alike_consecutive_nodes() -> None:
+    """At 1024 GPUs the line listed 128 nodes one by one; alike consecutive nodes are one entry."""
+    from ethpipe.cli.plan_cmds import nodes_line
+    from ethpipe.cluster import cluster_from_dict
+    from ethpipe.model_load import load_model_spec
+    from ethpipe.planner import make_plan
+
+    cluster = cluster_from_dict({"nodes": [{"gpu": "h100_sxm", "num_nodes": 16, "gpus_per_node": 8, "nic_gbit_s": 400},
+                                           {"gpu": "a100_80gb_sxm", "num_nodes": 16, "gpus_per_node": 8,
+                                            "nic_gbit_s": 400}]})
+    plan = make_plan(cluster, load_model_spec("gpt3-1.3b"), 256, 2048)
+    line = nodes_line(plan)
+    assert line.count(";") < 4 and "each)" in line, line

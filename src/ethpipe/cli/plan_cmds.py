@@ -138,8 +138,20 @@ def nodes_line(plan: Plan) -> str:
     """Which ranks each node of the cluster file hosts (what `ethpipe launch` starts where)."""
     from ethpipe.cluster_launch import node_ranks
 
-    parts = [f"node {n.cluster_node} ({n.num_ranks} x {n.gpu}): ranks {n.ranks.start}-{n.ranks.stop - 1}"
-             for n in node_ranks(plan)]
+    runs: list[list[Any]] = []  # consecutive nodes alike (GPU, ranks per node) in one entry: 80 nodes, a few runs
+    for n in node_ranks(plan):
+        last = runs[-1][-1] if runs else None
+        if last is not None and (last.gpu, last.num_ranks, last.cluster_node + 1, last.ranks.stop) == (
+                n.gpu, n.num_ranks, n.cluster_node, n.ranks.start):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = []
+    for run in runs:
+        first, last = run[0], run[-1]
+        nodes = f"node {first.cluster_node}" if len(run) == 1 else f"nodes {first.cluster_node}-{last.cluster_node}"
+        each = " each" if len(run) > 1 else ""
+        parts.append(f"{nodes} ({first.num_ranks} x {first.gpu}{each}): ranks {first.ranks.start}-{last.ranks.stop - 1}")
     return "nodes: " + "; ".join(parts)
 
 
