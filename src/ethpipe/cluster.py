@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ethpipe.catalog import GpuSpec, get_gpu
-from ethpipe.errors import UserError
+from ethpipe.errors import UserError, parse_error_summary
 
 
 class InlineGpu(BaseModel):
@@ -266,5 +266,5 @@ def load_cluster(path: str | Path) -> Cluster:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise UserError(f"cluster file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cluster file '{path}' is not valid YAML/JSON: {parse_error_summary(err)}") from None
     return cluster_from_dict(data)

@@ -46,3 +46,16 @@ def write_crash_report(text: str) -> Path:
     path = folder / f"ethpipe-crash-{stamp}-{os.getpid()}-{time.time_ns() % 10**9:09d}.txt"
     path.write_text(text)
     return path
+
+
+def parse_error_summary(err: Exception) -> str:
+    """One line for a YAML or JSON syntax error, with the line and column it is at (a broken indentation named
+    nothing before: 'while parsing a block collection')."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is not None:  # yaml.MarkedYAMLError
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        context = getattr(err, "context", None)
+        return f"{problem}{f' ({context})' if context else ''} at line {mark.line + 1}, column {mark.column + 1}"
+    if hasattr(err, "lineno") and hasattr(err, "colno") and hasattr(err, "msg"):  # json.JSONDecodeError
+        return f"{err.msg} at line {err.lineno}, column {err.colno}"
+    return str(err).splitlines()[0] if str(err) else type(err).__name__

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from ethpipe.errors import UserError
+from ethpipe.errors import UserError, parse_error_summary
 from ethpipe.hf.config import read_config, spec_from_hf
 from ethpipe.model_spec import ModelSpec, model_presets, spec_from_dict
 
@@ -34,7 +34,7 @@ def load_model_spec(model: str) -> ModelSpec:
     try:
         data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
     except (yaml.YAMLError, json.JSONDecodeError) as err:
-        raise UserError(f"model file '{path}' is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise UserError(f"model file '{path}' is not valid YAML/JSON: {parse_error_summary(err)}") from None
     if isinstance(data, dict) and ("num_hidden_layers" in data or "n_layer" in data):
         return spec_from_hf_config(data, name=path.resolve().parent.name if path.stem == "config" else path.stem)
     return spec_from_dict({"name": path.stem, **data} if isinstance(data, dict) else data)

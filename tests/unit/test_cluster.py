@@ -72,3 +72,16 @@ def test_a_typo_in_a_key_names_the_key_and_the_nearest_valid_one(doc, line) -> N
     with pytest.raises(ValueError) as err:
         cluster_from_dict(doc)
     assert str(err.value) == line
+
+
+def test_a_yaml_syntax_error_says_where(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A broken indentation said 'while parsing a block collection' and nothing about where."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text("nodes:\n  - gpu: a100_80gb_sxm\n   num_nodes: 1\n")
+    with pytest.raises(ValueError) as err:
+        load_cluster(bad)
+    assert str(err.value).endswith("at line 3, column 4") and "\n" not in str(err.value)
+    broken = tmp_path / "c.json"
+    broken.write_text('{"nodes": [}')
+    with pytest.raises(ValueError, match=r"at line 1, column 12$"):
+        load_cluster(broken)

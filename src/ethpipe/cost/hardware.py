@@ -32,7 +32,7 @@ import yaml
 
 from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
-from ethpipe.errors import UserError
+from ethpipe.errors import UserError, parse_error_summary
 
 CALIBRATION_VERSION = 3  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores
 CONSTANT_NAMES = ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
@@ -209,7 +209,7 @@ def load_calibration(path: str | Path | None) -> Calibration:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise UserError(f"catalog file '{path}' is not valid YAML: {str(err).splitlines()[0]}") from None
+        raise UserError(f"catalog file '{path}' is not valid YAML: {parse_error_summary(err)}") from None
     return shipped_calibration().merged(calibration_from_dict(data, f"catalog file '{path}'"))
 
 
