@@ -45,6 +45,7 @@ def test_a_config_file_reproduces_the_command_line_plan_and_the_command_line_ove
 
 def test_bad_config_files_get_one_line(tmp_path: Path) -> None:
     cases = {"unknown.toml": ("bogus = 1\n", "unknown key 'bogus'"),
+             "typo.toml": ("globalbatch = 24\n", "unknown key 'globalbatch': did you mean 'global_batch'?"),
              "syntax.toml": ("model = \n", "is not valid TOML"),
              "type.toml": (TOML.replace("global-batch = 24", 'global-batch = "many"'), "'--global-batch'")}
     for name, (text, expected) in cases.items():
@@ -52,6 +53,7 @@ def test_bad_config_files_get_one_line(tmp_path: Path) -> None:
         code, out = _ethpipe(["plan", "--config", str(tmp_path / name)])
         assert code == 2 and len(out.strip().splitlines()) == 1 and out.startswith("error:"), out
         assert expected in out, out
+        assert out.count("--help") <= 1, out  # one hint, not two
     code, out = _ethpipe(["plan", "--config", str(tmp_path / "nope.toml")])
     assert code == 2 and "cannot read" in out
 

@@ -9,12 +9,12 @@ and the command line overrides the file. ``write_config`` writes the options a r
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import typer
-
 
 
 def _options(command: Any) -> list[Any]:
@@ -47,10 +47,10 @@ def _load(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) ->
     defaults: dict[str, Any] = {}
     for key, item in table.items():
         option = keys.get(key)
-        if option is None:
-            example = next(iter(keys))
-            raise typer.BadParameter(f"{value}: unknown key '{key}' (keys are the options of `{ctx.command_path}` "
-                                     f"without the dashes, e.g. {example} = ...; see --help)")
+        if option is None:  # click adds "(see `... --help`)" itself: the hint says the rest once
+            near = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f"did you mean '{near[0]}'?" if near else "keys are the command's options without the dashes"
+            raise typer.BadParameter(f"{value}: unknown key '{key}': {hint}")
         if option.secondary_opts and f"--{key.replace('_', '-')}" in option.secondary_opts:
             item = not item  # `no-tf32 = true` means tf32 = false
         defaults[option.name] = item  # type: ignore[index]
