@@ -88,3 +88,23 @@ def test_idle_devices_show_as_the_idle_factor() -> None:
     assert math.prod(factors.values()) == pytest.approx(plan.predicted["balance_efficiency"], rel=1e-9)
     every = make_plan(clu, spec, 8, 128, max_tp=1, options=PlannerOptions(allow_idle=False))
     assert every.predicted["efficiency_factors"]["idle"] == 1.0
+
+
+def test_a_profiled_plan_never_beats_its_own_ideal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With a profile the ideal rate was the profile's micro-batch-1 rate: plans at larger micro-batches priced
+    above it (balance efficiency 1.49, compute 1.56 on a CPU profile). It is now the whole model's fastest
+    per-sample time over the micro-batch sizes a plan may use."""
+    from ethpipe.cluster import load_cluster
+    from ethpipe.cost.profile import LayerTiming, MeasuredProfile
+    from ethpipe.model_load import load_model_spec
+    from ethpipe.planner import make_plan
+
+    spec = load_model_spec("tiny")
+    # per micro-batch b: 2 ms fixed + 0.5 ms per sample (forward), twice that backward: b = 1 is the slowest rate
+    layers = {kind: {b: LayerTiming(fwd_s=2e-3 + 5e-4 * b, bwd_s=4e-3 + 1e-3 * b) for b in (1, 2, 4, 8)}
+              for kind in ("embedding", "block", "head")}
+    profile = MeasuredProfile("cpu: test", "cpu", "fp32", spec.to_dict(), 128, layers, 1e-9)
+    plan = make_plan(load_cluster("examples/clusters/cpu_tp.yaml"), spec, 16, 128, dtype="fp32",
+                     profiles={"cpu": profile})
+    assert plan.predicted["balance_efficiency"] <= 1.0 + 1e-9
+    assert plan.predicted["efficiency_factors"]["compute"] <= 1.0 + 1e-9

@@ -205,6 +205,9 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
         return
     console.print(_summary(result))
     console.print(_metrics_line(result))
+    if result.predicted.get("mfu", 0.0) > 1.0:  # measured faster than the stated peak: the peak is the wrong one
+        console.print("MFU above 1: the devices ran faster (profiles) than the cluster file's peak_tflops allow; "
+                      "write their real dense 16-bit peak there", highlight=False)
     for line in idle_lines(result):
         console.print(line, highlight=False)
     console.print(sharding_line(result), highlight=False)
