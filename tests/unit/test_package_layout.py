@@ -152,3 +152,10 @@ def test_the_torch_pin_keeps_a_containers_pre_release_numbered_build() -> None:
     assert torch_pin.specifier.contains("2.13.0a0+ecf3bae40a.nv25.09")
     assert torch_pin.specifier.contains("2.13.0") and torch_pin.specifier.contains("2.13.1")
     assert not torch_pin.specifier.contains("2.14.0a0") and not torch_pin.specifier.contains("2.12.1")
+
+
+def test_src_uses_no_private_torch_distributed_api() -> None:
+    """The code style's rule: public torch APIs only in src/ (tests may use torch's testing helpers)."""
+    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                 if "distributed_c10d._" in p.read_text() or "pipelining._" in p.read_text()]
+    assert not offenders, offenders

@@ -100,7 +100,7 @@ def make_family(family: list[tuple[int, ...]], rank: int, timeout: timedelta,
 def can_split(device: torch.device | None) -> bool:
     """Whether groups are made by splitting the world's communicator: NCCL with the world bound to a GPU."""
     return (device is not None and device.type == "cuda" and dist.get_backend() == "nccl"
-            and dist.distributed_c10d._get_default_group().bound_device_id is not None)
+            and getattr(dist.group.WORLD, "bound_device_id", None) is not None)  # the world, through public API
 
 
 def build_groups(plan: Plan, rank: int, timeout: timedelta, tied: bool = False,
