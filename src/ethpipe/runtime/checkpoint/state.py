@@ -34,8 +34,8 @@ from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError, blind_er
 from ethpipe.runtime.adapt.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
 from ethpipe.runtime.checkpoint.layout import (
     DCP_METADATA, FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint,
-    check_files, check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes, new_manifest,
-    optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
+    check_files, check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes,
+    new_manifest, optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
 from ethpipe.runtime.model.decoder import state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
@@ -252,8 +252,11 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
         keys = {*flat, *(_rng_key(kind, rank) for kind in _rng_states(device))}
         blind = missing(step_dir, sorted({info.relative_path for index, info in metadata.storage_data.items()
                                           if index.fqn in keys}))
-    stride = [n for n in sorted(manifest.files)[rank::world] if n not in blind and (step_dir / n).is_file()]
-    report = (str(step_dir.parent), blind, corrupt_files(step_dir, manifest, stride))
+    # Every file is crc-checked by exactly one rank (its stride), so that rank must see it too.
+    stride = [n for n in sorted(manifest.files)[rank::world] if n not in blind]
+    unseen = missing(step_dir, stride)
+    blind = sorted({*blind, *unseen})
+    report = (str(step_dir.parent), blind, corrupt_files(step_dir, manifest, [n for n in stride if n not in unseen]))
 
     def verdict(reports: list[Any]) -> UserError | None:
         error = blind_error(reports[0][0], [(r, miss) for r, (_, miss, _) in enumerate(reports)])
