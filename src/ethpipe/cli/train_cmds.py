@@ -253,13 +253,7 @@ def settings_of_the_checkpoint(ctx: typer.Context, config: Any) -> Any:
         saved = read_manifest(found[-1][1]).extra.get("settings") or {}
     except UserError:
         return config
-    given = set()
-    for name in RESUMED:
-        try:
-            source = ctx.get_parameter_source(name)
-        except (KeyError, AttributeError):
-            source = None
-        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP"):
-            given.add(name)
+    given = {name for name in RESUMED if (source := ctx.get_parameter_source(name)) is not None
+             and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP")}  # None: no such option (min lr)
     taken = {k: saved[k] for k in RESUMED if k in saved and k not in given}
     return dataclasses.replace(config, **taken) if taken else config

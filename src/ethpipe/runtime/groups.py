@@ -3,8 +3,8 @@ stage, and the gradient sync's groups (``sync_layout.holder_sets``: one per bloc
 where TP degrees differ, and with tied embeddings those of the ranks holding a copy of the matrix).
 
 A family is a list of disjoint rank sets (``group_families``): the pipelines, the TP stages, and the holder
-sets colored greedily into as few families as the most of them any rank belongs to (first fit, in the one
-order every rank computes). On NCCL with the world bound to a GPU (``init_process_group(device_id=...)``) a
+sets colored greedily (first fit, in the one order every rank computes; at least as many families as the most
+holder sets any rank is in, and 2-3 on the planner's 1024/4096-GPU plans: tests/unit/test_runtime_at_scale.py). On NCCL with the world bound to a GPU (``init_process_group(device_id=...)``) a
 group is an ``ncclCommSplit`` of the world's communicator, a collective every rank of the world joins, so
 each family is made with ONE ``dist.split_group``: a handful of world-wide splits at start-up instead of one
 per group (820-2572 for the planner's 4096-GPU plans). Elsewhere (gloo; NCCL without a bound device, whose

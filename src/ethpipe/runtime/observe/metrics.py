@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,8 +49,6 @@ def device_used_bytes(device: torch.device) -> int:
         return int(total - free)
     try:
         with open("/proc/self/statm") as f:  # Linux: resident pages
-            import os
-
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
