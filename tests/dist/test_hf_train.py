@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ethpipe.cli.app import app
 from ethpipe.hf.load import load_full, load_stage, open_hf
-from ethpipe.runtime.checkpoint.state import consolidated_weights
+from ethpipe.runtime.checkpoint.weights import consolidated_weights
 from ethpipe.runtime.start.launch import run_local
 from ethpipe.runtime.model.decoder import build_full_model, build_stage
 from ethpipe.runtime.train import TrainConfig

@@ -8,6 +8,9 @@ One forked 8-rank world runs, in float64 with the checks of ``exactness.py``:
 - B -> A: 2 steps under B (tp 4 then tp 2 in one pipeline: activations fan in, gradients fan
   out; a tp-1 pipeline beside it), a checkpoint, then 2 more steps under A: must equal 4 steps of
   the reference (checkpoints hold global tensors, whatever the TP degree that wrote them);
+- E -> A: 2 steps under E, where every holder of a layer is tensor-parallel (tp 2 + tp 4 in one pipeline, a
+  tp-2 pipeline beside it), a checkpoint, then 2 more steps under A: the checkpoint holds each rank's slices
+  at their offsets (no global tensor built), and A's stages of tp 1, 2 and 4 read them back by offset;
 - C (GPT-like: learned positions, biases, LayerNorm, GELU): tp 1 -> tp 2 in one pipeline, a
   pipeline of two tp-2 stages, and a tp-1 pipeline.
 - D (C with tied embeddings): tp 2 first stage and tp 4 last stage in one pipeline, two tp-1
@@ -26,12 +29,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.model_spec import ModelSpec
 from ethpipe.planner import PlannerOptions, make_plan
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
-from ethpipe.runtime.checkpoint.state import export_checkpoint
+from ethpipe.runtime.checkpoint.layout import resolve_checkpoint, step_dir_name
+from ethpipe.runtime.checkpoint.weights import export_checkpoint
 from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.sync.layout import piece_runs, refinement, tied_stages
 from ethpipe.runtime.train import TrainConfig, train
@@ -62,6 +67,8 @@ PLAN_A = tp_plan(GQA, [([((0, 1), (0, 3)), ((2,), (3, 6))], (2, 1)),
                        ([((7,), (0, 6))], (1, 1))])
 PLAN_B = tp_plan(GQA, [([((0, 1, 2, 3), (0, 2)), ((4, 5), (2, 6))], (1, 2, 1)),
                        ([((6,), (0, 3)), ((7,), (3, 6))], (3, 1))])
+PLAN_E = tp_plan(GQA, [([((0, 1), (0, 3)), ((2, 3, 4, 5), (3, 6))], (2, 2)),
+                       ([((6, 7), (0, 6))], (2, 2))])
 TIED = dataclasses.replace(GPT_LIKE, name="test-gpt-tied", tie_embeddings=True)
 PLAN_D = tp_plan(TIED, [([((0, 1), (0, 3)), ((2, 3, 4, 5), (3, 6))], (1, 2)),
                         ([((6,), (0, 6))], (2,)),
@@ -77,6 +84,14 @@ MIXED = cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": 1, "gpus_per_node":
 PLANNED = {batch: make_plan(MIXED, TWO_LAYERS, batch, 16, dtype="fp32", max_tp=4,
                            options=PlannerOptions(allow_idle=False))  # every device: the spawn is 8 ranks
            for batch in (1, 3)}
+
+
+def saved_chunks(root: Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each key's pieces in the checkpoint ``root``: (offsets, sizes), sorted."""
+    step_dir = resolve_checkpoint(root)
+    entries = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+            for k, md in entries.items() if hasattr(md, "chunks")}
 
 
 def _worker(rank: int, world_size: int, runs: list[tuple[str, Plan, TrainConfig]], out_dir: str) -> None:
@@ -107,6 +122,9 @@ def test_tensor_parallel_plans_match_single_process_adamw(tmp_path: Path) -> Non
         ("b", PLAN_B, TrainConfig(**common, steps=2, checkpoint_dir=ckpt, bucket_bytes=2048)),
         ("b-then-a", PLAN_A, TrainConfig(**common, steps=4, checkpoint_dir=ckpt, resume=True,
                                          save_final=str(tmp_path / "ba.safetensors"))),
+        ("e", PLAN_E, TrainConfig(**common, steps=2, checkpoint_dir=str(tmp_path / "ckpt-e"))),
+        ("e-then-a", PLAN_A, TrainConfig(**common, steps=4, checkpoint_dir=str(tmp_path / "ckpt-e"), resume=True,
+                                         save_final=str(tmp_path / "ea.safetensors"))),
         ("c", PLAN_C, TrainConfig(**common, steps=2, save_final=str(tmp_path / "c.safetensors"))),
         ("d", PLAN_D, TrainConfig(**common, steps=2, clip_grad=0.05, save_final=str(tmp_path / "d.safetensors"))),
         *((f"planned-{b}", plan, TrainConfig(**common, steps=1, save_final=str(tmp_path / f"planned-{b}.safetensors")))
@@ -126,6 +144,14 @@ def test_tensor_parallel_plans_match_single_process_adamw(tmp_path: Path) -> Non
                              ref_4)
     export_checkpoint(ckpt, tmp_path / "exported.safetensors")  # unsharded, global names
     assert_params_match("export", load_file(tmp_path / "exported.safetensors"), ref_4.state)
+
+    assert_matches_reference("E then A", load_file(tmp_path / "ea.safetensors"), records["e"] + records["e-then-a"],
+                             ref_4)
+    chunks = saved_chunks(tmp_path / "ckpt-e" / step_dir_name(2))  # written by the smallest TP degree holding each key, by offset
+    assert chunks["layers.0.attn.wq.weight"] == [((0, 0), (16, 32)), ((16, 0), (16, 32))]  # p0's tp-2 stage
+    assert chunks["layers.4.mlp.w2.weight"] == [((0, 0), (32, 32)), ((0, 32), (32, 32))]  # p1's tp 2, not tp 4
+    assert chunks["optim.exp_avg.tok_emb.weight"] == [((0, 0), (128, 32)), ((128, 0), (128, 32))]
+    assert chunks["layers.4.attn_norm.weight"] == [((0,), (32,))]  # replicated: one whole piece
 
     ref_c = reference_train(GPT_LIKE, data, steps=2, clip_grad=0.0, **{**kwargs, "global_batch": 6})  # type: ignore
     assert_matches_reference("C", load_file(tmp_path / "c.safetensors"), records["c"], ref_c)

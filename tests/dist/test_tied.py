@@ -27,7 +27,7 @@ import ethpipe.runtime.step as step_module
 from ethpipe.model_spec import model_presets
 from ethpipe.plan import Plan
 from ethpipe.runtime.checkpoint.consolidated import save_atomic
-from ethpipe.runtime.checkpoint.state import export_checkpoint
+from ethpipe.runtime.checkpoint.weights import export_checkpoint
 from ethpipe.tokens.texts import prepare_tokens
 from ethpipe.runtime.groups import tied_ranks
 from ethpipe.runtime.model.decoder import TIED_WEIGHT, build_full_model

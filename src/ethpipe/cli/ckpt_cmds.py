@@ -59,7 +59,7 @@ def export(
     Hugging Face directory (config.json, sharded safetensors, index; with --source the generation
     config, with --tokenizer the tokenizer) for `transformers.AutoModelForCausalLM.from_pretrained`."""
     from ethpipe.errors import UserError
-    from ethpipe.runtime.checkpoint.state import consolidated_weights, export_checkpoint
+    from ethpipe.runtime.checkpoint.weights import consolidated_weights, export_checkpoint
 
     if fmt not in ("ethpipe", "hf"):
         raise UserError(f"--format must be ethpipe or hf, got {fmt!r}")

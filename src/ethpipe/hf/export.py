@@ -9,10 +9,12 @@ misses a shard.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from safetensors.torch import save_file
 from ethpipe.atomic import fsync_path
 from ethpipe.errors import UserError
 from ethpipe.hf.config import hf_architecture_of, hf_config_from_spec
-from ethpipe.hf.convert import hf_sources, to_hf
+from ethpipe.hf.convert import hf_shapes, hf_sources, to_hf
 from ethpipe.hf.load import INDEX
 from ethpipe.hf.publish import DTYPES, GENERATION_CONFIG, SourceModel, export_dtype, read_source, tokenizer_files
 from ethpipe.model_spec import ModelSpec
@@ -55,9 +57,9 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
-    """Keys in order, cut into shards of at most ``max_bytes`` (a bigger tensor gets a shard of its own)."""
-    return runs_of_bytes(list(tensors), lambda k: tensors[k].numel() * tensors[k].element_size(), max_bytes)
+def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """HF keys in order, cut into shards of at most ``max_bytes`` (a bigger tensor gets a shard of its own)."""
+    return runs_of_bytes(list(sizes), sizes.__getitem__, max_bytes)
 
 
 def check_out_dir(out: str | Path) -> None:
@@ -73,7 +75,7 @@ def _umask() -> int:
     return umask
 
 
-def _weights_dtype(state: dict[str, torch.Tensor], dtype: str | None) -> torch.dtype:
+def _weights_dtype(state: Mapping[str, torch.Tensor], dtype: str | None) -> torch.dtype:
     """``--dtype``'s torch dtype; None keeps the state's own (library callers that cast themselves)."""
     if dtype is None:
         return next(iter(state.values())).dtype
@@ -90,14 +92,16 @@ def _check_range(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
                         "bf16 or fp32")
 
 
-def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out: str | Path,
+def export_hf(state: Mapping[str, torch.Tensor], spec: ModelSpec, out: str | Path,
               max_shard_size: str = DEFAULT_MAX_SHARD, dtype: str | None = None, source: str | Path | None = None,
               tokenizer: str | Path | None = None) -> ExportReport:
     """Write ``state`` (ethpipe global names) as a HF directory that ``from_pretrained`` loads.
 
     ``dtype``: bf16 / fp16 / fp32 weights (None: the state's own dtype). ``source``: the HF directory the
     model came from, whose bos/eos/pad ids and generation_config.json are carried over. ``tokenizer``: a
-    directory whose tokenizer files are copied in. Files get the mode a plain ``open`` would give.
+    directory whose tokenizer files are copied in. Files get the mode a plain ``open`` would give. Shards are
+    cut from the shapes alone and written one at a time, reading only that shard's tensors from ``state``
+    (a lazy checkpoint mapping: ``checkpoint/weights.py``), so one output shard is in memory at a time.
     """
     out = Path(out)
     max_bytes = parse_size(max_shard_size)
@@ -106,18 +110,26 @@ def export_hf(state: dict[str, torch.Tensor], spec: ModelSpec, out: str | Path,
     target = _weights_dtype(state, dtype)
     src = read_source(source, spec) if source is not None else None
     tok_files = tokenizer_files(tokenizer) if tokenizer is not None else []
-    tensors = to_hf(state, hf_sources(spec, arch), target)
-    _check_range(tensors, target)
+    sources = hf_sources(spec, arch)
+    unknown = next((name for name in state if name not in sources), None)
+    if unknown is not None:
+        raise UserError(f"parameter '{unknown}' has no Hugging Face counterpart: export with --format ethpipe")
+    itemsize = torch.empty((), dtype=target).element_size()
+    sizes = {key: math.prod(shape) * itemsize for key, shape in hf_shapes(spec, sources).items()}
     dtype_name = _TORCH_DTYPES.get(target, "float32")
     config = hf_config_from_spec(spec, dtype_name, src.token_ids if src else None)
-    shards = _shards(tensors, max_bytes)
+    shards = _shards(sizes, max_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         for name, keys in zip(names, shards):
+            wanted = set(keys)
+            tensors = to_hf({n: state[n] for n in state if sources[n].key in wanted}, sources, target)
+            _check_range(tensors, target)
             save_file({k: tensors[k] for k in keys}, str(tmp / name), metadata={"format": "pt"})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+            del tensors
+        total = sum(sizes.values())
         index = {"metadata": {"total_size": total},
                  "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -20,7 +21,8 @@ from ethpipe.errors import UserError
 from ethpipe.hf.config import architecture, read_config, spec_from_hf
 from ethpipe.hf.convert import IGNORED, PREFIXES, Source, from_hf, hf_shapes, hf_sources
 from ethpipe.model_spec import ModelSpec
-from ethpipe.runtime.model.tensor_parallel import local_slice
+from ethpipe.runtime.model.decoder import state_dict_shapes
+from ethpipe.runtime.model.tensor_parallel import shard_dim
 
 INDEX = "model.safetensors.index.json"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -160,14 +162,37 @@ def _read(ckpt: HFCheckpoint, keys: set[str]) -> tuple[dict[str, torch.Tensor], 
     return read, len(by_file)
 
 
+def _stored_region(src: Source, name: str, full_shape: tuple[int, ...], tp: Any) -> tuple[slice, ...]:
+    """The part of HF tensor ``src.key`` (as stored) that this rank's parameter ``name`` is: ``src.rows`` of a
+    fused tensor, then the TP rank's share along ``shard_dim(name)``, swapped back for a transposed key."""
+    start = src.rows[0] if src.rows else 0
+    region = [slice(start, start + full_shape[0]), *(slice(0, n) for n in full_shape[1:])]
+    dim = shard_dim(name) if tp is not None and tp.size > 1 else None
+    if dim is not None:
+        lo, hi = tp.part(full_shape[dim])
+        base = region[dim].start
+        region[dim] = slice(base + lo, base + hi)
+    return tuple(reversed(region)) if src.transpose else tuple(region)
+
+
 def load_stage(module: nn.Module, path: str | Path) -> ReadStats:
-    """Copy this stage's parameters from a HF directory, reading only the tensors it holds."""
+    """Copy this stage's parameters from a HF directory, one tensor at a time, reading only this rank's part of
+    each (a tensor-parallel rank's slice, a fused tensor's rows) through safetensors' slice reads."""
     ckpt = open_hf(path)
-    names = list(module.state_dict().keys())
-    read, files = _read(ckpt, {ckpt.sources[n].key for n in names})
-    tp = getattr(module, "tp", None)  # a tensor-parallel rank keeps its slice of each global tensor
-    module.load_state_dict({k: local_slice(v, k, tp) for k, v in from_hf(names, ckpt.sources, read.__getitem__).items()})
-    return ReadStats(tensors=len(read), bytes=sum(t.numel() * t.element_size() for t in read.values()), files=files)
+    tp = getattr(module, "tp", None)
+    full_shapes = state_dict_shapes(ckpt.spec)
+    params = module.state_dict()
+    num_bytes = 0
+    with torch.no_grad():
+        for name, param in params.items():  # each read through its own mapping: its pages go with it
+            src = ckpt.sources[name]
+            with safe_open(str(ckpt.tensors[src.key].file), framework="pt") as f:
+                part = f.get_slice(src.key)[_stored_region(src, name, full_shapes[name], tp)]
+            param.copy_(part.T if src.transpose else part)
+            num_bytes += part.numel() * part.element_size()
+            del part
+    keys = {ckpt.sources[name].key for name in params}
+    return ReadStats(tensors=len(keys), bytes=num_bytes, files=len({ckpt.tensors[k].file for k in keys}))
 
 
 def load_full(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:

@@ -21,7 +21,6 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,7 @@ from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
 from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.adapt.rebalance import Rebalancer, split_of
 from ethpipe.runtime.adapt.replan_step import Outcome, Replanner, decide_replan, replan_due
-from ethpipe.runtime.checkpoint.consolidated import gather_consolidated, load_into, save_atomic
+from ethpipe.runtime.checkpoint.consolidated import load_into, save_consolidated
 from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint
 from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import AUTOCAST_DTYPES, TrainConfig, lr_at, one_queue_variable, overlap_is_safe
@@ -165,9 +164,9 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     param_dtype = PARAM_DTYPES[dtype]
     tp = TPGroup(groups.tp_group, pos.tp_rank, stage.tp) if stage.tp > 1 else None
     watchdog.beat("building the stage")
-    # A resume or a state file (--init-from .pt / .safetensors: every name checked present) overwrites every
-    # parameter: nothing to draw. A Hugging Face directory keeps the draw for what it might not hold.
-    loaded = start.step_dir is not None or (config.init_from is not None and not Path(config.init_from).is_dir())
+    # A resume or --init-from (a state file or a Hugging Face directory: every name checked present before any
+    # rank starts) overwrites every parameter: nothing to draw.
+    loaded = start.step_dir is not None or config.init_from is not None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
                          chunks=stage.chunks, init=not loaded)
@@ -326,9 +325,7 @@ def finish_run(run: StageRun, watchdog: Watchdog, control: dist.ProcessGroup | N
     run.stage_opt.wait_params()
     watchdog.beat("final save")
     if run.config.save_final is not None:
-        state = gather_consolidated(run.module, run.plan, run.rank, run.spec, control)
-        if state is not None:
-            save_atomic(state, run.config.save_final)
+        save_consolidated(run.module, run.plan, run.rank, run.spec, control, run.config.save_final)
     if run.config.trace is not None:
         write_trace(run.plan, run.config.trace, run.timeline.events, run.rank, control)
 

@@ -8,6 +8,7 @@ are read lazily (each stage reads only its own tensors); anything else goes thro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from ethpipe.atomic import atomic_path
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
+from ethpipe.runtime.checkpoint.stream import write_safetensors
 from ethpipe.runtime.model.decoder import state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import gather_full, local_slice, shard_dim
 
@@ -79,15 +81,17 @@ def load_into(module: nn.Module, path: str | Path) -> None:
         return
     tp = getattr(module, "tp", None)
     params = module.state_dict()
+    # One tensor at a time, each through its own mapping of the file: the pages a read touches (a row-parallel
+    # slice touches every page of its tensor) are let go with the mapping, so they never add up to the file.
     with torch.no_grad():
-        if _is_safetensors(path):
-            with safe_open(str(path), framework="pt") as f:
-                for name, param in params.items():  # this rank's slice read, one tensor at a time
+        for name, param in params.items():
+            if _is_safetensors(path):
+                with safe_open(str(path), framework="pt") as f:  # this rank's slice read
                     param.copy_(_slice_read(f.get_slice(name), name, tp))
-        else:  # memory-mapped: only this stage's pages (its TP rank's part) are read, one tensor at a time
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            for name, param in params.items():
+            else:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 param.copy_(local_slice(state[name], name, tp))
+                del state
 
 
 def _slice_read(full: Any, name: str, tp: Any) -> torch.Tensor:
@@ -119,35 +123,54 @@ def owner_stage(plan: Plan, name: str) -> int:
     return 0 if name.startswith(("tok_emb.", "pos_emb.")) else len(stages) - 1
 
 
-def gather_consolidated(module: nn.Module, plan: Plan, rank: int, spec: ModelSpec,
-                        group: dist.ProcessGroup | None) -> dict[str, torch.Tensor] | None:
-    """Every tensor of the consolidated state dict on rank 0's host (None elsewhere), one tensor at a time.
+def consolidated_tensors(module: nn.Module, plan: Plan, rank: int, spec: ModelSpec,
+                         group: dist.ProcessGroup | None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Every tensor of the consolidated state dict, one at a time, as (name, CPU tensor) on rank 0 (the tensor
+    is None elsewhere): every rank must drain the iterator, in step with rank 0.
 
     Each comes from the pipeline-0 stage holding it (a tensor-parallel stage gathers its slices over its
-    TP group first, and its first TP rank sends) as a CPU tensor over ``group`` (gloo): no object
-    collective, no pickled state in GPU memory, and no rank holds more than one tensor in flight. Every
-    rank walks the names in the same order, so the sends pair with rank 0's receives one by one.
+    TP group first: one global tensor on its devices at a time, and its first TP rank sends) as a CPU tensor
+    over ``group`` (gloo): no object collective, no pickled state in GPU memory, and no rank holds more than
+    one tensor in flight. Every rank walks the names in the same order, so the sends pair with rank 0's
+    receives one by one.
     """
     tp = getattr(module, "tp", None)
     local = module.state_dict()
     dtype = next(module.parameters()).dtype
-    out: dict[str, torch.Tensor] | None = {} if rank == 0 else None
     for name, shape in state_dict_shapes(spec).items():
         stage = plan.pipelines[0].stages[owner_stage(plan, name)]
         owner = 0 if 0 in stage.ranks else stage.ranks[0]
         full = gather_full(local[name].detach(), name, tp) if rank in stage.ranks else None  # TP: collective
         if rank == owner:
             assert full is not None
-            cpu = full.to("cpu").contiguous()
-            if out is not None:
-                out[name] = cpu
-            else:
+            cpu = _own_cpu(full) if rank == 0 else full.to("cpu").contiguous()
+            if rank != 0:
                 dist.send(cpu, dst=0, group=group)
-        elif out is not None:
+            yield name, (cpu if rank == 0 else None)
+        elif rank == 0:
             buf = torch.empty(shape, dtype=dtype)
             dist.recv(buf, src=owner, group=group)
-            out[name] = buf
-    return out
+            yield name, buf
+        else:
+            yield name, None
+
+
+def save_consolidated(module: nn.Module, plan: Plan, rank: int, spec: ModelSpec, group: dist.ProcessGroup | None,
+                      path: str | Path) -> None:
+    """``--save-final``: collective; rank 0 writes. A ``.safetensors`` file is streamed (stream.py: one tensor
+    in memory at a time); a ``.pt`` pickle needs every tensor at once, so rank 0 holds the model once."""
+    tensors = consolidated_tensors(module, plan, rank, spec, group)
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return
+    dtype = next(module.parameters()).dtype
+    if _is_safetensors(Path(path)):
+        entries = [(name, shape, dtype) for name, shape in state_dict_shapes(spec).items()]
+        write_safetensors(path, entries, ((n, t) for n, t in tensors if t is not None))
+        return
+    state = {name: t for name, t in tensors if t is not None}
+    save_atomic(state, path)
 
 
 def _own_cpu(tensor: torch.Tensor) -> torch.Tensor:

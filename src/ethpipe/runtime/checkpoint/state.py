@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +28,15 @@ from torch.futures import Future
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Plan
-from ethpipe.runtime.checkpoint.consolidated import save_atomic
 from ethpipe.runtime.checkpoint.shared_fs import SharedFilesystemError, blind_error, missing, settle_on_rank0
 from ethpipe.runtime.adapt.fault_hooks import KillSpec, kill_spec, maybe_enospc, maybe_kill
 from ethpipe.runtime.checkpoint.layout import (
-    DCP_METADATA, FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, Manifest, ResumePoint,
-    check_files, check_model, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes,
+    DCP_METADATA, FAIL_SAVE_ENV, MANIFEST, OPTIM_KINDS, DataCursor, InjectedSaveFailure, ResumePoint,
+    check_files, commit, complete_checkpoints, corrupt_error, corrupt_files, crc32_file, dir_size_bytes,
     new_manifest, optim_key, param_of_key, read_manifest, remove_partial, resolve_checkpoint, tmp_dir_name,
 )
-from ethpipe.runtime.model.decoder import state_dict_shapes
-from ethpipe.runtime.model.tensor_parallel import TPGroup, gather_full, local_slice, shard_dim
+from ethpipe.runtime.checkpoint.tp_shards import KeyWriters, ShardViews
+from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim
 
 def _rng_key(kind: str, rank: int) -> str:
     return f"rng.{kind}.rank{rank}"
@@ -103,22 +101,16 @@ def _sharded(key: str, tp: TPGroup | None) -> bool:
     return tp is not None and not key.startswith(optim_key("step", "")) and shard_dim(param_of_key(key)) is not None
 
 
-def _global_tensors(flat: dict[str, torch.Tensor], tp: TPGroup | None, device: torch.device
-                    ) -> dict[str, torch.Tensor]:
-    """Checkpoints hold global tensors under global names, whatever the TP degree that wrote them:
-    a TP stage gathers its slices (collective over its group, keys in sorted order, on ``device``: a
-    sharded optimizer's full states are on the CPU) and its first rank writes them; the other ranks'
-    replicated tensors are the same and are not written twice."""
+def _saved_pieces(flat: dict[str, torch.Tensor], tp: TPGroup | None, writers: KeyWriters | None
+                  ) -> dict[str, torch.Tensor]:
+    """What this rank hands DCP's save: a TP rank's slices as DTensors at their offsets in the global tensors
+    (tp_shards.py; nothing gathered, nothing global on any device), only for the keys its stage writes."""
     if tp is None:
         return flat
-    out = {}
-    for key in sorted(flat):
-        value = flat[key]
-        if _sharded(key, tp):
-            value = gather_full(value.to(device), param_of_key(key), tp).to(flat[key].device)
-        if tp.rank == 0:
-            out[key] = value
-    return out
+    assert writers is not None
+    views = ShardViews(tp)
+    return {key: views.wrap(value, param_of_key(key)) if _sharded(key, tp) else value
+            for key, value in flat.items() if not _sharded(key, tp) or writers.writes(param_of_key(key))}
 
 
 class CheckpointWriteError(RuntimeError):
@@ -191,7 +183,9 @@ def save_checkpoint(root: str | Path, step: int, module: nn.Module, optimizer: A
         remove_partial(root)  # leftovers of a killed save; nobody writes into them until the barrier
     dist.barrier(group=group)
     tmp = root / tmp_dir_name(step)
-    flat = _global_tensors(rank_state(module, optimizer_states(module, optimizer)), getattr(module, "tp", None), device)
+    tp = getattr(module, "tp", None)
+    writers = KeyWriters(plan, rank, spec.tie_embeddings) if tp is not None else None
+    flat = _saved_pieces(rank_state(module, optimizer_states(module, optimizer)), tp, writers)
     flat.update({_rng_key(kind, rank): s for kind, s in _rng_states(device).items()})
     writer = _Writer(str(tmp), step, rank, kill_spec())
     try:  # DCP gathers every rank's write outcome, so all ranks fail together
@@ -269,46 +263,17 @@ def load_checkpoint(point: ResumePoint, module: nn.Module, optimizer: torch.opti
     assert metadata is not None
     saved = metadata.state_dict_metadata
     tp = getattr(module, "tp", None)
-    local = flat
-    flat = {k: torch.empty(tuple(saved[k].size), dtype=v.dtype, device=v.device) if _sharded(k, tp) else v
-            for k, v in local.items()}  # a TP rank reads the global tensor and keeps its slice
+    if tp is not None:  # a TP rank reads its slices in place, by offset (tp_shards.py)
+        views = ShardViews(tp)
+        flat = {k: views.wrap(v, param_of_key(k)) if _sharded(k, tp) else v for k, v in flat.items()}
     rng = {kind: s.clone() for kind, s in _rng_states(device).items() if _rng_key(kind, rank) in saved}
     flat.update({_rng_key(kind, rank): s for kind, s in rng.items()})
     dcp.load(flat, storage_reader=FileSystemReader(str(step_dir)), process_group=group)
-    for key, value in local.items():
-        if _sharded(key, tp):
-            value.copy_(local_slice(flat[key], param_of_key(key), tp))
     if optimizer is not None:
         for name, param in module.named_parameters():
             optimizer.state[param] = states[name]
     _set_rng_states(rng, device)
     return states
-
-
-def export_checkpoint(path: str | Path, out: str | Path) -> Manifest:
-    """Consolidate a checkpoint's model weights into one state-dict file (global names), in this process."""
-    manifest, _, state = consolidated_weights(path)
-    save_atomic(state, out)
-    return manifest
-
-
-def consolidated_weights(path: str | Path) -> tuple[Manifest, ModelSpec, dict[str, torch.Tensor]]:
-    """A checkpoint's model weights (global names), checksums verified, read in this process."""
-    step_dir = resolve_checkpoint(path)
-    manifest = read_manifest(step_dir)
-    metadata = check_files(step_dir, manifest)
-    spec = spec_from_dict(manifest.model_spec)
-    check_model(step_dir, metadata, spec)
-    bad = corrupt_files(step_dir, manifest, sorted(manifest.files))
-    if bad:
-        raise corrupt_error(step_dir, bad[0])
-    entries = metadata.state_dict_metadata
-    state = {name: torch.empty(shape, dtype=entries[name].properties.dtype)  # type: ignore[union-attr]
-             for name, shape in state_dict_shapes(spec).items()}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    return manifest, spec, state
 
 
 def checkpoint_summary(path: str | Path) -> dict[str, Any]:

@@ -1,0 +1,97 @@
+"""A tensor-parallel stage's checkpoint pieces: each TP rank saves and loads its own slice by offset.
+
+Checkpoints hold global tensors under global names (``state.py``), but no rank ever builds one: a TP rank
+hands DCP its slice as a ``DTensor`` sharded over the stage's TP group (``Shard(shard_dim)``), so DCP
+writes the slice at its offset in the global tensor and, at load, reads exactly the bytes of the slice
+from whatever pieces the writing plan left (a whole tensor of a tp-1 stage, or slices of another degree).
+The mesh only tells DCP the rank's coordinate: DCP's own collectives run over the group it is given.
+
+One chunking per key: DCP deduplicates identical pieces of replicas, but a whole tensor from a tp-1
+pipeline and slices of the same key from a tp-2 pipeline would overlap. So a sharded key is written by
+the holders of the smallest TP degree only: every tp-1 holder (whole tensors, deduplicated as before),
+or, when every holder is tensor-parallel, the first such stage in plan order. Every rank works this out
+from the plan alone: no communication, O(pipelines x stages + layers) once per save.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ethpipe.plan import Plan
+from ethpipe.plan_parts import Stage
+from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim
+
+
+def global_shape(local: torch.Tensor, dim: int, tp: TPGroup) -> tuple[int, ...]:
+    """The global tensor's shape: TP ranks hold equal shares along ``dim``."""
+    shape = list(local.shape)
+    shape[dim] *= tp.size
+    return tuple(shape)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+class ShardViews:
+    """This TP rank's slices as DTensors over its group, one mesh per device type (GPU tensors, and the CPU
+    states of a sharded optimizer)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self._meshes: dict[str, DeviceMesh] = {}
+
+    def wrap(self, local: torch.Tensor, name: str) -> DTensor:
+        """``local`` (this rank's slice of parameter ``name``, or of its AdamW state) as a DTensor view: DCP
+        writes from it and loads into it in place."""
+        dim = shard_dim(name)
+        assert dim is not None, name
+        kind = local.device.type
+        if kind not in self._meshes:  # public from_group: no communication, the group is only recorded
+            self._meshes[kind] = DeviceMesh.from_group(self.tp.group, kind)
+        shape = global_shape(local, dim, self.tp)
+        return DTensor.from_local(local, self._meshes[kind], [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _stage_params(stage: Stage, first: bool, last: bool, tied: bool) -> tuple[set[int], bool, bool]:
+    """The layers a stage holds, and whether it holds the embedding and the LM head."""
+    layers = {k for lo, hi in stage.layer_ranges for k in range(lo, hi)}
+    return layers, first or (last and tied), last and not tied
+
+
+class KeyWriters:
+    """Per sharded parameter: does this rank's stage write it? (The smallest TP degree among its holders;
+    at degree > 1, the first holding stage in plan order.)"""
+
+    def __init__(self, plan: Plan, rank: int, tied: bool) -> None:
+        pos = plan.position_of(rank)
+        self._mine = (pos.pipeline, pos.stage)
+        self._tp = plan.pipelines[pos.pipeline].stages[pos.stage].tp
+        # For each part (a layer index, "emb", "head"): (smallest tp, first stage holding it at that tp).
+        best: dict[object, tuple[int, tuple[int, int]]] = {}
+        for p, pipe in enumerate(plan.pipelines):
+            depth = len(pipe.stages)
+            for s, stage in enumerate(pipe.stages):
+                layers, emb, head = _stage_params(stage, s == 0, s == depth - 1, tied)
+                parts: list[object] = sorted(layers)
+                parts += ["emb"] * emb + ["head"] * head
+                for part in parts:
+                    if part not in best or stage.tp < best[part][0]:
+                        best[part] = (stage.tp, (p, s))
+        self._best = best
+
+    def writes(self, name: str) -> bool:
+        """Whether this rank presents parameter ``name`` (global, sharded) to DCP's save."""
+        if name.startswith("layers."):
+            part: object = int(name.split(".", 2)[1])
+        else:
+            part = "emb" if name.startswith("tok_emb.") else "head"
+        tp, stage = self._best[part]
+        return self._tp == tp and (tp == 1 or stage == self._mine)
