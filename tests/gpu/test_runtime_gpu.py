@@ -185,3 +185,74 @@ def test_the_device_memory_in_use_covers_the_allocators_and_more() -> None:
     used = device_used_bytes(device)
     assert used >= torch.cuda.memory_reserved(device) >= block.numel()
     del block
+
+
+def test_gpu_gqa_runs_the_memory_efficient_kernel_with_expanded_kv() -> None:
+    """64 query heads over 8 KV heads in fp16, SDPA restricted to the memory-efficient kernel (what a V100 or
+    T4 gets): the runtime's attention (K/V expanded) runs there, keeps no s x s scores, and matches the GQA
+    result of the default kernels; what it keeps is what the cost model budgets for Q, K, V, O and the LSE."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ethpipe.runtime.model.attention import causal_attention
+
+    s, d = 2048, 64
+    q = torch.randn(1, 64, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 8, s, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = causal_attention(q, k, v, expand=True)
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - base
+    scores = 64 * s * s * 4  # the fp32 scores the math kernel would keep
+    qkv_out = 4 * 64 * s * d * 2  # expanded K, V, the output and Q's width, fp16
+    assert kept < qkv_out + 64 * s * 4 + 2 ** 20 < 0.1 * scores, kept
+    out.float().sum().backward()
+    ref = causal_attention(q.detach(), k.detach(), v.detach(), expand=False)  # default kernels, GQA inside SDPA
+    torch.testing.assert_close(out.detach(), ref, rtol=2e-3, atol=2e-3)
+
+
+def test_gpu_checkpoint_save_and_resume_take_no_more_device_memory_than_a_tensor(tmp_path: Path) -> None:
+    """One rank, one stage of a 1 GiB (fp32) model on the GPU: DCP's save stages through the host one tensor at a
+    time (the allocator's peak grows by at most one tensor, the largest: 128 MiB, plus 64 MiB over what the stage
+    and its AdamW states hold); a resume into a fresh stage loads in place: it adds the AdamW states it fills
+    (2 x the parameters) and no more than that slack."""
+    import torch.distributed as dist
+
+    from ethpipe.model_spec import ModelSpec
+    from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+    from ethpipe.runtime.checkpoint.layout import DataCursor, find_resume
+    from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
+    from ethpipe.runtime.model.decoder import build_stage
+
+    spec = ModelSpec(name="ckpt-mem", num_layers=4, hidden_size=2048, num_heads=16, num_kv_heads=16,
+                     ffn_hidden_size=8192, vocab_size=16384, max_seq_len=64)
+    pipes = (Pipeline((Stage((0,), "gpu", (0, 4)),), (1,)),)
+    plan = Plan("custom", spec.name, 1, 16, pipes, compute_blocks(pipes), model_spec=spec)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda", 0)
+        module = build_stage(spec, (0, 4), True, True, device=device)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in module.parameters():
+            p.grad = None
+        largest = max(p.numel() * p.element_size() for p in module.parameters())
+        slack = largest + 64 * 2 ** 20
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+        save_checkpoint(tmp_path / "ck", 1, module, opt, plan, spec, DataCursor(1, False, 0, 100), 2, device)
+        assert torch.cuda.max_memory_allocated(device) - held <= slack
+        point = find_resume(tmp_path / "ck", spec, 16, False, 0, 100)
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        del module, opt
+        fresh = build_stage(spec, (0, 4), True, True, device=device, init=False)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+        load_checkpoint(point, fresh, fresh_opt, device)
+        assert torch.cuda.max_memory_allocated(device) - held <= 2 * params + slack
+    finally:
+        dist.destroy_process_group()

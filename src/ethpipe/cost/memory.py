@@ -103,7 +103,8 @@ def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_byt
     return seq_len * (2 * dtype_bytes * model.hidden_size + 2 * LOGITS_BYTES_PER_ELEMENT * model.vocab_size / tp)
 
 
-def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:
+def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int,
+                                   gqa_expanded: bool = False) -> float:
     """What ethpipe's own runtime (runtime/model/decoder.py) keeps for backward per decoder block and sample.
 
     Counted from autograd's saved tensors (tests/unit/test_activation_inventory.py fits nothing: it
@@ -118,9 +119,11 @@ def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: 
     internals stay fp32 (RMSNorm: 4h + 2; LayerNorm: 2h + 4; plus the fp32 log-sum-exp). Norm-side
     tensors are replicated over TP, the rest split. RoPE's cos/sin tables (head_dim per token, once
     per stage) and the autocast weight copies (``autocast_weight_bytes``) are counted elsewhere.
+    ``gqa_expanded``: a GPU that runs SDPA's memory-efficient kernel gets K and V expanded to the query heads
+    (``runtime/model/attention.py``), and SDPA keeps those: 2q instead of 2kv.
     """
     h, rms = model.hidden_size, model.norm == "rmsnorm"
-    split = (3 if model.position == "rope" else 2) * model.q_dim + 2 * model.kv_dim
+    split = (3 if model.position == "rope" else 2) * model.q_dim + 2 * (model.q_dim if gqa_expanded else model.kv_dim)
     split += {"swiglu": 4, "relu": 1}.get(model.activation, 2) * model.ffn_hidden_size
     small = 2 if rms else 4
     if dtype_bytes >= 4:

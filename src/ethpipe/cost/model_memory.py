@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ethpipe.cost import memory
+from ethpipe.cost import memory, ops
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Block, Stage
@@ -128,22 +128,34 @@ class MemoryPricing:
         """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the
         plan forces materialised attention (SDPA's fused kernels keep none); a measured profile rescales them."""
         m, s, d = self.model, self.seq_len, self.dtype_bytes
-        materialised = device is not None and self.attention(device) == "materialised"
+        attention = self.attention(device) if device is not None else None
+        materialised = attention == "materialised"
+        expanded = attention == "efficient" and m.num_kv_heads < m.num_heads  # ops.gqa_expanded
 
-        def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int, scores_kept: bool) -> float:
+        def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int, scores_kept: bool,
+                     gqa_expanded: bool = False) -> float:
             if kind != "block":
                 return memory.runtime_head_activation_bytes(spec, seq_len, dtype_bytes, tp)
             scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if scores_kept else 0.0
-            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp) + scores
+            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp, gqa_expanded) + scores
 
-        ours = analytic(m, s, d, tp, materialised) * micro_batch
+        ours = analytic(m, s, d, tp, materialised, expanded) * micro_batch
         prof = self.profiles.get(device) if self.profiles and device else None
         measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]
         if prof is None or measured is None:
             return ours
         theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1,
-                          prof.attention == "materialised") * micro_batch
+                          prof.attention == "materialised", self._profile_expanded(device, prof)) * micro_batch
         return measured * ours / theirs
+
+    def _profile_expanded(self, device: str, prof: MeasuredProfile) -> bool:
+        """Whether the runtime that measured ``prof`` on ``device`` expanded its model's grouped-query K/V."""
+        spec = spec_from_dict(prof.model)
+        hw = self._hw.get(device)  # type: ignore[attr-defined]
+        if hw is None or spec.num_kv_heads >= spec.num_heads:
+            return False
+        dtype = "fp32" if prof.dtype_bytes >= 4 else "fp16"
+        return ops.attention_impl(hw.gpu.arch, dtype, prof.attention) == "efficient"
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
                            pending_weights: int = 0, stashed_inputs: int | None = None,

@@ -11,7 +11,9 @@ masks). Attention is priced by the implementation that runs it (``attention_impl
 * ``efficient``: SDPA's memory-efficient backend (CUTLASS FMHA), what ethpipe's runtime gets in
   fp32 everywhere and in fp16 on Volta/Turing: the same fused shape as flash; in fp32 on sm80+
   its matmuls run as 3xTF32 on tensor cores (three TF32 MMAs per fp32 product), elsewhere on the
-  layer's own math unit.
+  layer's own math unit. It takes no grouped-query K/V, so the runtime expands them to the query
+  heads first (``runtime/model/attention.py``): a ``kv_expand`` kernel (its backward sums the copies)
+  and K/V read at query width.
 * ``materialised``: the unfused path (Megatron-DeepSpeed without its fused softmax, which the
   Sailor profiles measured): ``QK^T`` writes the ``s x s`` scores, elementwise scale / mask /
   softmax passes, ``P V``.
@@ -87,6 +89,11 @@ def attention_impl(arch: str, dtype: str, choice: str = "auto") -> Attention:
     return "efficient"
 
 
+def gqa_expanded(attention: Attention, q: float, kv: float) -> bool:
+    """Whether the runtime expands grouped-query K/V to the query heads (the memory-efficient kernel's input)."""
+    return attention == "efficient" and kv < q
+
+
 def _linear(name: str, tokens: float, k_in: float, n_out: float, e: int, backward: bool) -> list[Kernel]:
     if not backward:
         return [gemm(name, tokens, n_out, k_in, e)]
@@ -131,10 +138,12 @@ def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: f
         # Both skip the masked upper triangle and recompute QK^T in backward; both read Q, K, V and
         # write O (backward: reads them and dO, writes dQ, dK, dV).
         flops = 4.0 * batch * s * s * d * FLASH_CAUSAL_FRACTION * (FLASH_BWD_FLOPS_FACTOR if backward else 1.0)
-        io = tokens * (2 * q + 2 * kv) * e * (2 if backward else 1)
         if attention == "flash":
-            return [Kernel("flash_attn", "gemm", flops, io)]
-        return [Kernel("efficient_attn", "gemm", flops, io, unit="fmha")]
+            return [Kernel("flash_attn", "gemm", flops, tokens * (2 * q + 2 * kv) * e * (2 if backward else 1))]
+        expanded = gqa_expanded(attention, q, kv)
+        io = tokens * (2 * q + 2 * (q if expanded else kv)) * e * (2 if backward else 1)
+        expand = [mem("kv_expand", tokens * 2 * (kv + q) * e)] if expanded else []  # read K, V; write the copies
+        return [*expand, Kernel("efficient_attn", "gemm", flops, io, unit="fmha")]
     scores = batch * s * s * e
     passes = SOFTMAX_PASSES["fused" if e < 4 else "unfused"][1 if backward else 0]
     permute = mem("permute", 2 * tokens * q * e)

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.model_load import load_model_spec
+from ethpipe.runtime.model.attention import causal_attention, expand_kv
 from ethpipe.runtime.model.tensor_parallel import (
     TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
 )
@@ -117,8 +118,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, self.num_kv_heads, s.head_dim_resolved).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # Grouped-query attention: each kv head serves num_heads / num_kv_heads query heads, inside SDPA.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.num_heads != s.num_kv_heads)
+        # Grouped-query attention: each kv head serves num_heads / num_kv_heads query heads, inside SDPA where
+        # its flash kernel runs, else with K and V expanded first so a fused kernel still runs (attention.py).
+        expand = expand_kv(q.device, q.dtype, self.num_heads, self.num_kv_heads)
+        y = causal_attention(q, k, v, expand)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.num_heads * s.head_dim_resolved))
 
 
