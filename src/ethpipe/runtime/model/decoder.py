@@ -18,6 +18,7 @@ import math
 import os
 import tempfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -251,6 +252,9 @@ class Decoder(nn.Module):
         return vocab_parallel_cross_entropy_sum(logits, targets, self.tp, self.head.weight.shape[0] * self.tp.rank)
 
 
+INIT_MAX_THREADS = 4
+
+
 def param_seed(seed: int, name: str) -> int:
     """Stable per-parameter seed (crc32, not Python's salted hash) so every process agrees."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
@@ -292,9 +296,23 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     if not init:
         return module
     full = state_dict_shapes(spec) if module.tp is not None else {}
-    for name, param in module.named_parameters():  # a tied last stage's copy is `tok_emb.weight` too: same bits
-        init_parameter(spec, name, param, seed, full.get(name), module.tp)
+    params = list(module.named_parameters())  # a tied last stage's copy is `tok_emb.weight` too: same bits
+
+    def draw(item: tuple[str, nn.Parameter]) -> None:
+        init_parameter(spec, item[0], item[1], seed, full.get(item[0]), module.tp)
+
+    # Each parameter has its own generator (seeded by name), so drawing them on several threads (torch releases
+    # the GIL) gives the same bits as one thread; a thread holds one global tensor at a time.
+    with ThreadPoolExecutor(init_threads()) as pool:
+        list(pool.map(draw, params))
     return module
+
+
+def init_threads() -> int:
+    """Threads for a stage's random init: this rank's share of the node's cores (torchrun's LOCAL_WORLD_SIZE
+    ranks share them), at most ``INIT_MAX_THREADS`` (each holds one global fp32 tensor while it draws)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(INIT_MAX_THREADS, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))))
 
 
 def compile_blocks(module: Decoder) -> None:
