@@ -29,6 +29,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aceso_data  # noqa: E402
 import vidur_data  # noqa: E402
+import zorse_data  # noqa: E402
+import zorse_report  # noqa: E402
 from aceso_data import OpObservation  # noqa: E402
 from sailor_data import GPU_IDS, MODELS, SEQ_LEN, SOURCE, all_profiles, sailor_root  # noqa: E402
 
@@ -121,23 +123,40 @@ def op_observations(repo: Path = REPO) -> tuple[OpObservation, ...]:
     return tuple(out)
 
 
+_ZORSE: list[tuple[zorse_data.ZorsePoint, ...]] = []
+
+
+def zorse_points(repo: Path = REPO) -> tuple[zorse_data.ZorsePoint, ...]:
+    """Zorse's 16-bit layer timings (benchmarks/zorse_data.py), read once; empty where the folder is absent."""
+    if not _ZORSE:
+        root = zorse_data.zorse_root(repo)
+        _ZORSE.append(tuple(zorse_data.points(root)) if root is not None else ())
+    return _ZORSE[0]
+
+
 def sources(op_obs: tuple[OpObservation, ...]) -> str:
     names = {o.source for o in op_obs}
     return "; ".join([SOURCE, *([aceso_data.SOURCE] if "aceso" in names else []),
-                      *([vidur_data.SOURCE] if "vidur" in names else [])])
+                      *([vidur_data.SOURCE] if "vidur" in names else []),
+                      *([zorse_data.SOURCE] if zorse_points() else [])])
 
 
 def combined_training_set(obs, exclude_model: str | None = None,
-                          op_obs: tuple[OpObservation, ...] | None = None) -> list[cal.Observation]:
-    """The layer passes of ``training_set`` and every per-op observation, without the held-out model's (one name
-    per model across the sources: Sailor's LLAMA-3-8 and vidur's Meta-Llama-3-8B are held out together)."""
+                          op_obs: tuple[OpObservation, ...] | None = None,
+                          exclude_gpu: str | None = None) -> list[cal.Observation]:
+    """The layer passes of ``training_set``, every per-op observation and Zorse's 16-bit layers, without the
+    held-out model's (one name per model across the sources: Sailor's LLAMA-3-8 and vidur's Meta-Llama-3-8B are
+    held out together) and without the held-out GPU's (catalog id)."""
     op_obs = op_observations() if op_obs is None else op_obs
-    return training_set(obs, exclude_model) + [o.obs for o in op_obs if o.model != exclude_model]
+    every = (training_set(obs, exclude_model) + [o.obs for o in op_obs if o.model != exclude_model]
+             + [p.obs for p in zorse_points() if p.model != exclude_model])
+    return [o for o in every if o.gpu != exclude_gpu]
 
 
 def model_names(op_obs: tuple[OpObservation, ...]) -> list[str]:
-    """Every model leave-one-model-out holds out: Sailor's three and the per-op profiles' others."""
-    return [*MODELS, *sorted({o.model for o in op_obs} - set(MODELS))]
+    """Every model leave-one-model-out holds out: Sailor's three and the other sources' others."""
+    others = {o.model for o in op_obs} | {p.model for p in zorse_points()}
+    return [*MODELS, *sorted(others - set(MODELS))]
 
 
 def lomo_fits(obs, op_obs: tuple[OpObservation, ...], select=None) -> dict[str, Calibration]:
@@ -147,7 +166,7 @@ def lomo_fits(obs, op_obs: tuple[OpObservation, ...], select=None) -> dict[str, 
 
 
 def _row(o: cal.Observation, model: str, gpu: str, calibration: Calibration) -> dict:
-    pred = o.predict_s(calibration.constants(o.arch)[0])
+    pred = o.predict_with(calibration)
     return {"model": model, "gpu": gpu, "tp": o.tp, "mbs": o.micro_batch, "kind": o.kind,
             "pass": "bwd" if o.backward else "fwd", "measured_ms": 1e3 * o.measured_s, "predicted_ms": 1e3 * pred,
             "error": (pred - o.measured_s) / o.measured_s}
@@ -175,14 +194,14 @@ def op_error_rows(op_obs: tuple[OpObservation, ...], fits: dict[str, Calibration
     for o in op_obs:
         calibration = fits if isinstance(fits, Calibration) else fits[o.model]
         c = calibration.constants(o.obs.arch)[0]
-        pred = o.obs.predict_s(c)
+        pred = o.obs.predict_with(calibration)
         row = {"source": o.source, "gpu": o.gpu_name, "family": o.obs.arch, "model": o.model, "dtype": o.dtype,
                "op": o.op, "role": o.role, "pass": "bwd" if o.backward else "fwd", "size": o.size, "tp": o.tp,
                "measured_us": 1e6 * o.obs.measured_s, "predicted_us": 1e6 * pred, "weight": o.obs.weight,
                "error": pred / o.obs.measured_s - 1}
         if o.dtype == "fp16" and o.role == "gemm":
             default = dataclasses.replace(c, tensor_eff=DEFAULT_CONSTANTS.tensor_eff)
-            row["error_at_default"] = o.obs.predict_s(default) / o.obs.measured_s - 1
+            row["error_at_default"] = o.obs.predict_s(default) / o.obs.measured_s - 1  # no measurement at all
         rows.append(row)
     return rows
 
@@ -252,7 +271,7 @@ def block_lomo(obs, fits: dict[str, Calibration]) -> dict[str, tuple[float, floa
     """Median and worst abs error of Sailor's TP-1 block passes, each model predicted without its data."""
     out = {}
     for backward in (False, True):
-        errs = [abs(o.predict_s(fits[m].constants(o.arch)[0]) / o.measured_s - 1)
+        errs = [abs(o.predict_with(fits[m]) / o.measured_s - 1)
                 for (m, _, tp), group in obs.items() if tp == 1 for o in group
                 if o.kind == "block" and o.backward == backward]
         out["bwd" if backward else "fwd"] = (statistics.median(errs), max(errs))
@@ -437,8 +456,8 @@ def _ops_report(data: dict) -> list[str]:
         "|---|---|---|---|---|---|---|---|"]
     fams = list(after["architectures"])
     for fam in [*fams, "fallback"]:
-        b = before["fallback"] if fam == "fallback" else before["architectures"][fam]
         a = after["fallback"] if fam == "fallback" else after["architectures"][fam]
+        b = before["fallback"] if fam == "fallback" else before["architectures"].get(fam, before["fallback"])
         cell = [f"{b[k]:.3f} -> {a[k]:.3f}" for k in ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff")]
         cell += [f"{1e6 * b[k]:.1f} -> {1e6 * a[k]:.1f}" for k in ("launch_s", "layer_s")]
         label = "fallback (centre: families nobody measured)" if fam == "fallback" else fam
@@ -532,6 +551,8 @@ def write_report(data: dict, path: Path) -> None:
         "`error` = predicted / measured - 1.",
         "",
     ]
+    if data.get("zorse"):
+        lines += zorse_report.section(data["zorse"])
     if data.get("ops"):
         lines += _ops_report(data)
     lines += [
@@ -627,7 +648,7 @@ def main() -> None:
     if args.write_shipped:
         header = ("# Compute-model constants per GPU architecture family, fitted by benchmarks/calibration.py --write-shipped\n"
                   f"# Sources: {SOURCE} (profiles/*/*/profile.json; TP 1, or the lowest TP measured: layer passes);\n"
-                  f"# {aceso_data.SOURCE};\n# {vidur_data.SOURCE}.\n"
+                  f"# {aceso_data.SOURCE};\n# {vidur_data.SOURCE};\n# {zorse_data.SOURCE}.\n"
                   "# Derived figures only: the measured files stay in the shared copies (docs/benchmarks/calibration.md).\n"
                   "# tensor_eff / tf32_eff / simd_eff: fraction of the datasheet bf16-fp16 / TF32 / CUDA-core fp32 peak\n"
                   "# that large GEMMs reach: tensor_eff fitted to the fp16 GEMM ops (Aceso forward and input-gradient\n"
@@ -636,7 +657,8 @@ def main() -> None:
                   "# time of a kernel and layer_s per layer pass (layer passes only; cost/hardware.py: a kernel takes\n"
                   "# max(compute, memory, launch)). A family's `fitted` lists the constants its data inform (the others\n"
                   "# sit at the fit's centre); `fallback` is that centre, which prices families nobody measured (ada,\n"
-                  "# pascal, cdna, ...; `ethpipe plan` says so).\n")
+                  "# pascal, cdna, ...; `ethpipe plan` says so). `gpus`: each measured GPU type's compute factor around\n"
+                  "# its family (power caps, clocks) and the fit's median |error| on its own data.\n")
         (REPO / "src/ethpipe/data/calibration.yaml").write_text(header + yaml.safe_dump(constants.to_dict(), sort_keys=False))
         shipped_calibration.cache_clear()
     check_tp_code_path(root)
@@ -649,6 +671,9 @@ def main() -> None:
             "in_sample": {"summary": summarise(in_rows), "rows": in_rows, "ratios": ratio_rows(in_rows)},
             "lomo": {"summary": summarise(lomo_rows), "rows": lomo_rows, "ratios": ratio_rows(lomo_rows, seen)},
             "memory": memory_rows(root), "replan": replan_rows(root, constants, args.global_batch)}
+    if zorse_points():
+        data["zorse"] = zorse_report.evaluate(
+            lambda m, g: combined_training_set(obs, m, op_obs, g), zorse_points(), constants)
     if op_obs:
         op_in, op_lomo = op_error_rows(op_obs, constants), op_error_rows(op_obs, fits)
         lomo_gemm = [r for r in op_lomo if "error_at_default" in r]
@@ -672,7 +697,8 @@ def main() -> None:
     (OUT / "calibration.json").write_text(json.dumps(derived, indent=1) + "\n")
     write_report(data, OUT / "calibration.md")
     for fam, c in constants.architectures.items():
-        print(f"{fam}: tensor_eff {c.tensor_eff:.3f} (before {before.architectures[fam].tensor_eff:.3f}), "
+        was = before.architectures.get(fam, before.fallback)
+        print(f"{fam}: tensor_eff {c.tensor_eff:.3f} (before {was.tensor_eff if was else float('nan'):.3f}), "
               f"tf32 {c.tf32_eff:.3f}, simd {c.simd_eff:.3f}, mem {c.mem_eff:.3f}")
     for k, v in data.get("ops", {}).get("summary_lomo", {}).items():
         print(f"LOMO ops {k}: n {v['n']} median {100 * v['median']:.1f}% worst {100 * v['worst']:.1f}%")

@@ -51,6 +51,7 @@ class GpuSpec:
     peak_fp32_tflops: float = 0.0  # CUDA-core fp32 peak (0 = unknown)
     tf32_tflops: float = 0.0  # dense TF32 tensor-core peak (0 = the chip has none)
     vendor: str = ""  # the catalog's vendor ("NVIDIA", "AMD", ...); "" for inline GPUs
+    pcie_p2p: bool = True  # False: the driver gives no PCIe peer-to-peer (GeForce): NCCL stages through host memory
 
     @property
     def arch(self) -> str:
@@ -129,6 +130,7 @@ def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuS
         peak_fp32_tflops=float(_scalar(entry.get("peak_fp32_tflops"), variant) or 0.0),
         tf32_tflops=float(_scalar(entry.get("tf32_dense_tflops"), variant) or 0.0),
         vendor=str(entry.get("vendor", "")),
+        pcie_p2p=bool(entry.get("pcie_p2p", True)),
     )
 
 

@@ -11,6 +11,7 @@ from ethpipe.catalog import get_gpu
 from ethpipe.cluster import cluster_from_dict
 from ethpipe.cost import calibrate, memory, ops
 from ethpipe.cost.hardware import (
+    CALIBRATION_VERSION,
     CONSTANT_NAMES,
     DEFAULT_CONSTANTS,
     UNITS,
@@ -166,17 +167,22 @@ def test_fit_recovers_the_constants_that_generated_the_profiles() -> None:
     fitted = calibrate.fit(fp32_obs + bf16_obs)
     ampere = fitted.architectures["ampere"]
     # Exact data: the prior (a family near the centre, the centre near the physical defaults) moves the
-    # estimate by well under 1%, and the fitted model reproduces every pass to 0.2%.
+    # estimate by well under 1%, and the fitted model reproduces every pass to 0.2%. One GPU of the family: what
+    # its data pin is each unit's efficiency times the GPU's compute factor (how the two split is the prior's).
+    scale = fitted.compute_scale(a100.id)
     for name in CONSTANT_NAMES:
-        assert getattr(ampere, name) == pytest.approx(getattr(truth, name), rel=0.01), name
+        got = getattr(ampere, name) * (scale if name.endswith("_eff") and name != "mem_eff" else 1.0)
+        assert got == pytest.approx(getattr(truth, name), rel=0.01), name
     assert max(abs(e) for e in calibrate.relative_errors(fp32_obs + bf16_obs, fitted)) < 0.002
     assert set(ampere.fitted) == set(CONSTANT_NAMES)
     assert fitted.fallback is not None and fitted.constants("ada") == (fitted.fallback, False)
     # fp32 profiles alone say nothing of the 16-bit tensor cores: bf16 GEMMs keep the default efficiency.
-    fp32_only = calibrate.fit(fp32_obs).architectures["ampere"]
+    fp32_fit = calibrate.fit(fp32_obs)
+    fp32_only = fp32_fit.architectures["ampere"]
     assert "tensor_eff" not in fp32_only.fitted and "tf32_eff" in fp32_only.fitted
-    assert fp32_only.tensor_eff == pytest.approx(DEFAULT_CONSTANTS.tensor_eff, rel=1e-3)
-    assert fp32_only.tf32_eff == pytest.approx(truth.tf32_eff, rel=0.01)
+    assert fp32_only.tensor_eff * fp32_fit.compute_scale(a100.id) == pytest.approx(
+        DEFAULT_CONSTANTS.tensor_eff * fp32_fit.compute_scale(a100.id), rel=1e-3)
+    assert fp32_only.tf32_eff * fp32_fit.compute_scale(a100.id) == pytest.approx(truth.tf32_eff, rel=0.01)
 
 
 def test_unidentified_constant_takes_the_centres_value() -> None:
@@ -187,20 +193,21 @@ def test_unidentified_constant_takes_the_centres_value() -> None:
     volta = fitted.architectures["volta"]
     assert "tf32_eff" not in volta.fitted  # fp32 on Volta never touches tensor cores
     assert volta.tf32_eff == pytest.approx(fitted.fallback.tf32_eff, rel=1e-6)
-    assert volta.simd_eff == pytest.approx(0.8, rel=0.01)
+    assert volta.simd_eff * fitted.compute_scale("v100_16gb") == pytest.approx(0.8, rel=0.01)
 
 
 def test_uncalibrated_gpu_says_so_and_plan_records_the_model() -> None:
     from ethpipe.planner import make_plan
 
-    clu = cluster_from_dict({"nodes": [{"gpu": "l4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    clu = cluster_from_dict({"nodes": [{"gpu": "mi300x", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
     plan = make_plan(clu, load_model_spec("gpt3-1.3b"), 16, 2048, max_tp=1, dtype="bf16")
-    assert "uncalibrated family (datasheet peaks x the efficiencies fitted across measured GPUs)" in \
-        plan.extra["compute_model"]["devices"]["l4"]
+    note = plan.extra["compute_model"]["devices"]["mi300x"]
+    assert "uncalibrated family (datasheet peaks x the efficiencies fitted across measured GPUs)" in note
+    assert "price: no measurement of it or its family: the fallback constants" in note
     assert plan.extra["tf32"] is True and plan.extra["attention"] == "auto"
     assert "fallback" in plan.extra["compute_model"]["calibration"]
     sim_cost = CostModel.for_plan(plan)
-    assert sim_cost.layer_times_s("l4", 1) == CostModel(clu, load_model_spec("gpt3-1.3b"), 2048).layer_times_s("l4", 1)
+    assert sim_cost.layer_times_s("mi300x", 1) == CostModel(clu, load_model_spec("gpt3-1.3b"), 2048).layer_times_s("mi300x", 1)
 
 
 def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: Path) -> None:
@@ -212,7 +219,7 @@ def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: P
     old = {"version": 1, "architectures": {"ampere": {"tensor_eff": 0.5, "simd_eff": 0.9, "mem_eff": 0.8,
                                                       "launch_s": 1e-5, "layer_s": 1e-4}}}
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
-    with pytest.raises(UserError, match="field 'version' must be 3 .*re-run `ethpipe calibrate`"):
+    with pytest.raises(UserError, match=f"field 'version' must be {CALIBRATION_VERSION} .*re-run `ethpipe calibrate`"):
         load_calibration(tmp_path / "old.yaml")
     # Version 2: one tensor_eff for TF32 and 16-bit alike (a user's may have been fitted on either).
     two = calibrate_shipped().to_dict()
@@ -220,11 +227,11 @@ def test_constants_of_the_old_additive_model_are_refused_in_one_line(tmp_path: P
     for family in two["architectures"].values():
         del family["tf32_eff"]
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(two))
-    with pytest.raises(UserError, match="field 'version' must be 3 .*not 2: re-run `ethpipe calibrate`"):
+    with pytest.raises(UserError, match=f"field 'version' must be {CALIBRATION_VERSION} .*not 2: re-run `ethpipe calibrate`"):
         load_calibration(tmp_path / "two.yaml")
     del two["version"]
     (tmp_path / "none.yaml").write_text(yaml.safe_dump(two))
-    with pytest.raises(UserError, match="field 'version' must be 3 .*and is missing: re-run"):
+    with pytest.raises(UserError, match=f"field 'version' must be {CALIBRATION_VERSION} .*and is missing: re-run"):
         load_calibration(tmp_path / "none.yaml")
 
 
@@ -421,7 +428,7 @@ def test_device_speed_never_exceeds_what_the_kernels_allow(model: str, seq_len: 
             hw = DeviceCompute.build(g, calibrate_shipped(), dtype, True)
             eff = hw.constants.unit_effs()[UNITS.index(hw.unit)]
             rate = cost.achievable_flops(g.id)
-            assert 0 < rate <= 1.25 * eff * hw.peak_tflops * 1e12, (g.id, dtype)
+            assert 0 < rate <= 1.25 * eff * hw.compute_scale * hw.peak_tflops * 1e12, (g.id, dtype)
             for b in (1, 4, 64):
                 per_sample_s = (spec.num_layers * sum(cost.layer_times_s(g.id, b))
                                 + sum(cost.end_times_s(g.id, b, 1, first=True, last=True))) / b
@@ -479,9 +486,10 @@ def test_plan_says_which_gemm_efficiency_no_measurement_informs() -> None:
         return plan.extra["compute_model"]["devices"]["a100_80gb_sxm"]
 
     bf16, fp32 = described("bf16"), described("fp32")
-    assert bf16.startswith("a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s, flash attention")
+    assert bf16.startswith("a100_80gb_sxm calibrated: tensor 312 TFLOP/s, 2039 GB/s (sustains x")
+    assert "of its family's compute, measured), flash attention; price: measured on this GPU (" in bf16
     assert "assumed" not in bf16
-    assert fp32.startswith("a100_80gb_sxm calibrated: tf32 156 TFLOP/s, 2039 GB/s,")
+    assert fp32.startswith("a100_80gb_sxm calibrated: tf32 156 TFLOP/s, 2039 GB/s (sustains x")
     shipped = calibrate_shipped().constants("ampere")[0]
     assert "tensor_eff" in shipped.fitted and shipped.tensor_eff != pytest.approx(shipped.tf32_eff)
     fp32_fit = dataclasses.replace(shipped, tensor_eff=DEFAULT_CONSTANTS.tensor_eff,
@@ -514,12 +522,14 @@ def test_a_users_bf16_fit_keeps_the_familys_measured_tf32_efficiency() -> None:
                          source="user bf16")
     assert "tensor_eff" in user.architectures["ampere"].fitted and "tf32_eff" not in user.architectures["ampere"].fitted
     base = calibrate_shipped()
-    merged = base.merged(user).constants("ampere")[0]
-    assert merged.tensor_eff == pytest.approx(0.55, rel=0.01)
+    merged_cal = base.merged(user)
+    merged = merged_cal.constants("ampere")[0]
+    # what the user's A100 was measured to reach: the family's 16-bit efficiency times the GPU's own factor
+    assert merged.tensor_eff * merged_cal.compute_scale(a100.id) == pytest.approx(0.55, rel=0.01)
     assert merged.tf32_eff == base.constants("ampere")[0].tf32_eff  # not the user fit's centre
     assert set(merged.fitted) >= {"tensor_eff", "tf32_eff"} and merged.source.startswith("user bf16")
     # A family the base never measured is taken whole.
-    assert base.merged(Calibration({"ada": user.architectures["ampere"]})).constants("ada")[0] == \
+    assert base.merged(Calibration({"cdna": user.architectures["ampere"]})).constants("cdna")[0] == \
         user.architectures["ampere"]
 
 
@@ -544,8 +554,10 @@ def test_an_op_observation_prices_its_kernels_alone_and_fits_the_efficiencies() 
         obs.append(calibrate.Observation("ampere", A100.id, "m", "op", False, 1, 1, measured, terms, 0.0,
                                          layer_passes=0.0, launch_floor=False, weight=0.5))
     assert all(o.predict_s(truth) == pytest.approx(o.measured_s, rel=1e-12) for o in obs)
-    fitted = calibrate.fit(obs).architectures["ampere"]
-    assert fitted.tensor_eff == pytest.approx(0.81, rel=0.01) and fitted.mem_eff == pytest.approx(0.6, rel=0.01)
+    fit = calibrate.fit(obs)
+    fitted = fit.architectures["ampere"]
+    assert fitted.tensor_eff * fit.compute_scale(A100.id) == pytest.approx(0.81, rel=0.01)
+    assert fitted.mem_eff == pytest.approx(0.6, rel=0.01)
     assert set(fitted.fitted) == {"tensor_eff", "mem_eff"}
     assert "op timings" in fitted.source
     layer = dataclasses.replace(obs[0], layer_passes=1.0, launch_floor=True, weight=1.0)
@@ -628,9 +640,11 @@ def test_fitted_16bit_constants_are_physical_shipped_and_beat_the_default_held_o
         assert held_out[family]["gpu_balanced"] < held_out[family]["gpu_balanced_default"], family
     for family in ("ampere", "volta"):
         assert held_out[family]["wrms"] < held_out[family]["wrms_default"] + 0.05, family
-    # In-sample the fit is the least-squares optimum: no worse than 70% in its own loss on any family.
+    # In-sample the fit answers these op timings and Zorse's 16-bit layers of the same families at once, so the
+    # ops alone are no longer its optimum: within 2 points of 70% in their own loss on every family (Volta:
+    # 11.7% against 10.8% measured).
     in_sample = bench.tensor_vs_default(per_op["in"])
-    assert all(v["wrms"] <= v["wrms_default"] + 1e-3 for v in in_sample.values())
+    assert all(v["wrms"] <= v["wrms_default"] + 0.02 for v in in_sample.values())
 
 
 # docs/benchmarks/calibration.md, "Op timings per family and precision": held-out medians (fp16 / fp32 GEMMs).

@@ -128,3 +128,21 @@ def test_simulator_and_estimate_price_the_contention() -> None:
                                            "nic_gbit_s": 2, "nic_rail_gbit_s": 1}]})
     free = simulate(Plan(**{**plan.__dict__, "cluster": railed.source}), CostModel(railed, TINY, 128)).iteration_time_s
     assert free < sim
+
+
+def test_a_ring_without_pcie_peer_to_peer_runs_at_half_the_slowest_measured_rate() -> None:
+    """GeForce cards stage every ring step through host memory (no PCIe P2P): half the slowest NCCL rate the node
+    measured for any group size up to the ring's; GPUs with P2P keep the group size's own curve."""
+    from ethpipe.catalog import get_gpu
+    from ethpipe.cost.links import HOST_STAGED_CROSSINGS, allreduce_gbps, intra_gbps
+
+    geforce, a100 = get_gpu("rtx_2080_ti"), get_gpu("a100_40gb_sxm")
+    assert not geforce.pcie_p2p and a100.pcie_p2p
+    assert {g for g in ("rtx_2080_ti", "titan_rtx", "rtx_3090", "rtx_4090") if not get_gpu(g).pcie_p2p} == \
+        {"rtx_2080_ti", "titan_rtx", "rtx_3090", "rtx_4090"}
+    n = 8e6
+    for tp in (2, 4, 8):
+        slowest = min(intra_gbps(geforce, k, n) for k in range(2, tp + 1))
+        assert allreduce_gbps(geforce, tp, n) == slowest / HOST_STAGED_CROSSINGS
+        assert allreduce_gbps(a100, tp, n) == intra_gbps(a100, tp, n)
+    assert allreduce_gbps(geforce, 8, n) < intra_gbps(geforce, 8, n) / 2  # the 8-GPU curve reads higher than 2's

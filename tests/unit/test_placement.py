@@ -55,7 +55,7 @@ def test_the_sm_count_tells_form_factors_apart_and_no_fit_is_none() -> None:
     assert identify_gpu(sxm_name, int(79.1 * GIB), multiprocessors=114) == "h100_pcie"
     assert not device_matches(get_gpu("h100_sxm"), DeviceInfo("h", "cuda", sxm_name, int(79.1 * GIB),
                                                                 multiprocessors=114), inline=False)
-    assert identify_gpu("NVIDIA H100 NVL", int(93.6 * GIB)) is None  # no 94 GB H100 in the catalog
+    assert identify_gpu("NVIDIA H100 NVL", int(93.6 * GIB)) == "h100_nvl"  # the 94 GB H100 NVL entry
     assert identify_gpu("Tesla V100-PCIE-32GB", int(31.7 * GIB)) is None  # nor a 32 GB PCIe V100
     assert identify_gpu("Some Unknown Accelerator", int(16 * GIB)) is None
 

@@ -25,10 +25,10 @@ def test_defaults_recorded_and_group_score_equals_estimate() -> None:
     # the final price, so the relation is checked where the plans run 1F1B.
     plan = make_plan(HETERO, GPT, 100, 2048, schedules=("1f1b",))
     assert plan.extra["search"]["options"] == PlannerOptions().to_dict()
-    # The search's score leaves out what only the final pricing sees (pipelines sharing a NIC: here every
-    # pipeline crosses it, its stages on two nodes, so that each stage's gradient sync stays inside a node) ...
+    # The search's score leaves out what only the final pricing sees (pipelines sharing a NIC, where the chosen
+    # pipelines cross one: then the final price is above the score, never below) ...
     estimated_s = plan.extra["search"]["estimated_iteration_s"]
-    assert estimated_s < plan.predicted["iteration_time_s"] < 1.02 * estimated_s
+    assert estimated_s <= plan.predicted["iteration_time_s"] < 1.02 * estimated_s
     # ... and is the estimate itself where no p2p crosses a node (8-GPU nodes, per-type pipelines: each
     # inside one node).
     wide = cluster_from_dict({"nodes": [

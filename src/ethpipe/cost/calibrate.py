@@ -41,6 +41,7 @@ from ethpipe.cost.hardware import (
     ArchConstants,
     Calibration,
     DeviceCompute,
+    GpuFactor,
     pass_s,
 )
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
@@ -51,6 +52,9 @@ INTRA_NODE_LATENCY_S = 5e-6
 OBS_SD = 0.10  # relative scatter of one measured layer pass
 FAMILY_SD = (0.3, 0.3, 0.3, 0.3, 1.0, 1.0)  # log-space spread of families around the centre (effs; launch, layer)
 CENTRE_SD = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0)  # log-space spread of the centre around the prior
+# A GPU type's compute factor around its family (log space): power caps and clocks move a SKU by up to ~2x from
+# its family's flagship (a 70 W T4 against the 280 W Titan RTX); bounded to [1/GPU_RANGE, GPU_RANGE].
+GPU_SD, GPU_RANGE = 0.5, 4.0
 # Physical ranges of x = (1/tensor_eff, 1/tf32_eff, 1/simd_eff, 1/mem_eff, launch_s, layer_s).
 _LOWER = np.array([1.0, 1.0, 1.0, 1.0, 1e-7, 1e-7])
 _UPPER = np.array([20.0, 20.0, 20.0, 20.0, 1e-3, 5e-3])
@@ -69,8 +73,9 @@ def catalog_link_gbps(gpu: GpuSpec, tp: int, num_bytes: float) -> float:
 
 
 def shipped_link_gbps(gpu: GpuSpec, tp: int, num_bytes: float) -> float:
-    """The cost model's own intra-node pricing: the shipped measured curve where the type has one."""
-    return links.intra_gbps(gpu, tp, num_bytes)
+    """The cost model's own TP all-reduce pricing: the shipped measured curve where the type has one
+    (``links.allreduce_gbps``)."""
+    return links.allreduce_gbps(gpu, tp, num_bytes)
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,20 @@ class Observation:
     launch_floor: bool = True  # kernels never beat launch_s (False: a device-side timing, no host floor)
     weight: float = 1.0  # multiplies the observation's residual in the fit
 
-    def predict_s(self, constants: ArchConstants) -> float:
+    def predict_s(self, constants: ArchConstants, compute_scale: float = 1.0) -> float:
+        """Seconds under ``constants`` and the GPU's ``compute_scale`` (``hardware.GpuFactor``)."""
+        terms = self.terms if compute_scale == 1.0 else tuple((u, c / compute_scale, m) for u, c, m in self.terms)
         if self.layer_passes == 1.0 and self.launch_floor:
-            return pass_s(constants, self.terms) + self.comm_s
+            return pass_s(constants, terms) + self.comm_s
         effs = constants.unit_effs()
         floor = constants.launch_s if self.launch_floor else 0.0
         return (sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, floor)
-                    for unit, compute_s, memory_s in self.terms)
+                    for unit, compute_s, memory_s in terms)
                 + self.layer_passes * constants.layer_s + self.comm_s)
+
+    def predict_with(self, calibration: Calibration) -> float:
+        """Seconds as ``calibration`` prices this GPU (its family's constants and its own compute factor)."""
+        return self.predict_s(calibration.constants(self.arch)[0], calibration.compute_scale(self.gpu))
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:
@@ -132,7 +143,8 @@ def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shi
             for backward, measured in ((False, timing.fwd_s), (True, timing.bwd_s)):
                 if measured <= 0:
                     continue
-                kernels = ops.layer_kernels(kind, model, profile.seq_len, b, profile.tp, e, attn, backward)
+                kernels = ops.layer_kernels(kind, model, profile.seq_len, b, profile.tp, e, attn, backward,
+                                            profile.grad_accumulation)
                 comm_s = sum(comm.ring_allreduce_s(profile.tp, n, link_gbps(gpu, profile.tp, n), INTRA_NODE_LATENCY_S)
                              for n in ops.tp_allreduce_bytes(kind, model, profile.seq_len, b, e, backward))
                 out.append(Observation(gpu.arch, gpu.id, model.name, kind, backward, b, profile.tp, measured,
@@ -146,6 +158,8 @@ class _Problem:
 
     families: tuple[str, ...]
     obs_family: np.ndarray  # family index of each observation
+    gpus: tuple[str, ...]
+    obs_gpu: np.ndarray  # GPU index of each observation (its compute factor)
     measured_s: np.ndarray
     comm_s: np.ndarray
     kernel_obs: np.ndarray  # observation index of each kernel
@@ -165,31 +179,38 @@ class _Problem:
         layer = np.array([o.layer_passes for o in obs], dtype=float)
         weight = np.array([o.weight for o in obs], dtype=float)
         floor = k[:, 4]
-        return cls(families, np.array([index[o.arch] for o in obs]), np.array([o.measured_s for o in obs]),
+        gpus = tuple(sorted({o.gpu for o in obs}))
+        gpu_index = {g: i for i, g in enumerate(gpus)}
+        return cls(families, np.array([index[o.arch] for o in obs]), gpus, np.array([gpu_index[o.gpu] for o in obs]),
+                   np.array([o.measured_s for o in obs]),
                    np.array([o.comm_s for o in obs]), k[:, 0].astype(int), k[:, 1].astype(int), k[:, 2], k[:, 3],
                    None if np.all(layer == 1.0) else layer, None if np.all(weight == 1.0) else weight,
                    None if np.all(floor == 1.0) else floor)
 
-    def _terms_s(self, x: np.ndarray) -> np.ndarray:
-        """(kernels x 3) compute, memory and launch seconds of every kernel for per-family constants ``x``."""
+    def _terms_s(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+        """(kernels x 3) compute, memory and launch seconds of every kernel for per-family constants ``x`` and
+        per-GPU compute factors ``scale`` (None: all 1)."""
         fam = self.obs_family[self.kernel_obs]
         launch = x[fam, _LAUNCH] if self.kernel_floor is None else x[fam, _LAUNCH] * self.kernel_floor
-        return np.stack([self.kernel_compute_s * x[fam, self.kernel_unit], self.kernel_memory_s * x[fam, _MEM],
-                         launch], axis=1)
+        compute = self.kernel_compute_s * x[fam, self.kernel_unit]
+        if scale is not None:
+            compute = compute / scale[self.obs_gpu[self.kernel_obs]]
+        return np.stack([compute, self.kernel_memory_s * x[fam, _MEM], launch], axis=1)
 
-    def predict_s(self, x: np.ndarray) -> np.ndarray:
-        """Predicted seconds of every observation for per-family constants ``x`` (families x constants)."""
-        kernel_s = self._terms_s(x).max(axis=1)
+    def predict_s(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds of every observation for per-family constants ``x`` (families x constants) and
+        per-GPU compute factors ``scale``."""
+        kernel_s = self._terms_s(x, scale).max(axis=1)
         per_obs = np.bincount(self.kernel_obs, weights=kernel_s, minlength=len(self.measured_s))
         layer = x[self.obs_family, _LAYER] if self.obs_layer is None else x[self.obs_family, _LAYER] * self.obs_layer
         return per_obs + layer + self.comm_s
 
-    def informed(self, x: np.ndarray) -> np.ndarray:
+    def informed(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
         """(families x constants) which constants each family's data inform at ``x``: a unit's efficiency where
         one of its kernels is compute-bound, mem_eff where one is memory-bound, launch_s where one sits on the
         floor; layer_s where any observation pays it (every layer pass does)."""
         fam = self.obs_family[self.kernel_obs]
-        binding = self._terms_s(x).argmax(axis=1)
+        binding = self._terms_s(x, scale).argmax(axis=1)
         floor = np.ones(len(fam), dtype=bool) if self.kernel_floor is None else self.kernel_floor > 0
         layer = np.ones(len(self.measured_s), dtype=bool) if self.obs_layer is None else self.obs_layer > 0
         out = np.zeros((len(self.families), _NUM), dtype=bool)
@@ -201,30 +222,40 @@ class _Problem:
         return out
 
 
-def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEFAULT_CONSTANTS) -> Calibration:
-    """One set of constants per architecture family found in ``obs``, and their centre as the fallback."""
+def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEFAULT_CONSTANTS,
+        gpu_factors: bool = True) -> Calibration:
+    """One set of constants per architecture family found in ``obs``, their centre as the fallback, and (with
+    ``gpu_factors``) each measured GPU type's compute factor around its family (``hardware.GpuFactor``)."""
     from scipy.optimize import least_squares  # imported here: planning never needs scipy
 
     obs = list(obs)
     if not obs:
         return Calibration({}, source)
     problem = _Problem.of(obs)
-    num_families = len(problem.families)
+    num_families, num_gpus = len(problem.families), (len(problem.gpus) if gpu_factors else 0)
     family_sd, centre_sd = np.array(FAMILY_SD), np.array(CENTRE_SD)
     log_prior = np.log(np.clip(_x_of(prior), _LOWER, _UPPER))
+    num_x = _NUM * (num_families + 1)
+
+    def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        gpus = np.exp(v[num_x:]) if num_gpus else None
+        return v[:_NUM], v[_NUM:num_x].reshape(num_families, _NUM), gpus
 
     def residuals(v: np.ndarray) -> np.ndarray:
-        centre, fams = v[:_NUM], v[_NUM:].reshape(num_families, _NUM)
-        rel = (problem.predict_s(np.exp(fams)) - problem.measured_s) / problem.measured_s / OBS_SD
+        centre, fams, gpus = unpack(v)
+        rel = (problem.predict_s(np.exp(fams), gpus) - problem.measured_s) / problem.measured_s / OBS_SD
         if problem.obs_weight is not None:
             rel = rel * problem.obs_weight
-        return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd])
+        return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd,
+                               v[num_x:] / GPU_SD])
 
-    lo, hi = np.tile(np.log(_LOWER), num_families + 1), np.tile(np.log(_UPPER), num_families + 1)
-    start = np.clip(np.tile(log_prior, num_families + 1), lo + 1e-9, hi - 1e-9)
+    lo = np.concatenate([np.tile(np.log(_LOWER), num_families + 1), np.full(num_gpus, -np.log(GPU_RANGE))])
+    hi = np.concatenate([np.tile(np.log(_UPPER), num_families + 1), np.full(num_gpus, np.log(GPU_RANGE))])
+    start = np.clip(np.concatenate([np.tile(log_prior, num_families + 1), np.zeros(num_gpus)]), lo + 1e-9, hi - 1e-9)
     solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, ftol=1e-12, xtol=1e-12, gtol=1e-12)
-    centre, fams = np.exp(solution.x[:_NUM]), np.exp(solution.x[_NUM:].reshape(num_families, _NUM))
-    informed = problem.informed(fams)
+    log_centre, log_fams, scales = unpack(solution.x)
+    centre, fams = np.exp(log_centre), np.exp(log_fams)
+    informed = problem.informed(fams, scales)
     note = f"{source}; " if source else ""
     archs = {}
     for i, family in enumerate(problem.families):
@@ -239,9 +270,17 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     anywhere = tuple(name for name, ok in zip(CONSTANT_NAMES, informed.any(axis=0)) if ok)
     fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
                                      f"({', '.join(problem.families)}): for families nobody measured", anywhere)
-    return Calibration(archs, source, fallback)
+    factors = {}
+    if scales is not None:
+        predicted = problem.predict_s(fams, scales)
+        errors = np.abs(predicted / problem.measured_s - 1)
+        for g, gpu in enumerate(problem.gpus):
+            mine = problem.obs_gpu == g
+            factors[gpu] = GpuFactor(float(scales[g]), int(mine.sum()), float(np.median(errors[mine])),
+                                     f"{note}fitted with its family ({int(mine.sum())} timings)")
+    return Calibration(archs, source, fallback, gpus=factors)
 
 
 def relative_errors(obs: Iterable[Observation], calibration: Calibration) -> list[float]:
     """(predicted - measured) / measured for each observation."""
-    return [(o.predict_s(calibration.constants(o.arch)[0]) - o.measured_s) / o.measured_s for o in obs]
+    return [(o.predict_with(calibration) - o.measured_s) / o.measured_s for o in obs]

@@ -34,7 +34,8 @@ from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
 from ethpipe.errors import UserError, parse_error_summary
 
-CALIBRATION_VERSION = 3  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores
+CALIBRATION_VERSION = 4  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores;
+# 4: the runtime's gradient accumulation in every backward, per-GPU compute factors
 CONSTANT_NAMES = ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
 UNITS = ("tensor", "tf32", "simd")  # math units, in the order of their efficiencies in CONSTANT_NAMES
 UNIT_LABELS = {"tensor": "16-bit tensor-core", "tf32": "TF32 tensor-core", "simd": "fp32 CUDA-core"}
@@ -108,6 +109,21 @@ class DeviceScale:
 
 
 @dataclass(frozen=True)
+class GpuFactor:
+    """What one GPU type (a SKU) sustains of its family's compute: a 70 W T4 or L4 runs its tensor cores at far
+    lower clocks than the 280 W Titan RTX or the L40S of its family, under the same datasheet ratios. Fitted
+    with the family (``cost/calibrate.py``); 1 for a GPU nobody measured (its family's constants alone)."""
+
+    compute_scale: float  # multiplies the GPU's math-unit peaks (every unit: the power cap limits them all)
+    num_observations: int = 0
+    median_abs_error: float | None = None  # the fit's median |relative error| on this GPU's own data
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Fitted constants by architecture family (``data/calibration.yaml`` or `ethpipe calibrate`).
 
@@ -120,6 +136,22 @@ class Calibration:
     source: str = ""
     fallback: ArchConstants | None = None
     devices: Mapping[str, DeviceScale] = field(default_factory=dict)
+    gpus: Mapping[str, GpuFactor] = field(default_factory=dict)  # per catalog GPU id (``GpuFactor``)
+
+    def compute_scale(self, gpu_id: str) -> float:
+        """The GPU type's sustained share of its family's compute (1 where it was never measured)."""
+        factor = self.gpus.get(gpu_id)
+        return factor.compute_scale if factor is not None else 1.0
+
+    def price_source(self, gpu_id: str, arch: str) -> str:
+        """Where a GPU type's compute price comes from: its own measurements, its family's, or the fallback."""
+        factor = self.gpus.get(gpu_id)
+        if factor is not None and factor.num_observations:
+            error = "" if factor.median_abs_error is None else f", median |error| {factor.median_abs_error:.0%}"
+            return f"measured on this GPU ({factor.num_observations} timings{error})"
+        if arch in self.architectures and self.architectures[arch].fitted:
+            return f"its family ({arch}) measured, this GPU not"
+        return "no measurement of it or its family: the fallback constants"
 
     def constants(self, arch: str) -> tuple[ArchConstants, bool]:
         """(constants, calibrated?) of an architecture family."""
@@ -137,7 +169,7 @@ class Calibration:
             ours = archs.get(name)
             archs[name] = theirs.over(ours) if ours is not None and ours.fitted else theirs
         return Calibration(archs, other.source or self.source, self.fallback or other.fallback,
-                           {**self.devices, **other.devices})
+                           {**self.devices, **other.devices}, {**self.gpus, **other.gpus})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": CALIBRATION_VERSION, "source": self.source,
@@ -146,6 +178,8 @@ class Calibration:
             out["fallback"] = self.fallback.to_dict()
         if self.devices:
             out["devices"] = {k: v.to_dict() for k, v in sorted(self.devices.items())}
+        if self.gpus:
+            out["gpus"] = {k: v.to_dict() for k, v in sorted(self.gpus.items())}
         return out
 
 
@@ -180,7 +214,17 @@ def calibration_from_dict(data: Any, where: str = "calibration", fix: str = CALI
                                              str(raw.get("source", "")), int(raw.get("num_observations", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise UserError(f"{where} field 'devices.{name}' is missing or has a malformed {err}: {fix}") from None
-    return Calibration(archs, str(data.get("source", "")), fallback, devices)
+    gpus = {}
+    for name, raw in (data.get("gpus") or {}).items():
+        try:
+            error = raw.get("median_abs_error")
+            gpus[str(name)] = GpuFactor(float(raw["compute_scale"]), int(raw.get("num_observations", 0)),
+                                        None if error is None else float(error), str(raw.get("source", "")))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise UserError(f"{where} field 'gpus.{name}' is missing or has a malformed {err}: {fix}") from None
+        if not gpus[str(name)].compute_scale > 0:
+            raise UserError(f"{where} field 'gpus.{name}.compute_scale' must be positive: {fix}")
+    return Calibration(archs, str(data.get("source", "")), fallback, devices, gpus)
 
 
 def recorded_calibration(data: Any, where: str) -> Calibration | None:
@@ -251,12 +295,13 @@ class DeviceCompute:
     unit: str
     peak_tflops: float
     dtype: str = "bf16"
+    compute_scale: float = 1.0  # the GPU type's sustained share of its family's compute (``GpuFactor``)
 
     @classmethod
     def build(cls, gpu: GpuSpec, calibration: Calibration, dtype: str, tf32: bool) -> DeviceCompute:
         unit, peak = math_mode(gpu, dtype, tf32)
         constants, calibrated = calibration.constants(gpu.arch)
-        return cls(gpu, constants, calibrated, unit, peak, dtype)
+        return cls(gpu, constants, calibrated, unit, peak, dtype, calibration.compute_scale(gpu.id))
 
     def _unit_of(self, kernel: Kernel) -> tuple[int, float, float]:
         """(index in ``UNITS``, peak TFLOP/s, FLOPs executed) of a kernel's matrix work."""
@@ -278,7 +323,7 @@ class DeviceCompute:
         out = []
         for k in kernels:
             unit, peak, flops = self._unit_of(k)
-            out.append((unit, flops / (peak * 1e12), k.num_bytes / bw))
+            out.append((unit, flops / (peak * 1e12 * self.compute_scale), k.num_bytes / bw))
         return out
 
     def layer_s(self, kernels: Iterable[Kernel]) -> float:
@@ -312,6 +357,8 @@ class DeviceCompute:
         else:
             state = "uncalibrated (datasheet, default efficiencies)"
         out = f"{self.gpu.id} {state}: {self.unit} {self.peak_tflops:g} TFLOP/s, {self.gpu.memory_bandwidth_gbps:g} GB/s"
+        if self.compute_scale != 1.0:
+            out += f" (sustains x{self.compute_scale:.2f} of its family's compute, measured)"
         unit_index = UNITS.index(self.unit)
         if self.constants.fitted and CONSTANT_NAMES[unit_index] not in self.constants.fitted:
             out += (f" (no {UNIT_LABELS[self.unit]} GEMM measured: {self.constants.unit_effs()[unit_index]:.0%} of "

@@ -115,6 +115,24 @@ def intra_gbps(gpu: GpuSpec, num_gpus: int, num_bytes: float) -> float:
     return curve.gbps(num_bytes) if curve is not None else gpu.intra_node_gbps
 
 
+HOST_STAGED_CROSSINGS = 2  # without PCIe peer-to-peer every ring step goes GPU -> host memory -> GPU
+
+
+def allreduce_gbps(gpu: GpuSpec, num_gpus: int, num_bytes: float) -> float:
+    """Per-direction bandwidth of a ring all-reduce over ``num_gpus`` GPUs of one node (TP groups).
+
+    With peer-to-peer (NVLink, or PCIe P2P on data-centre cards) a ring step is one send at the measured rate of
+    that many GPUs talking at once (``intra_gbps``). Without it (GeForce, ``GpuSpec.pcie_p2p`` False) NCCL stages
+    every step through host memory: each crosses PCIe twice, and every GPU of the ring sends and receives at once,
+    so the ring runs at half the slowest rate measured for any group size up to ``num_gpus`` (the 8-GPU curve of
+    such a node can read higher than the 2-GPU one: pairs on separate switches). Inferred from the TP > 1 layer
+    rows of the Sailor profiles (RTX 2080 Ti, Titan RTX, RTX 3090; docs/benchmarks/calibration.md)."""
+    if gpu.pcie_p2p or num_gpus < 2:
+        return intra_gbps(gpu, num_gpus, num_bytes)
+    rates = [intra_gbps(gpu, k, num_bytes) for k in range(2, num_gpus + 1)]
+    return min(rates) / HOST_STAGED_CROSSINGS
+
+
 def slowest_intra(gpus: Iterable[GpuSpec], num_gpus: int) -> tuple[float, LinkCurve | None]:
     """(flat GB/s, curve) of the slowest intra-node link among ``gpus`` (by peak: curve max or flat)."""
     best: tuple[float, float, LinkCurve | None] | None = None

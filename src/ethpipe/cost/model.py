@@ -99,6 +99,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
             prof.check_kernel_modes(name, self.attention_mode, dtype, self.tf32)
         cal = self.calibration or shipped_calibration()
         object.__setattr__(self, "_scales", {t: cal.devices[t] for t in gpus if t in cal.devices})
+        object.__setattr__(self, "_price_sources", {t: cal.price_source(g.id, g.arch) for t, g in gpus.items()})
         object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
                                          for t, g in gpus.items() if has_hardware_model(g)})
         object.__setattr__(self, "_kernel_memo", {})
@@ -212,7 +213,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
             elif hw is None:
                 notes[t] = f"{t} uncalibrated (peak x efficiency {self.gpu(t).efficiency:g}: no architecture / bandwidth)"
             else:
-                notes[t] = f"{hw.describe()}, {self.attention(t)} attention"
+                notes[t] = f"{hw.describe()}, {self.attention(t)} attention; price: {self._price_sources[t]}"  # type: ignore[attr-defined]
             scale = self._scales.get(t)  # type: ignore[attr-defined]
             if scale is not None:
                 notes[t] += (f"; x{scale.fwd_scale:.3f} forward, x{scale.bwd_scale:.3f} backward as a run measured "
@@ -303,7 +304,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         if tp <= 1:
             return 0.0
         n = micro_batch * self._act_bytes if num_bytes is None else num_bytes  # type: ignore[attr-defined]
-        return comm.ring_allreduce_s(tp, n, links.intra_gbps(self.gpu(device_type), tp, n),
+        return comm.ring_allreduce_s(tp, n, links.allreduce_gbps(self.gpu(device_type), tp, n),
                                      self.cluster.intra_node_latency_s)
 
     def _tp_comm_s(self, device_type: str, tp: int, kind: str, micro_batch: int, backward: bool) -> float:

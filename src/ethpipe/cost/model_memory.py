@@ -58,13 +58,17 @@ class MemoryPricing:
         return m.vocab_size * m.hidden_size * self.grad_bytes if m.tie_embeddings else 0
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        # sharded (``optimizer_holders``): each holder updates its shard only
-        params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp / self.optimizer_holders  # type: ignore[attr-defined]
+        """A stage's once-per-step work: the AdamW update of its parameters (sharded over ``optimizer_holders``:
+        each holder updates its shard only) and, under 16-bit autocast, the one cast of every weight to 16-bit
+        the step's autocast region makes (``ops.WEIGHT_CAST_BYTES``: the runtime runs a step in one region)."""
+        stage_params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp  # type: ignore[attr-defined]
+        params = stage_params / self.optimizer_holders
+        bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
+        cast_s = stage_params * ops.WEIGHT_CAST_BYTES / (bw * 1e9) if self.dtype_bytes < 4 else 0.0
         prof = self.profiles.get(stage.device) if self.profiles else None
         if prof is not None:
-            return params * prof.optimizer_s_per_param
-        bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
-        return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9)
+            return params * prof.optimizer_s_per_param + cast_s
+        return params * OPTIMIZER_BYTES_PER_PARAM / (bw * 1e9) + cast_s
 
     def memory_terms(self, tp: int, micro_batch: int, in_flight: int, recompute: bool, *,
                      first: bool, last: bool, device: str | None = None) -> tuple[float, float]:

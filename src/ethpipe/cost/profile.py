@@ -44,6 +44,9 @@ class MeasuredProfile:
     # Attention of the measured runtime: "auto" = PyTorch SDPA's fused kernels (ethpipe's runtime),
     # "materialised" = the unfused s x s path (Megatron-DeepSpeed in fp32, e.g. the Sailor profiles).
     attention: str = "auto"
+    # Whether the measured backward adds each new gradient into ``.grad`` (ethpipe's runtime, autograd's
+    # default) or fuses the accumulation into the weight-gradient GEMM (Megatron): ``ops.grad_accumulation_kernels``.
+    grad_accumulation: bool = True
 
     def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
@@ -98,6 +101,7 @@ class MeasuredProfile:
             "tp": self.tp,
             "tf32": self.tf32,
             "attention": self.attention,
+            "grad_accumulation": self.grad_accumulation,
         }
 
     def save(self, path: str | Path) -> None:
@@ -138,6 +142,7 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             tp=int(data.get("tp", 1)),
             tf32=None if data.get("tf32") is None else bool(data["tf32"]),
             attention=_attention(data.get("attention", "auto")),
+            grad_accumulation=bool(data.get("grad_accumulation", True)),
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None

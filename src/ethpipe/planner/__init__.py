@@ -173,9 +173,22 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         # Every device without bf16 is idle: the plan trains in bf16 (no loss scaling), priced exactly as fp16
         # (same 16-bit peak, same 2-byte elements).
         dtype = "bf16"
-    return dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "dtype_requested": requested_dtype,
+    plan = dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "dtype_requested": requested_dtype,
                                             "tf32": tf32, "attention": attention,
                                             "compute_model": compute_model_record(cost)})
+    if robust:  # the robust search ranks its own candidates; the nominal plan may still hold the lower worst case
+        nominal = make_plan(cluster, model, global_batch_size, seq_len, method, max_tp=max_tp, profiles=profiles,
+                            recompute=recompute, time_budget_s=time_budget_s, options=options, dtype=requested_dtype,
+                            tf32=tf32, calibration=calibration, attention=attention,
+                            shard_optimizer=shard_optimizer, schedules=schedules)
+        from ethpipe.planner.robust import robust_record
+
+        record = robust_record(nominal, CostModel.for_plan(nominal))
+        if record["worst_case_time_s"] < plan.predicted["worst_case_time_s"]:
+            search = {**(nominal.extra.get("search") or {}), "robust": True, "robust_choice": "the nominal plan"}
+            plan = dataclasses.replace(nominal, predicted={**nominal.predicted, **record},
+                                       extra={**nominal.extra, "search": search})
+    return plan
 
 
 def compute_model_record(cost: CostModel) -> dict:
@@ -183,8 +196,10 @@ def compute_model_record(cost: CostModel) -> dict:
     used = {cost.gpu(t).arch for t in cost.device_speeds()}
     cal = cost.calibration or shipped_calibration()
     types = set(cost.device_speeds())
+    ids = {cost.gpu(t).id for t in types}
     record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback,
-                         {t: d for t, d in cal.devices.items() if t in types})
+                         {t: d for t, d in cal.devices.items() if t in types},
+                         {g: f for g, f in cal.gpus.items() if g in ids})
     return {"devices": cost.compute_model_notes(), "calibration": record.to_dict()}
 
 

@@ -1,0 +1,95 @@
+"""16-bit layer prices per GPU type against Zorse's measurements: in-sample, leave-one-model-out, leave-one-GPU-out.
+
+Called by benchmarks/calibration.py (its report's "16-bit layers per GPU type" section). Each error is
+predicted / measured - 1 of one layer's forward or backward at one micro-batch (fp16 autocast over fp32
+weights, kernel time; benchmarks/zorse_data.py). Leave one model out: the constants fitted without that model
+(any source). Leave one GPU out: fitted without any of that GPU's data, so it is priced by its family's
+constants and no factor of its own: what a user's GPU that nobody measured gets.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+from ethpipe.catalog import gpu_catalog
+from ethpipe.cost import calibrate as cal
+from ethpipe.cost.hardware import Calibration
+from zorse_data import ZorsePoint
+
+
+def _error(p: ZorsePoint, calibration: Calibration) -> float:
+    return p.obs.predict_with(calibration) / p.obs.measured_s - 1
+
+
+def per_gpu(points: tuple[ZorsePoint, ...], fit_for: Callable[[ZorsePoint], Calibration]) -> dict[str, dict]:
+    """Per GPU: n, median |error|, the forward and backward median predicted / measured, and micro-batch 1's."""
+    out: dict[str, dict] = {}
+    for gpu in sorted({p.gpu for p in points}):
+        mine = [(p, _error(p, fit_for(p))) for p in points if p.gpu == gpu]
+        fwd = [1 + e for p, e in mine if not p.obs.backward]
+        bwd = [1 + e for p, e in mine if p.obs.backward]
+        bwd1 = [1 + e for p, e in mine if p.obs.backward and p.obs.micro_batch == 1]
+        out[gpu] = {"n": len(mine), "median_abs": statistics.median(abs(e) for _, e in mine),
+                    "fwd_ratio": statistics.median(fwd), "bwd_ratio": statistics.median(bwd),
+                    "bwd_mb1_ratio": statistics.median(bwd1) if bwd1 else None}
+    return out
+
+
+def evaluate(training: Callable[[str | None, str | None], list[cal.Observation]], points: tuple[ZorsePoint, ...],
+             shipped: Calibration, before: Calibration | None = None) -> dict:
+    """``training(exclude_model, exclude_gpu)``: the fit's observations without them."""
+    models = sorted({p.model for p in points})
+    gpus = sorted({p.gpu for p in points})
+    lomo = {m: cal.fit(training(m, None)) for m in models}
+    logo = {g: cal.fit(training(None, g)) for g in gpus}
+    out = {"in_sample": per_gpu(points, lambda p: shipped), "lomo": per_gpu(points, lambda p: lomo[p.model]),
+           "logo": per_gpu(points, lambda p: logo[p.gpu])}
+    if before is not None:
+        out["before"] = per_gpu(points, lambda p: before)
+    catalog = gpu_catalog()
+    out["unmeasured"] = sorted(g for g, spec in catalog.items() if spec.arch and spec.vendor == "NVIDIA"
+                               and shipped.compute_scale(g) == 1.0 and g not in shipped.gpus)
+    out["factors"] = {g: {"compute_scale": f.compute_scale, "n": f.num_observations, "median_abs": f.median_abs_error}
+                      for g, f in sorted(shipped.gpus.items())}
+    return out
+
+
+def _r(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def section(data: dict) -> list[str]:
+    lines = ["## 16-bit layers per GPU type (Zorse: fp16 autocast, kernel time)", "",
+             "One decoder layer's forward and backward at micro-batch 1-16 (Llama and GPT-2 shapes, 512-4096 tokens;",
+             "benchmarks/zorse_data.py says what was measured and what is used). `ratio` = predicted / measured",
+             "(median over the GPU's points); `|error|` = median |predicted / measured - 1|. The backward includes the",
+             "runtime's own per-micro-batch work (each gradient cast to fp32 and added into `.grad`, priced by",
+             "`ops.grad_accumulation_kernels`); each measured GPU has its own compute factor around its family.",
+             "",
+             "Before (the constants and kernel inventory of commit ffddcb3, the same points): predicted / measured,",
+             "median forward / backward / backward at micro-batch 1: A100-40 0.69 / 0.68 / 0.47, A100-80 0.87 / 0.85 /",
+             "0.65, RTX A6000 0.77 / 0.73 / 0.43, V100-16 0.98 / 0.89 / 0.69, L4 0.59 / 0.50 / 0.37, T4 0.41 / 0.36 /",
+             "0.28, P100 0.40 / 0.42 / 0.36 (A10G, H100 NVL and P40 had no catalog entry).", ""]
+    have_before = "before" in data
+    head = "| GPU | n | in-sample \\|error\\| | LOMO \\|error\\| | LOGO \\|error\\| | LOGO fwd / bwd ratio |"
+    rule = "|---|---|---|---|---|---|"
+    if have_before:
+        head += " before: fwd / bwd / bwd mb1 ratio |"
+        rule += "---|"
+    lines += [head, rule]
+    for gpu, row in data["in_sample"].items():
+        lomo, logo = data["lomo"][gpu], data["logo"][gpu]
+        line = (f"| {gpu} | {row['n']} | {row['median_abs']:.1%} | {lomo['median_abs']:.1%} | "
+                f"{logo['median_abs']:.1%} | {_r(logo['fwd_ratio'])} / {_r(logo['bwd_ratio'])} |")
+        if have_before:
+            b = data["before"][gpu]
+            line += f" {_r(b['fwd_ratio'])} / {_r(b['bwd_ratio'])} / {_r(b['bwd_mb1_ratio'])} |"
+        lines.append(line)
+    lines += ["", "Compute factors (what each measured GPU sustains of its family's compute; 1 = the family):", "",
+              "| GPU | factor | timings | in-sample median \\|error\\| |", "|---|---|---|---|"]
+    for gpu, f in data["factors"].items():
+        lines.append(f"| {gpu} | {f['compute_scale']:.2f} | {f['n']} | {_r(f['median_abs'])} |")
+    lines += ["", "Catalog NVIDIA GPUs priced without any measurement of their own (their family's constants, or the",
+              "fallback where the family was not measured either): " + ", ".join(data["unmeasured"]) + ".", ""]
+    return lines

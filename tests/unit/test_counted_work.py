@@ -1,0 +1,140 @@
+"""Count what the runtime runs, and check the cost model prices it (``cost/ops.py``).
+
+The runtime's own layers (``runtime/model/decoder.py``) run on CPU under counting dispatch modes:
+``FlopCounterMode`` for matmul FLOPs, and a ``TorchDispatchMode`` that records each aten op's input and output
+tensors. Checked against the price of the same layer:
+- every linear GEMM's FLOPs, forward and backward (dgrad + wgrad), fp32 and 16-bit autocast, MHA and GQA, tp 1:
+  equal to ``ops.block_kernels``' GEMMs;
+- the per-micro-batch gradient accumulation of a backward into existing ``.grad`` (16-bit autocast: each weight
+  gradient cast to fp32 and added; fp32: the add; the embedding's dense gradient): the bytes of exactly those
+  aten ops, within 10% of ``ops.grad_accumulation_kernels``; and a price without them is caught.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from ethpipe.cost import ops
+from ethpipe.model_spec import ModelSpec
+from ethpipe.runtime.model.decoder import build_stage
+
+SEQ, BATCH = 16, 2
+MHA = ModelSpec(name="count-mha", num_layers=1, hidden_size=64, num_heads=4, num_kv_heads=4, ffn_hidden_size=160,
+                vocab_size=96, max_seq_len=32)
+GQA = dataclasses.replace(MHA, name="count-gqa", num_kv_heads=2)
+GPT = dataclasses.replace(MHA, name="count-gpt", activation="gelu", norm="layernorm", position="learned",
+                          attention_bias=True, mlp_bias=True)
+LINEAR_GEMMS = ("qkv", "proj", "fc1", "fc2")
+
+
+class OpRecorder(TorchDispatchMode):
+    """Every aten op: (name, input tensors' (ptr, bytes), output tensors' (ptr, bytes))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]], list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        info = [(t.data_ptr(), t.numel() * t.element_size()) for t in ins]
+        self.ops.append((str(func), info, [(t.data_ptr(), t.numel() * t.element_size()) for t in outs], ins))
+        return out
+
+
+def _stage(spec: ModelSpec, first: bool) -> torch.nn.Module:
+    return build_stage(spec, (0, 1), first=first, last=False)
+
+
+def _run(stage: torch.nn.Module, spec: ModelSpec, first: bool, autocast: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=gen) if first else
+         torch.randn(BATCH, SEQ, spec.hidden_size, generator=gen, requires_grad=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return stage(x)
+
+
+def accumulation_bytes(stage: torch.nn.Module, spec: ModelSpec, first: bool, autocast: bool) -> float:
+    """Bytes the second micro-batch's backward moves to put its gradients into the existing ``.grad``: each op
+    that adds into a ``.grad`` in place (reads both, writes one), and what makes the gradient it adds apart from
+    the priced matmuls: autocast's fp32 cast of a 16-bit weight gradient (reads it, writes fp32), the
+    embedding's dense vocab x h gradient (written; its reads of the incoming gradient are priced as
+    ``embed.grad``)."""
+    _run(stage, spec, first, autocast).float().sum().backward()  # micro-batch 1: .grad exists afterwards
+    out = _run(stage, spec, first, autocast).float().sum()
+    grads = {p.grad.data_ptr() for p in stage.parameters()}
+    rec = OpRecorder()
+    with rec:
+        out.backward()
+    total = 0.0
+    fed: set[int] = set()
+    for name, ins, outs, _ in rec.ops:
+        if name.endswith("add_.Tensor") and ins[0][0] in grads:
+            total += sum(b for _, b in ins) + sum(b for _, b in outs)
+            fed |= {ptr for ptr, _ in ins[1:]}
+    for name, ins, outs, _ in rec.ops:
+        if not outs or outs[0][0] not in fed or outs[0][0] in {ptr for ptr, _ in ins}:
+            continue  # not feeding an accumulation, or a view (moves nothing)
+        if "_to_copy" in name:
+            total += sum(b for _, b in ins) + sum(b for _, b in outs)
+        elif "embedding_dense_backward" in name:
+            total += sum(b for _, b in outs)
+        else:
+            assert name.startswith("aten.mm") or name.startswith("aten.addmm") or "sum" in name, name
+    return total
+
+
+def priced_bytes(kind: str, spec: ModelSpec, autocast: bool, with_accumulation: bool = True) -> float:
+    if not with_accumulation:
+        return 0.0
+    return sum(k.num_bytes for k in ops.grad_accumulation_kernels(kind, spec, 1, 2 if autocast else 4))
+
+
+@pytest.mark.parametrize("spec", [MHA, GQA, GPT], ids=lambda s: s.name)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_linear_gemm_flops_are_the_priced_ones(spec: ModelSpec, autocast: bool) -> None:
+    stage = _stage(spec, first=False)
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel([SDPBackend.MATH]):  # attention as bmm's the counter sees (CPU's fused kernel it does not)
+        with counter:
+            out = _run(stage, spec, False, autocast)
+        fwd = counter.get_total_flops()
+        with counter:
+            out.float().sum().backward()
+        bwd = counter.get_total_flops()
+    e = 2 if autocast else 4
+    kernels = {False: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", False),
+               True: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", True)}
+    linear = {bw: sum(k.flops for k in ks if k.name.split(".")[0] in LINEAR_GEMMS) for bw, ks in kernels.items()}
+    attention = {bw: sum(k.flops for k in ks if k.name == "flash_attn") for bw, ks in kernels.items()}
+    # The math path does the masked half too, and its backward does not recompute the scores:
+    counted_attention_fwd = attention[False] / ops.FLASH_CAUSAL_FRACTION
+    assert fwd == pytest.approx(linear[False] + counted_attention_fwd, rel=1e-9)
+    counted_attention_bwd = attention[True] / ops.FLASH_CAUSAL_FRACTION / ops.FLASH_BWD_FLOPS_FACTOR * 2
+    assert bwd == pytest.approx(linear[True] + counted_attention_bwd, rel=1e-9)  # the counter restarts per region
+
+
+@pytest.mark.parametrize("spec", [MHA, GQA, GPT], ids=lambda s: s.name)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_gradient_accumulation_is_priced_as_counted(spec: ModelSpec, autocast: bool) -> None:
+    stage = _stage(spec, first=False)
+    counted = accumulation_bytes(stage, spec, False, autocast)
+    assert counted == pytest.approx(priced_bytes("block", spec, autocast), rel=0.10)
+    assert counted != pytest.approx(priced_bytes("block", spec, autocast, with_accumulation=False), rel=0.10)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_embeddings_dense_gradient_is_priced_as_counted(autocast: bool) -> None:
+    """A first stage: its block's accumulation and the embedding's dense vocab x h gradient."""
+    stage = _stage(MHA, first=True)
+    counted = accumulation_bytes(stage, MHA, True, autocast)
+    priced = priced_bytes("block", MHA, autocast) + priced_bytes("embedding", MHA, autocast)
+    assert counted == pytest.approx(priced, rel=0.10)
