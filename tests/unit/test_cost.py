@@ -35,7 +35,8 @@ def test_compute_scales_with_batch_tp_and_recompute(cost: CostModel) -> None:
     # Fixed per-kernel costs (launches, weight reads) make two samples cost less than twice one.
     assert 2 * f1 <= b1 < 2.5 * f1 and 1.8 * f1 < f2 < 2 * f1
     _, brc = cost.stage_compute_s(Stage((0,), "a100_80gb_sxm", (0, 8), recompute=True), 1, first=False, last=False)
-    assert brc == pytest.approx(b1 + f1)
+    # recomputation re-runs the forward but its last GEMM and residual (torch's checkpoint stops early)
+    assert brc == pytest.approx(b1 + 8 * cost.recompute_s("a100_80gb_sxm", 1, 1)) and b1 + 0.7 * f1 < brc < b1 + f1
     ftp, _ = cost.stage_compute_s(Stage((0, 1), "a100_80gb_sxm", (0, 8), tp=2), 1, first=False, last=False)
     assert f1 / 2 < ftp < f1  # half the math plus Megatron all-reduces
     fv, _ = cost.stage_compute_s(Stage((8,), "v100_32gb_sxm2", (0, 8)), 1, first=False, last=False)

@@ -138,3 +138,73 @@ def test_the_embeddings_dense_gradient_is_priced_as_counted(autocast: bool) -> N
     counted = accumulation_bytes(stage, MHA, True, autocast)
     priced = priced_bytes("block", MHA, autocast) + priced_bytes("embedding", MHA, autocast)
     assert counted == pytest.approx(priced, rel=0.10)
+
+
+def _counted_flops(stage: torch.nn.Module, spec: ModelSpec, autocast: bool) -> tuple[int, int]:
+    """(forward, backward) matmul FLOPs of one micro-batch through ``stage`` (SDPA on its math path: bmm's)."""
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel([SDPBackend.MATH]):
+        with counter:
+            out = _run(stage, spec, False, autocast)
+        fwd = counter.get_total_flops()
+        with counter:
+            out.float().sum().backward()
+        return fwd, counter.get_total_flops()
+
+
+def _priced_gemm_flops(kernels: list[ops.Kernel], names: tuple[str, ...]) -> float:
+    return sum(k.flops for k in kernels if k.kind == "gemm" and k.name.split(".")[0] in names)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_heads_gemm_flops_and_accumulation_are_priced_as_counted(autocast: bool) -> None:
+    """A last stage's LM head (its final norm, the vocab GEMM, the fp32 cross-entropy outside the counted
+    matmuls): the head GEMM's FLOPs as priced, and its weight's accumulation bytes."""
+    stage = build_stage(MHA, (0, 1), first=False, last=True)
+    block = _priced_gemm_flops(ops.block_kernels(MHA, SEQ, BATCH, 1, 2 if autocast else 4, "flash", False),
+                               LINEAR_GEMMS)
+    attention = 4.0 * BATCH * MHA.num_heads * SEQ * SEQ * MHA.head_dim_resolved  # math path: the masked half too
+    fwd, bwd = _counted_flops(stage, MHA, autocast)
+    head = {bw: _priced_gemm_flops(ops.head_kernels(MHA, SEQ, BATCH, 1, 2 if autocast else 4, bw), ("lm_head",))
+            for bw in (False, True)}
+    assert fwd == pytest.approx(block + attention + head[False], rel=1e-9)
+    assert bwd == pytest.approx(2 * (block + attention) + head[True], rel=1e-9)
+    counted = accumulation_bytes(stage, MHA, False, autocast)
+    priced = priced_bytes("block", MHA, autocast) + priced_bytes("head", MHA, autocast)
+    assert counted == pytest.approx(priced, rel=0.10)
+
+
+def test_a_recomputing_stage_runs_what_the_price_reruns() -> None:
+    """Full recomputation under torch's non-reentrant checkpoint stops once every tensor the backward needs is
+    back: the backward's matmuls are the backward's plus the forward's without the last GEMM (fc2), as
+    ``ops.recompute_kernels`` prices it (``CostModel.recompute_s``)."""
+    plain = build_stage(GQA, (0, 1), first=False, last=False)
+    again = build_stage(GQA, (0, 1), first=False, last=False, recompute=True)
+    fwd, bwd = _counted_flops(plain, GQA, False)
+    fwd_r, bwd_r = _counted_flops(again, GQA, False)
+    rerun = _priced_gemm_flops(ops.recompute_kernels(GQA, SEQ, BATCH, 1, 4, "flash"), LINEAR_GEMMS)
+    attention = 4.0 * BATCH * GQA.num_heads * SEQ * SEQ * GQA.head_dim_resolved  # math path: the masked half too
+    assert fwd_r == fwd and bwd_r == pytest.approx(bwd + rerun + attention, rel=1e-9)
+    assert rerun < _priced_gemm_flops(ops.block_kernels(GQA, SEQ, BATCH, 1, 4, "flash", False), LINEAR_GEMMS)
+
+
+@pytest.mark.parametrize("spec", [MHA, GQA], ids=lambda s: s.name)
+def test_a_tp2_ranks_gemm_flops_are_half_the_priced_layers(spec: ModelSpec) -> None:
+    """One rank of a tp-2 stage (torch's fake process group: its all-reduces complete at once) does the GEMMs
+    ``ops.block_kernels`` prices at tp 2: each linear's share and half the heads."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ethpipe.runtime.model.tensor_parallel import TPGroup
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        stage = build_stage(spec, (0, 1), first=False, last=False, tp=TPGroup(dist.group.WORLD, 0, 2))
+        fwd, bwd = _counted_flops(stage, spec, False)
+    finally:
+        dist.destroy_process_group()
+    kernels = {bw: ops.block_kernels(spec, SEQ, BATCH, 2, 4, "flash", bw) for bw in (False, True)}
+    linear = {bw: _priced_gemm_flops(ks, LINEAR_GEMMS) for bw, ks in kernels.items()}
+    attention = 4.0 * BATCH * spec.num_heads / 2 * SEQ * SEQ * spec.head_dim_resolved
+    assert fwd == pytest.approx(linear[False] + attention, rel=1e-9)
+    assert bwd == pytest.approx(linear[True] + 2 * attention, rel=1e-9)

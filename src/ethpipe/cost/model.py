@@ -322,8 +322,29 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         """(fwd, bwd) seconds of ONE decoder block for one micro-batch (bwd includes recomputation)."""
         fwd, bwd = self._compute_s(device_type, "block", micro_batch, tp)
         fwd_total = fwd + self._tp_comm_s(device_type, tp, "block", micro_batch, False)
-        bwd_total = bwd + self._tp_comm_s(device_type, tp, "block", micro_batch, True) + (fwd_total if recompute else 0.0)
+        bwd_total = bwd + self._tp_comm_s(device_type, tp, "block", micro_batch, True)
+        if recompute:
+            bwd_total += self.recompute_s(device_type, micro_batch, tp)
         return fwd_total, bwd_total
+
+    def recompute_s(self, device_type: str, micro_batch: int, tp: int) -> float:
+        """What a recomputing block's backward re-runs of its forward (``ops.recompute_kernels``), with its TP
+        all-reduce (one of the forward's two)."""
+        key = ("recompute", device_type, micro_batch, tp)
+        memo = self._kernel_memo  # type: ignore[attr-defined]
+        if key not in memo:
+            fwd, _ = self._compute_s(device_type, "block", micro_batch, tp)
+            attn = self.attention(device_type) if device_type in self._hw else "flash"  # type: ignore[attr-defined]
+            again = ops.recompute_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn)
+            whole = ops.block_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn, False)
+            if self._priced_by_kernels(device_type):
+                hw = self._hw[device_type]  # type: ignore[attr-defined]
+                share = hw.layer_s(again) / hw.layer_s(whole)
+            else:  # a measured or analytic layer: the re-run share of the forward's FLOPs
+                share = sum(k.flops for k in again) / sum(k.flops for k in whole)
+            comm = self._tp_comm_s(device_type, tp, "block", micro_batch, False) * ops.RECOMPUTE_TP_ALLREDUCES / 2
+            memo[key] = fwd * share + comm
+        return memo[key]  # type: ignore[no-any-return]
 
     def end_times_s(self, device_type: str, micro_batch: int, tp: int, *, first: bool, last: bool) -> tuple[float, float]:
         """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage), with their TP
@@ -342,7 +363,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         if tp <= 1:
             return 0.0, 0.0
         fwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, False)
-        bwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, True) + (fwd if stage.recompute else 0.0)
+        again = fwd * ops.RECOMPUTE_TP_ALLREDUCES / 2 if stage.recompute else 0.0  # ``recompute_s``'s comm
+        bwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, True) + again
         for kind in ("embedding",) * first + ("head",) * last:
             fwd += self._tp_comm_s(d, tp, kind, b, False)
             bwd += self._tp_comm_s(d, tp, kind, b, True)

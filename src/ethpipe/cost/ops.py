@@ -155,6 +155,23 @@ def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: f
             mem("softmax", passes * scores), gemm("qk.dq", s, d, s, e, batch), gemm("qk.dk", s, d, s, e, batch)]
 
 
+RECOMPUTE_SKIPPED = ("fc2", "residual")  # the block's last GEMM and residual add, as the forward lists them
+
+
+def recompute_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
+                      attention: Attention) -> list[Kernel]:
+    """What a recomputing block's backward runs again: torch's non-reentrant checkpoint stops once every tensor
+    the backward needs is back, so the block's forward without its last GEMM (fc2: its output only feeds the
+    residual add, whose backward needs neither input) and the last residual add; under TP, without the
+    all-reduce after fc2 (``RECOMPUTE_TP_ALLREDUCES``). Counted by tests/unit/test_counted_work.py."""
+    ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, False)
+    last_residual = max(i for i, k in enumerate(ks) if k.name == "residual")
+    return [k for i, k in enumerate(ks) if k.name != "fc2" and i != last_residual]
+
+
+RECOMPUTE_TP_ALLREDUCES = 1  # after attention; the one after the MLP is not re-run
+
+
 def embedding_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
                       backward: bool) -> list[Kernel]:
     """Token (+ learned position) lookup and the [b,s,h] -> [s,b,h] copy; backward scatter-adds."""
