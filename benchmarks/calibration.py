@@ -448,8 +448,10 @@ def _ops_report(data: dict) -> list[str]:
         "kernel (vidur's attention.csv is not in the shared copy; Aceso's attention is materialised and not",
         "used): flash / memory-efficient attention is priced with the fitted `tensor_eff`, unmeasured.", "",
         "Leave-one-model-out (held out): each model is predicted by constants fitted without any source's data",
-        "of it: " + ", ".join(model_names(())) + " (Sailor, and Aceso for the OPTs; LLAMA-3-8 held out with",
-        "vidur's Meta-Llama-3-8B), " + ", ".join(m for m in data["ops"]["models"] if m not in MODELS) + " (vidur).",
+        "of it: " + ", ".join(MODELS) + " (Sailor, and Aceso for the OPTs; LLAMA-3-8 held out with",
+        "vidur's Meta-Llama-3-8B), " + ", ".join(m for m in data["ops"]["models"] if m not in MODELS
+                                                 and not m.startswith("zorse-")) + " (vidur), "
+        + ", ".join(m for m in data["ops"]["models"] if m.startswith("zorse-")) + " (Zorse).",
         "", "### Fitted constants: layer passes only (before) and with the per-op profiles (shipped)", "",
         "`before` is today's fit of the layer passes alone (the previous release shipped these to within 0.2%).", "",
         "| family | 16-bit tensor eff | tf32 eff | simd eff | mem eff | launch us | layer us | fitted now |",

@@ -152,6 +152,10 @@ def calibrate(
         any_dim |= len(c.fitted) < len(CONSTANT_NAMES)
         table.add_row(arch, *values, ",".join(c.fitted), f"{100 * errs[len(errs) // 2]:.1f}%")
     console.print(table)
+    for gpu_id, factor in sorted(fitted.gpus.items()):
+        console.print(f"{gpu_id}: sustains x{factor.compute_scale:.2f} of its family's compute "
+                      f"({factor.num_observations} timings, median |error| {factor.median_abs_error or 0:.1%})",
+                      highlight=False)
     if any_dim:
         console.print("constants not under 'fitted' (dim) are not informed by these profiles: plans use the shipped "
                       "(or --catalog) family's value where it has one, else the fit's centre shown")
