@@ -12,10 +12,11 @@ point is priced without the per-layer host term and without the launch floor (``
 ``launch_floor=False``), as the per-op profiles are. Attention: FlashAttention-2 on Ampere and newer, SDPA on
 Volta / Turing / Pascal P100 (multi-head: the memory-efficient kernel), eager on the P40 (the s x s scores).
 
-Used: the decoder layers whose shapes the README gives (Llama, HF and Meta-style, MHA; GPT-2 blocks with
-biases, LayerNorm and GELU), fp16, every GPU with a catalog entry. Left out: encoder models (BERT, ViT:
-no causal mask), the ``gpt_*`` shapes (not documented), fp32 (the issue is 16-bit prices; fp32 is fitted on
-the Sailor and Aceso data), GPUs the catalog lacks (listed by ``missing_gpus``).
+Used: the decoder layers whose shapes the README gives and whose cells hold the per-micro-batch timings (three
+Llama shapes, HF and Meta-style, MHA), fp16, every GPU with a catalog entry. Left out: the GPT-2 blocks (their
+cells keep only Zorse's fitted lines, converted here but skipped: no timings), encoder models (BERT, ViT: no
+causal mask), the ``gpt_*`` shapes (not documented), fp32 (16-bit prices are the point; fp32 is fitted on the
+Sailor and Aceso data), GPUs the catalog lacks (listed by ``missing_gpus``).
 """
 
 from __future__ import annotations

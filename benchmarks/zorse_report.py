@@ -61,7 +61,7 @@ def _r(x: float | None) -> str:
 
 def section(data: dict) -> list[str]:
     lines = ["## 16-bit layers per GPU type (Zorse: fp16 autocast, kernel time)", "",
-             "One decoder layer's forward and backward at micro-batch 1-16 (Llama and GPT-2 shapes, 512-4096 tokens;",
+             "One decoder layer's forward and backward at micro-batch 1-16 (three Llama shapes, 512-4096 tokens;",
              "benchmarks/zorse_data.py says what was measured and what is used). `ratio` = predicted / measured",
              "(median over the GPU's points); `|error|` = median |predicted / measured - 1|. The backward includes the",
              "runtime's own per-micro-batch work (each gradient cast to fp32 and added into `.grad`, priced by",
