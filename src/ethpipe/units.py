@@ -36,3 +36,14 @@ def runs_of_bytes(items: Sequence[T], num_bytes: Callable[[T], int], max_bytes: 
         out[-1].append(item)
         size += nbytes
     return out
+
+
+def index_ranges(indices: Sequence[int]) -> str:
+    """Sorted indices as runs: [0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (a 1024-pipeline plan prints one run)."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

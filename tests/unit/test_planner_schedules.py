@@ -20,7 +20,7 @@ from ethpipe.cluster import load_cluster
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import memory_shortfalls
 from ethpipe.model_load import load_model_spec
-from ethpipe.plan import Plan
+from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner import make_plan
 from ethpipe.planner.estimate import estimate_iteration_s, plan_layout
 from ethpipe.planner.layers.interleave import interleaved_of
@@ -195,3 +195,22 @@ def test_more_schedules_never_give_a_slower_plan_and_incumbents_are_1f1b_compara
     one = plans["1f1b"]
     assert incumbent_bar_s(one, one.predicted["iteration_time_s"]) == one.predicted["iteration_time_s"]
     assert incumbent_bar_s(one, float("inf")) == float("inf")
+
+
+def test_a_pipeline_that_keeps_1f1b_says_why() -> None:
+    """`--schedules interleaved` on a plan whose pipelines stay 1F1B records why, per pipeline shape, and
+    `ethpipe plan` prints it: one stage, too few layers per stage, not faster, or memory."""
+    from ethpipe.planner.layers.interleave import why_not_interleaved
+    from ethpipe.units import index_ranges
+
+    one = make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b", "interleaved"))
+    kept = one.extra["search"]["kept_schedule"]
+    assert kept and all(k["schedule"] == "1f1b" and k["reason"] for k in kept)
+    assert sorted(p for k in kept for p in k["pipelines"]) == [
+        p for p, pipe in enumerate(one.pipelines) if pipe.schedule == "1f1b"]
+    assert {k["reason"].split(":")[0] for k in kept} <= {
+        "one stage", "not faster", "its stages would not fit memory with the interleaved schedule's in-flight chunks"}
+    deep = one.pipelines[0]
+    shallow = Pipeline((deep.stages[0],), deep.micro_batch_sizes)
+    assert why_not_interleaved(shallow) == "one stage: nothing to interleave"
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"

@@ -15,6 +15,7 @@ from ethpipe.cli.run_config import config_option
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import canonical_dtype
+from ethpipe.units import index_ranges
 
 UNSHARDED = "eth (no ZeRO)"  # compare's row: eth planned with --no-shard-optimizer
 ONE_F_ONE_B = "eth 1F1B only"  # compare's row: eth planned with --schedules 1f1b
@@ -222,6 +223,11 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
                       "data re-split allowed)", highlight=False)
     for note in (result.extra.get("compute_model") or {}).get("devices", {}).values():
         console.print(f"compute model: {note}", highlight=False)
+    search = result.extra.get("search") or {}
+    if "interleaved" in (search.get("schedules") or []):
+        for kept in search.get("kept_schedule") or []:
+            console.print(f"pipelines {index_ranges(kept['pipelines'])} kept {kept['schedule']}, not interleaved: "
+                          f"{kept['reason']}", highlight=False)
     note = partly_profiled_line(clu, profiles)
     if note:
         console.print(note, highlight=False)

@@ -28,18 +28,33 @@ from ethpipe.schedule import interleaved_fits
 NUM_CHUNKS = 2  # Megatron's usual choice: most of the bubble gain, half the extra messages of 3 or 4
 
 
-def interleaved_of(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> Pipeline | None:
-    """``pipe`` re-cut into ``num_chunks`` chunks per stage with the same layers per rank, or None where a
-    stage has fewer layers than chunks, the pipeline has one stage, or its samples cannot fill a count the
-    schedule runs."""
+def why_not_interleaved(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> str | None:
+    """Why ``pipe`` cannot be re-cut into ``num_chunks`` chunks per stage (None: it can)."""
     depth = pipe.depth
-    if depth < 2 or pipe.num_chunks > 1 or any(s.num_layers < num_chunks for s in pipe.stages):
+    if depth < 2:
+        return "one stage: nothing to interleave"
+    if pipe.num_chunks > 1:
+        return "already interleaved"
+    few = min(s.num_layers for s in pipe.stages)
+    if few < num_chunks:
+        return f"a stage holds {few} layer, fewer than {num_chunks} chunks"
+    count = -(-pipe.num_microbatches // depth) * depth
+    if not interleaved_fits(depth, pipe.num_microbatches) and count > pipe.num_samples:
+        return (f"{pipe.num_samples} samples cannot fill {count} micro-batches (the schedule runs at most "
+                f"{depth} or a multiple of {depth})")
+    return None
+
+
+def interleaved_of(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> Pipeline | None:
+    """``pipe`` re-cut into ``num_chunks`` chunks per stage with the same layers per rank, or None where it cannot
+    be (``why_not_interleaved``: one stage, a stage with fewer layers than chunks, or samples that cannot fill a
+    count the schedule runs)."""
+    if why_not_interleaved(pipe, num_chunks) is not None:
         return None
+    depth = pipe.depth
     sizes = pipe.micro_batch_sizes
     if not interleaved_fits(depth, len(sizes)):
         count = -(-len(sizes) // depth) * depth
-        if count > pipe.num_samples:
-            return None
         base, extra = divmod(pipe.num_samples, count)
         sizes = tuple(base + (1 if j < extra else 0) for j in range(count))
     per_chunk = [[s.num_layers // num_chunks + (1 if c < s.num_layers % num_chunks else 0) for c in range(num_chunks)]
@@ -54,18 +69,25 @@ def interleaved_of(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> Pipeline | N
     return Pipeline(stages, sizes, "interleaved")
 
 
-def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: bool = False) -> tuple[Plan, float]:
+def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: bool = False,
+                     reasons: dict[int, str] | None = None) -> tuple[Plan, float]:
     """``plan`` with each distinct pipeline shape interleaved where that is predicted faster and fits memory
-    (module docstring), and its predicted iteration seconds (``plan_s``: ``plan``'s)."""
+    (module docstring), and its predicted iteration seconds (``plan_s``: ``plan``'s). ``reasons``, if given,
+    gets why each pipeline that stays as it was stays (by pipeline index)."""
     shapes: dict[tuple, list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
         shapes.setdefault((tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages),
                            pipe.micro_batch_sizes, pipe.schedule), []).append(p)
     for members in shapes.values():
         switched = list(plan.pipelines)
+        why = None
         for p in members:  # they differ in ranks only, which memory does not depend on: one memory check
             candidate = interleaved_of(plan.pipelines[p])
-            if candidate is None or (p == members[0] and not fits(cost, candidate, "interleaved")):
+            if candidate is None:
+                why = why_not_interleaved(plan.pipelines[p])
+                break
+            if p == members[0] and not fits(cost, candidate, "interleaved"):
+                why = "its stages would not fit memory with the interleaved schedule's in-flight chunks"
                 break
             switched[p] = candidate
         else:
@@ -74,15 +96,34 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
             trial_s = estimate_iteration_s(trial, cost, flat_sync=flat_sync)
             if trial_s < plan_s:
                 plan, plan_s = trial, trial_s
+            else:
+                why = f"not faster: the plan would take {trial_s:.4g} s, not {plan_s:.4g} s"
+        if why is not None and reasons is not None:
+            reasons.update(dict.fromkeys(members, why))
     return plan, plan_s
 
 
 def with_interleaving(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Plan:
     """A priced plan after ``try_interleaving``, re-priced where it changed (its planning time included)."""
     started = time.perf_counter()
-    chosen, _ = try_interleaving(plan, cost, float(plan.predicted["iteration_time_s"]), flat_sync=flat_sync)
-    if chosen is plan:
-        return plan
+    reasons: dict[int, str] = {}
+    chosen, _ = try_interleaving(plan, cost, float(plan.predicted["iteration_time_s"]), flat_sync=flat_sync,
+                                 reasons=reasons)
+    chosen = _with_reasons(chosen, reasons)
+    if chosen.pipelines == plan.pipelines:
+        return chosen
     old = plan.predicted or {}
     planning_s = float(old.get("planning_time_s", 0.0)) + time.perf_counter() - started
     return dataclasses.replace(chosen, predicted={**old, **predicted_metrics(chosen, cost, planning_s, flat_sync=flat_sync)})
+
+
+def _with_reasons(plan: Plan, reasons: dict[int, str]) -> Plan:
+    """The plan with why each pipeline kept its schedule in ``search.kept_schedule`` (``ethpipe plan`` prints it)."""
+    if not reasons:
+        return plan
+    by_reason: dict[str, list[int]] = {}
+    for p, why in sorted(reasons.items()):
+        by_reason.setdefault(why, []).append(p)
+    kept = [{"pipelines": ps, "schedule": plan.pipelines[ps[0]].schedule, "reason": why} for why, ps in by_reason.items()]
+    search = {**(plan.extra.get("search") or {}), "kept_schedule": kept}
+    return dataclasses.replace(plan, extra={**plan.extra, "search": search})
