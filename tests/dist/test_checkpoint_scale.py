@@ -12,9 +12,10 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -35,21 +36,13 @@ LOOKUPS = ("stat", "lstat", "listdir", "scandir")
 
 @contextmanager
 def counted(into: Counter) -> Iterator[None]:
-    originals = {name: getattr(os, name) for name in LOOKUPS}
-
-    def wrap(name: str):  # type: ignore[no-untyped-def]
-        def call(*args: Any, **kwargs: Any) -> Any:
-            into[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    try:
-        for name in LOOKUPS:
-            setattr(os, name, wrap(name))
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(os, name, fn)
+    """Count the file-system lookups made inside, by name (``mock.patch`` with ``wraps``: the real calls run)."""
+    with ExitStack() as stack:
+        mocks = {name: stack.enter_context(mock.patch.object(os, name, wraps=getattr(os, name))) for name in LOOKUPS}
+        try:
+            yield
+        finally:
+            into.update({name: m.call_count for name, m in mocks.items()})
 
 
 def _ranks(rank: int, world_size: int, root: str, out: str) -> None:

@@ -222,24 +222,22 @@ class _Problem:
         return out
 
 
-def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEFAULT_CONSTANTS,
-        gpu_factors: bool = True) -> Calibration:
-    """One set of constants per architecture family found in ``obs``, their centre as the fallback, and (with
-    ``gpu_factors``) each measured GPU type's compute factor around its family (``hardware.GpuFactor``)."""
+def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEFAULT_CONSTANTS) -> Calibration:
+    """One set of constants per architecture family found in ``obs``, their centre as the fallback, and each
+    measured GPU type's compute factor around its family (``hardware.GpuFactor``)."""
     from scipy.optimize import least_squares  # imported here: planning never needs scipy
 
     obs = list(obs)
     if not obs:
         return Calibration({}, source)
     problem = _Problem.of(obs)
-    num_families, num_gpus = len(problem.families), (len(problem.gpus) if gpu_factors else 0)
+    num_families, num_gpus = len(problem.families), len(problem.gpus)
     family_sd, centre_sd = np.array(FAMILY_SD), np.array(CENTRE_SD)
     log_prior = np.log(np.clip(_x_of(prior), _LOWER, _UPPER))
     num_x = _NUM * (num_families + 1)
 
-    def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        gpus = np.exp(v[num_x:]) if num_gpus else None
-        return v[:_NUM], v[_NUM:num_x].reshape(num_families, _NUM), gpus
+    def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return v[:_NUM], v[_NUM:num_x].reshape(num_families, _NUM), np.exp(v[num_x:])
 
     def residuals(v: np.ndarray) -> np.ndarray:
         centre, fams, gpus = unpack(v)
@@ -270,14 +268,12 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     anywhere = tuple(name for name, ok in zip(CONSTANT_NAMES, informed.any(axis=0)) if ok)
     fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
                                      f"({', '.join(problem.families)}): for families nobody measured", anywhere)
+    errors = np.abs(problem.predict_s(fams, scales) / problem.measured_s - 1)
     factors = {}
-    if scales is not None:
-        predicted = problem.predict_s(fams, scales)
-        errors = np.abs(predicted / problem.measured_s - 1)
-        for g, gpu in enumerate(problem.gpus):
-            mine = problem.obs_gpu == g
-            factors[gpu] = GpuFactor(float(scales[g]), int(mine.sum()), float(np.median(errors[mine])),
-                                     f"{note}fitted with its family ({int(mine.sum())} timings)")
+    for g, gpu in enumerate(problem.gpus):
+        mine = problem.obs_gpu == g
+        factors[gpu] = GpuFactor(float(scales[g]), int(mine.sum()), float(np.median(errors[mine])),
+                                 f"{note}fitted with its family ({int(mine.sum())} timings)")
     return Calibration(archs, source, fallback, gpus=factors)
 
 

@@ -334,7 +334,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         memo = self._kernel_memo  # type: ignore[attr-defined]
         if key not in memo:
             fwd, _ = self._compute_s(device_type, "block", micro_batch, tp)
-            attn = self.attention(device_type) if device_type in self._hw else "flash"  # type: ignore[attr-defined]
+            attn = self.attention(device_type)
             again = ops.recompute_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn)
             whole = ops.block_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn, False)
             if self._priced_by_kernels(device_type):

@@ -134,7 +134,7 @@ class MemoryPricing:
         m, s, d = self.model, self.seq_len, self.dtype_bytes
         attention = self.attention(device) if device is not None else None
         materialised = attention == "materialised"
-        expanded = attention == "efficient" and m.num_kv_heads < m.num_heads  # ops.gqa_expanded
+        expanded = attention is not None and ops.gqa_expanded(attention, m.q_dim, m.kv_dim)
 
         def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int, scores_kept: bool,
                      gqa_expanded: bool = False) -> float:
@@ -156,10 +156,10 @@ class MemoryPricing:
         """Whether the runtime that measured ``prof`` on ``device`` expanded its model's grouped-query K/V."""
         spec = spec_from_dict(prof.model)
         hw = self._hw.get(device)  # type: ignore[attr-defined]
-        if hw is None or spec.num_kv_heads >= spec.num_heads:
+        if hw is None:
             return False
         dtype = "fp32" if prof.dtype_bytes >= 4 else "fp16"
-        return ops.attention_impl(hw.gpu.arch, dtype, prof.attention) == "efficient"
+        return ops.gqa_expanded(ops.attention_impl(hw.gpu.arch, dtype, prof.attention), spec.q_dim, spec.kv_dim)
 
     def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
                            pending_weights: int = 0, stashed_inputs: int | None = None,

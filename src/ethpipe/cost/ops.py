@@ -155,9 +155,6 @@ def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: f
             mem("softmax", passes * scores), gemm("qk.dq", s, d, s, e, batch), gemm("qk.dk", s, d, s, e, batch)]
 
 
-RECOMPUTE_SKIPPED = ("fc2", "residual")  # the block's last GEMM and residual add, as the forward lists them
-
-
 def recompute_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
                       attention: Attention) -> list[Kernel]:
     """What a recomputing block's backward runs again: torch's non-reentrant checkpoint stops once every tensor

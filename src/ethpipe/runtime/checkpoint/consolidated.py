@@ -81,17 +81,26 @@ def load_into(module: nn.Module, path: str | Path) -> None:
         return
     tp = getattr(module, "tp", None)
     params = module.state_dict()
-    # One tensor at a time, each through its own mapping of the file: the pages a read touches (a row-parallel
-    # slice touches every page of its tensor) are let go with the mapping, so they never add up to the file.
     with torch.no_grad():
-        for name, param in params.items():
-            if _is_safetensors(path):
-                with safe_open(str(path), framework="pt") as f:  # this rank's slice read
+        if _is_safetensors(path):
+            for name, param in params.items():  # this rank's slice, through its own mapping: its pages go with it
+                with safe_open(str(path), framework="pt") as f:
                     param.copy_(_slice_read(f.get_slice(name), name, tp))
-            else:
+            return
+        # A .pt mapping costs a parse of the whole pickle (60 ms for 723 tensors), so it is re-made only before a
+        # read would take the pages read through it past the largest tensor's bytes (a row-parallel slice touches
+        # every page of its tensor): about one tensor's pages are resident at a time, never the file's.
+        state: dict[str, torch.Tensor] | None = None
+        touched = budget = 0
+        for name, param in params.items():
+            if state is None:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                param.copy_(local_slice(state[name], name, tp))
-                del state
+                budget = budget or max(state[n].numel() * state[n].element_size() for n in params)
+            nbytes = state[name].numel() * state[name].element_size()
+            if touched and touched + nbytes > budget:
+                state, touched = torch.load(path, map_location="cpu", weights_only=True, mmap=True), 0
+            param.copy_(local_slice(state[name], name, tp))
+            touched += nbytes
 
 
 def _slice_read(full: Any, name: str, tp: Any) -> torch.Tensor:
@@ -141,12 +150,13 @@ def consolidated_tensors(module: nn.Module, plan: Plan, rank: int, spec: ModelSp
         stage = plan.pipelines[0].stages[owner_stage(plan, name)]
         owner = 0 if 0 in stage.ranks else stage.ranks[0]
         full = gather_full(local[name].detach(), name, tp) if rank in stage.ranks else None  # TP: collective
-        if rank == owner:
+        if rank == owner == 0:
             assert full is not None
-            cpu = _own_cpu(full) if rank == 0 else full.to("cpu").contiguous()
-            if rank != 0:
-                dist.send(cpu, dst=0, group=group)
-            yield name, (cpu if rank == 0 else None)
+            yield name, _own_cpu(full)
+        elif rank == owner:
+            assert full is not None
+            dist.send(full.to("cpu").contiguous(), dst=0, group=group)
+            yield name, None
         elif rank == 0:
             buf = torch.empty(shape, dtype=dtype)
             dist.recv(buf, src=owner, group=group)

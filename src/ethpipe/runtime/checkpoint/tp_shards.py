@@ -10,7 +10,7 @@ One chunking per key: DCP deduplicates identical pieces of replicas, but a whole
 pipeline and slices of the same key from a tp-2 pipeline would overlap. So a sharded key is written by
 the holders of the smallest TP degree only: every tp-1 holder (whole tensors, deduplicated as before),
 or, when every holder is tensor-parallel, the first such stage in plan order. Every rank works this out
-from the plan alone: no communication, O(pipelines x stages + layers) once per save.
+from the plan alone: no communication, O(pipelines x layers) once per save.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ethpipe.plan import Plan
-from ethpipe.plan_parts import Stage
+from ethpipe.plan_parts import layer_owners
 from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim
 
 
@@ -29,14 +29,6 @@ def global_shape(local: torch.Tensor, dim: int, tp: TPGroup) -> tuple[int, ...]:
     shape = list(local.shape)
     shape[dim] *= tp.size
     return tuple(shape)
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
 
 
 class ShardViews:
@@ -57,13 +49,7 @@ class ShardViews:
             self._meshes[kind] = DeviceMesh.from_group(self.tp.group, kind)
         shape = global_shape(local, dim, self.tp)
         return DTensor.from_local(local, self._meshes[kind], [Shard(dim)], run_check=False,
-                                  shape=torch.Size(shape), stride=_contiguous_stride(shape))
-
-
-def _stage_params(stage: Stage, first: bool, last: bool, tied: bool) -> tuple[set[int], bool, bool]:
-    """The layers a stage holds, and whether it holds the embedding and the LM head."""
-    layers = {k for lo, hi in stage.layer_ranges for k in range(lo, hi)}
-    return layers, first or (last and tied), last and not tied
+                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
 
 
 class KeyWriters:
@@ -76,15 +62,14 @@ class KeyWriters:
         self._tp = plan.pipelines[pos.pipeline].stages[pos.stage].tp
         # For each part (a layer index, "emb", "head"): (smallest tp, first stage holding it at that tp).
         best: dict[object, tuple[int, tuple[int, int]]] = {}
-        for p, pipe in enumerate(plan.pipelines):
-            depth = len(pipe.stages)
-            for s, stage in enumerate(pipe.stages):
-                layers, emb, head = _stage_params(stage, s == 0, s == depth - 1, tied)
-                parts: list[object] = sorted(layers)
-                parts += ["emb"] * emb + ["head"] * head
-                for part in parts:
-                    if part not in best or stage.tp < best[part][0]:
-                        best[part] = (stage.tp, (p, s))
+        owners = layer_owners(plan.pipelines, plan.num_layers)  # per pipeline, the stage of each layer
+        for p, (pipe, owner) in enumerate(zip(plan.pipelines, owners)):
+            last = pipe.depth - 1
+            holders: list[tuple[object, int]] = [*enumerate(owner), ("emb", 0), ("emb" if tied else "head", last)]
+            for part, s in holders:
+                tp = pipe.stages[s].tp
+                if part not in best or tp < best[part][0]:
+                    best[part] = (tp, (p, s))
         self._best = best
 
     def writes(self, name: str) -> bool:

@@ -12,6 +12,8 @@ them, and the activation inventory is counted there).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +27,14 @@ def flash_runs(device: torch.device, dtype: torch.dtype, capability: tuple[int, 
     if device.type != "cuda":
         return True  # not a CUDA kernel choice: inputs go to SDPA as they are
     if capability is None:
-        capability = torch.cuda.get_device_capability(device)
+        capability = _capability(device.index if device.index is not None else torch.cuda.current_device())
     return dtype in FLASH_DTYPES and capability >= FLASH_MIN_CAPABILITY
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once (every attention forward asks)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def expand_kv(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
