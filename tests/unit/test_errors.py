@@ -210,3 +210,19 @@ def test_a_memory_error_names_every_type_of_the_binding_memory_and_the_recompute
     text = str(memory_error(CostModel(cluster, load_model_spec("llama2-70b"), 4096), "never"))
     assert "on v100_16gb / t4" in text or "on t4 / v100_16gb" in text, text
     assert text.endswith("use more nodes or --recompute always"), text
+
+
+def test_the_cause_is_reported_not_a_peer_that_saw_it_leave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crashed rank tears its groups down before writing its report, so its peer's 'Connection closed by peer'
+    can be written first: the report names the crashed rank's own error."""
+    monkeypatch.setenv(CRASH_DIR_ENV, str(tmp_path / "crashes"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "crash-00000000000000000001-00000.txt").write_text(
+        "rank 0: Traceback (most recent call last):\nRuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]")
+    (run_dir / "crash-00000000000000000002-00001.txt").write_text(
+        "rank 1: Traceback (most recent call last):\nRuntimeError: injected failure on the last stage")
+    failure = launch._failure([], run_dir)
+    assert "rank 1" in str(failure) and "injected failure" in str(failure), str(failure)
+    (run_dir / "crash-00000000000000000002-00001.txt").unlink()  # only consequences: the earliest still
+    assert "rank 0" in str(launch._failure([], run_dir))

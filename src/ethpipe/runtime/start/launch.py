@@ -175,6 +175,11 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
         return json.loads(Path(run_dir, "records.json").read_text())
 
 
+# What a rank's error says when a peer went away first (gloo's TCP pairs; NCCL's watchdog): a consequence.
+PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "remote process exited or there was a network error")
+
+
 def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
     """The root cause in one line: a rank killed by a signal or the watchdog, else the first crash
     (its traceback copied to a crash report, since ``run_dir`` is deleted).
@@ -195,7 +200,10 @@ def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
                                   "ended by its watchdog (see its message above)")
     crashes = sorted(run_dir.glob("crash-*.txt"))
     if crashes:
-        text = crashes[0].read_text()
+        # A crashed rank tears its groups down before it writes its report, so a peer can report the broken
+        # connection first: the earliest report that is not such a consequence is the cause.
+        texts = [c.read_text() for c in crashes]
+        text = next((t for t in texts if not any(m in t for m in PEER_LOSS_MARKERS)), texts[0])
         lines = [line for line in text.strip().splitlines() if line.strip()]
         report = write_crash_report(text)
         return TrainingFailed(f"training failed on {lines[0].split(':')[0]}: {lines[-1].strip()} "
