@@ -111,7 +111,8 @@ def points(root: Path) -> list[ZorsePoint]:
                 layers = {"block": {b + 1: LayerTiming(f / 1e3, g / 1e3)
                                     for b, (f, g) in enumerate(zip(fwd_ms, bwd_ms)) if f > 0 and g > 0}}
                 profile = MeasuredProfile(f"cuda: zorse {key}", "cuda", "fp16", spec.to_dict(), int(seq), layers, 0.0,
-                                          attention="materialised" if key in EAGER_ATTENTION else "auto")
+                                          attention="materialised" if key in EAGER_ATTENTION else "auto",
+                                          grad_accumulation="autocast")  # plain autocast over fp32 weights
                 for o in cal.observations(profile, catalog[gpu_id]):
                     o = cal.Observation(o.arch, o.gpu, o.model, o.kind, o.backward, o.micro_batch, o.tp, o.measured_s,
                                         o.terms, o.comm_s, layer_passes=0.0, launch_floor=False)

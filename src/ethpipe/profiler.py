@@ -115,7 +115,7 @@ def _backward(out: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 def _measure(
     forward: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], settings: ProfileSettings,
-    device: torch.device,
+    device: torch.device, weight_copies: Callable[[], list[torch.Tensor]] = list,
 ) -> tuple[LayerTiming, int]:
     """Median forward and backward seconds, and the activation bytes of one micro-batch."""
     fwd_times, bwd_times = [], []
@@ -135,7 +135,7 @@ def _measure(
         torch.cuda.synchronize(device)
         memory = torch.cuda.max_memory_allocated(device) - base
     else:
-        counter = _SavedBytes(params)
+        counter = _SavedBytes([*params, *weight_copies()])  # the step's 16-bit weights are not activations
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
             out = forward()
         out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
@@ -201,13 +201,19 @@ def profile_model(spec: ModelSpec, settings: ProfileSettings) -> MeasuredProfile
     modes = _kernel_modes(settings)
     try:
         device = torch.device(settings.device)
+        # The runtime's precision scheme (pipeline/executor.py): fp32 weights; in 16-bit one autocast region and
+        # one weight-cast step per micro-batch size, so each pass is timed as a step runs it, without the
+        # once-per-step weight copies (priced with the optimizer step).
         module = build_stage(spec, (0, 1), first=True, last=True, seed=settings.seed, device=device)
-        module = module.to(DTYPES[settings.dtype])
+        low = DTYPES[settings.dtype] if settings.dtype != "fp32" else None
         layers: dict[str, dict[int, LayerTiming]] = {kind: {} for kind in LAYER_KINDS}
         memory: dict[str, dict[int, int]] = {kind: {} for kind in LAYER_KINDS}
         for micro_batch in sorted(set(settings.micro_batch_sizes)):
-            for kind, (forward, params) in _layer_forwards(module, spec, micro_batch, settings, device).items():
-                layers[kind][micro_batch], memory[kind][micro_batch] = _measure(forward, params, settings, device)
+            with torch.autocast(device.type, dtype=low or torch.bfloat16, enabled=low is not None), \
+                    module.weight_cast.step(low):
+                for kind, (forward, params) in _layer_forwards(module, spec, micro_batch, settings, device).items():
+                    layers[kind][micro_batch], memory[kind][micro_batch] = _measure(
+                        forward, params, settings, device, module.weight_cast.copies)
         optimizer_s = _optimizer_s_per_param(module, settings, device)
     finally:
         torch.set_num_threads(previous_threads)

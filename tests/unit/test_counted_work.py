@@ -5,14 +5,17 @@ The runtime's own layers (``runtime/model/decoder.py``) run on CPU under countin
 tensors. Checked against the price of the same layer:
 - every linear GEMM's FLOPs, forward and backward (dgrad + wgrad), fp32 and 16-bit autocast, MHA and GQA, tp 1:
   equal to ``ops.block_kernels``' GEMMs;
-- the per-micro-batch gradient accumulation of a backward into existing ``.grad`` (16-bit autocast: each weight
-  gradient cast to fp32 and added; fp32: the add; the embedding's dense gradient): the bytes of exactly those
-  aten ops, within 10% of ``ops.grad_accumulation_kernels``; and a price without them is caught.
+- the per-micro-batch gradient accumulation of a backward into existing ``.grad`` (16-bit: each weight gradient
+  added into the fp32 ``.grad`` by the runtime's fused cast-and-add, ``runtime/model/weight_cast.py``; fp32: the
+  add; the embedding's dense gradient): the bytes of exactly those aten ops, within 10% of
+  ``ops.grad_accumulation_kernels``; a price without them, and a runtime that casts before adding, are caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,26 +57,35 @@ def _stage(spec: ModelSpec, first: bool) -> torch.nn.Module:
     return build_stage(spec, (0, 1), first=first, last=False)
 
 
-def _run(stage: torch.nn.Module, spec: ModelSpec, first: bool, autocast: bool) -> torch.Tensor:
+@contextlib.contextmanager
+def _step(stage: torch.nn.Module, autocast: bool, cast: bool = True) -> Iterator[None]:
+    """A step as the executor runs it: in 16-bit one autocast region and one weight-cast step (``cast`` False:
+    plain autocast over the fp32 weights, the runtime before ``weight_cast.py``)."""
+    low = torch.bfloat16 if autocast and cast else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), stage.weight_cast.step(low):
+        yield
+
+
+def _run(stage: torch.nn.Module, spec: ModelSpec, first: bool) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     x = (torch.randint(0, spec.vocab_size, (BATCH, SEQ), generator=gen) if first else
          torch.randn(BATCH, SEQ, spec.hidden_size, generator=gen, requires_grad=True))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        return stage(x)
+    return stage(x)
 
 
-def accumulation_bytes(stage: torch.nn.Module, spec: ModelSpec, first: bool, autocast: bool) -> float:
+def accumulation_bytes(stage: torch.nn.Module, spec: ModelSpec, first: bool, autocast: bool, cast: bool = True) -> float:
     """Bytes the second micro-batch's backward moves to put its gradients into the existing ``.grad``: each op
-    that adds into a ``.grad`` in place (reads both, writes one), and what makes the gradient it adds apart from
-    the priced matmuls: autocast's fp32 cast of a 16-bit weight gradient (reads it, writes fp32), the
-    embedding's dense vocab x h gradient (written; its reads of the incoming gradient are priced as
-    ``embed.grad``)."""
-    _run(stage, spec, first, autocast).float().sum().backward()  # micro-batch 1: .grad exists afterwards
-    out = _run(stage, spec, first, autocast).float().sum()
-    grads = {p.grad.data_ptr() for p in stage.parameters()}
-    rec = OpRecorder()
-    with rec:
-        out.backward()
+    that adds into a ``.grad`` in place (reads both, writes one: 4 + 2 + 4 bytes for the runtime's fused
+    cast-and-add of a 16-bit gradient), and what makes the gradient it adds apart from the priced matmuls:
+    plain autocast's fp32 cast of a 16-bit weight gradient (reads it, writes fp32), the embedding's dense
+    vocab x h gradient (written; its reads of the incoming gradient are priced as ``embed.grad``)."""
+    with _step(stage, autocast, cast):
+        _run(stage, spec, first).float().sum().backward()  # micro-batch 1: .grad exists afterwards
+        out = _run(stage, spec, first).float().sum()
+        grads = {p.grad.data_ptr() for p in stage.parameters()}
+        rec = OpRecorder()
+        with rec:
+            out.backward()
     total = 0.0
     fed: set[int] = set()
     for name, ins, outs, _ in rec.ops:
@@ -92,10 +104,8 @@ def accumulation_bytes(stage: torch.nn.Module, spec: ModelSpec, first: bool, aut
     return total
 
 
-def priced_bytes(kind: str, spec: ModelSpec, autocast: bool, with_accumulation: bool = True) -> float:
-    if not with_accumulation:
-        return 0.0
-    return sum(k.num_bytes for k in ops.grad_accumulation_kernels(kind, spec, 1, 2 if autocast else 4))
+def priced_bytes(kind: str, spec: ModelSpec, autocast: bool, accumulation: str = "cast_add") -> float:
+    return sum(k.num_bytes for k in ops.grad_accumulation_kernels(kind, spec, 1, 2 if autocast else 4, accumulation))
 
 
 @pytest.mark.parametrize("spec", [MHA, GQA, GPT], ids=lambda s: s.name)
@@ -104,12 +114,13 @@ def test_linear_gemm_flops_are_the_priced_ones(spec: ModelSpec, autocast: bool) 
     stage = _stage(spec, first=False)
     counter = FlopCounterMode(display=False)
     with sdpa_kernel([SDPBackend.MATH]):  # attention as bmm's the counter sees (CPU's fused kernel it does not)
-        with counter:
-            out = _run(stage, spec, False, autocast)
-        fwd = counter.get_total_flops()
-        with counter:
-            out.float().sum().backward()
-        bwd = counter.get_total_flops()
+        with _step(stage, autocast):
+            with counter:
+                out = _run(stage, spec, False)
+            fwd = counter.get_total_flops()
+            with counter:
+                out.float().sum().backward()
+            bwd = counter.get_total_flops()
     e = 2 if autocast else 4
     kernels = {False: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", False),
                True: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", True)}
@@ -128,7 +139,22 @@ def test_gradient_accumulation_is_priced_as_counted(spec: ModelSpec, autocast: b
     stage = _stage(spec, first=False)
     counted = accumulation_bytes(stage, spec, False, autocast)
     assert counted == pytest.approx(priced_bytes("block", spec, autocast), rel=0.10)
-    assert counted != pytest.approx(priced_bytes("block", spec, autocast, with_accumulation=False), rel=0.10)
+    assert counted != pytest.approx(priced_bytes("block", spec, autocast, "fused"), rel=0.10)
+
+
+@pytest.mark.parametrize("spec", [MHA, GPT], ids=lambda s: s.name)
+def test_an_unpriced_cast_in_the_runtime_is_caught(spec: ModelSpec) -> None:
+    """The runtime as it was (plain autocast: each 16-bit weight gradient cast to fp32, then added) moves what
+    the ``autocast`` price says, and the runtime's own price (``cast_add``) is off by far more than 10% for it:
+    a cast the runtime gains and the price lacks fails the test above. The fused add moves 10 bytes per
+    parameter where plain autocast moved 18."""
+    stage = _stage(spec, first=False)
+    plain = accumulation_bytes(stage, spec, False, autocast=True, cast=False)
+    assert plain == pytest.approx(priced_bytes("block", spec, True, "autocast"), rel=0.10)
+    assert plain != pytest.approx(priced_bytes("block", spec, True), rel=0.10)
+    fused = accumulation_bytes(stage, spec, False, autocast=True)
+    params = sum(p.numel() for p in stage.parameters())
+    assert 9.5 < fused / params < 10.5 and 17 < plain / params < 18.5, (fused / params, plain / params)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
@@ -144,12 +170,13 @@ def _counted_flops(stage: torch.nn.Module, spec: ModelSpec, autocast: bool) -> t
     """(forward, backward) matmul FLOPs of one micro-batch through ``stage`` (SDPA on its math path: bmm's)."""
     counter = FlopCounterMode(display=False)
     with sdpa_kernel([SDPBackend.MATH]):
-        with counter:
-            out = _run(stage, spec, False, autocast)
-        fwd = counter.get_total_flops()
-        with counter:
-            out.float().sum().backward()
-        return fwd, counter.get_total_flops()
+        with _step(stage, autocast):
+            with counter:
+                out = _run(stage, spec, False)
+            fwd = counter.get_total_flops()
+            with counter:
+                out.float().sum().backward()
+            return fwd, counter.get_total_flops()
 
 
 def _priced_gemm_flops(kernels: list[ops.Kernel], names: tuple[str, ...]) -> float:

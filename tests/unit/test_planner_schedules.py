@@ -29,12 +29,14 @@ from ethpipe.sim import simulate
 
 CLUSTER = load_cluster("examples/clusters/eval_h100_a100_l4_128.yaml")
 LLAMA = load_model_spec("llama2-7b")
+LLAMA3 = load_model_spec("llama3-8b")  # at one sample per GPU its 2-stage pipelines cannot hold interleaved chunks
 
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
     return {"all": make_plan(CLUSTER, LLAMA, 128, 4096),
             "1f1b": make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b",)),
+            "1f1b-half": make_plan(CLUSTER, LLAMA, 64, 4096, schedules=("1f1b",)),  # pipelines where zb-h1 fits
             "layer-balanced": make_plan(CLUSTER, LLAMA, 128, 4096, "layer-balanced", time_budget_s=5.0)}
 
 
@@ -56,12 +58,12 @@ def test_zb_h1_lifts_the_bubble_of_the_128_gpu_case(plans: dict[str, Plan]) -> N
 def test_interleaving_is_tried_on_the_final_plan_where_memory_allows(plans: dict[str, Plan]) -> None:
     """eth interleaves its final plan's pipelines where that is faster and fits (planner/layers/interleave.py),
     so allowing it never gives a slower plan. At 4 samples per GPU the 128-GPU llama2-7b plan interleaves (its
-    bubble factor rises and the simulator agrees with the estimate); at one sample per GPU the same 2-stage
+    bubble factor rises and the simulator agrees with the estimate); at one sample per GPU llama3-8b's 2-stage
     pipelines would hold 2.5 micro-batches of activations on the first stage instead of 2, which does not fit,
     so the plan stays 1F1B there."""
-    one = plans["1f1b"]
-    same = make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b", "interleaved"))
-    assert same.pipelines == one.pipelines
+    one = make_plan(CLUSTER, LLAMA3, 128, 4096, schedules=("1f1b",))
+    same = make_plan(CLUSTER, LLAMA3, 128, 4096, schedules=("1f1b", "interleaved"))
+    assert same.pipelines == one.pipelines and max(p.depth for p in one.pipelines) > 1
     cost = CostModel.for_plan(one)
     assert not any(fits(cost, p, "interleaved") for p in (interleaved_of(q) for q in one.pipelines) if p is not None)
     flat = make_plan(CLUSTER, LLAMA, 128 * 4, 4096, schedules=("1f1b",))
@@ -86,9 +88,14 @@ def test_baselines_keep_1f1b_unless_told(plans: dict[str, Plan]) -> None:
 
 
 def test_a_schedule_that_does_not_fit_is_never_chosen(plans: dict[str, Plan]) -> None:
-    one = plans["1f1b"]
+    one = plans["1f1b-half"]
     cost = CostModel.for_plan(one)
-    pipe = one.pipelines[0]
+    # The plan's first pipeline with its two A100 stages as one, so that the last stage's device type appears once
+    # in it and can be shrunk alone below.
+    first, *_, last = one.pipelines[0].stages
+    assert first.device != last.device
+    pipe = dataclasses.replace(one.pipelines[0], stages=(first, dataclasses.replace(last, layers=(first.layers[1], 32))))
+    one = dataclasses.replace(one, pipelines=(pipe,))
     assert fits(cost, pipe, "zb-h1") and fits(cost, pipe, "1f1b")
     # Shrink the first stage's device until zb-h1's depth-many in-flight micro-batches no longer fit there
     # while 1F1B's (the same on stage 0) do: only the later stages hold more under zb-h1.
@@ -112,7 +119,7 @@ def test_a_re_split_priced_with_its_layouts_shared_terms_is_priced_as_alone(plan
     """choose_schedules prices the plan and its re-split with one ``PlanLayout`` (the p2p sharing, holders, sync
     durations and pricing keys their stages share): the same seconds as pricing the re-split on its own; a
     layout of other stages is refused."""
-    one = plans["1f1b"]
+    one = plans["1f1b-half"]
     cost = CostModel.for_plan(one)
     chosen, chosen_s = choose_schedules(one, cost, ("1f1b", "zb-h1"))
     assert chosen is not one and "zb-h1" in {p.schedule for p in chosen.pipelines}
@@ -203,7 +210,7 @@ def test_a_pipeline_that_keeps_1f1b_says_why() -> None:
     from ethpipe.planner.layers.interleave import why_not_interleaved
     from ethpipe.units import index_ranges
 
-    one = make_plan(CLUSTER, LLAMA, 128, 4096, schedules=("1f1b", "interleaved"))
+    one = make_plan(CLUSTER, LLAMA3, 128, 4096, schedules=("1f1b", "interleaved"))
     kept = one.extra["search"]["kept_schedule"]
     assert kept and all(k["schedule"] == "1f1b" and k["reason"] for k in kept)
     assert sorted(p for k in kept for p in k["pipelines"]) == [

@@ -51,8 +51,14 @@ CE_PASSES = (8, 2)  # vocab-parallel cross-entropy: max, subtract, exp, sum, nor
 # implementation constant shared by every GPU, fitted once on the Sailor profiles (in-sample
 # block backward median error 25% -> 4%; docs/cost-model.md).
 BWD_ELEMENTWISE_FACTOR = 2.0
-WEIGHT_CAST_BYTES = 6  # per parameter and step: autocast's 16-bit copy of an fp32 weight (read 4, write 2)
-GRAD_ACCUM_BYTES_AUTOCAST = 18  # per parameter and micro-batch: cast the 16-bit gradient to fp32, add it to .grad
+WEIGHT_CAST_BYTES = 6  # per parameter and step: the 16-bit copy of an fp32 weight (read 4, write 2)
+# How a backward puts a 16-bit weight gradient into the fp32 ``.grad``, per parameter and micro-batch, after the
+# weight-gradient GEMM wrote it (priced with the GEMM): ``cast_add`` is ethpipe's runtime (one mixed-dtype in-place
+# add: read 2 + 4, write 4; runtime/model/weight_cast.py); ``autocast`` is plain autocast over fp32 weights (cast
+# to fp32: read 2, write 4; then add: read 4 + 4, write 4), what ethpipe ran before and the Zorse harness runs;
+# ``fused`` is Megatron's accumulation inside the GEMM (nothing more).
+GRAD_ACCUM_BYTES_16BIT = {"cast_add": 10, "autocast": 18, "fused": 0}
+ACCUMULATIONS = tuple(GRAD_ACCUM_BYTES_16BIT)
 
 
 @dataclass(frozen=True)
@@ -194,26 +200,29 @@ def head_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem
     return [ce, *head, norm] if backward else [norm, *head, ce]
 
 
-def grad_accumulation_kernels(kind: str, model: ModelSpec, tp: int, elem_bytes: int) -> list[Kernel]:
-    """What ethpipe's runtime does per parameter and micro-batch after its backward GEMMs: the new gradient added
-    into the parameter's ``.grad`` (fp32 under 16-bit autocast). Under autocast the weight-gradient GEMM writes a
-    16-bit gradient (priced with the GEMM), autograd casts it to fp32 (read 2, write 4) and adds it into ``.grad``
-    (read 4 + 4, write 4): ``GRAD_ACCUM_BYTES_AUTOCAST``; in one dtype only the add (3 x its bytes). The
-    embedding's gradient is dense (``embedding_dense_backward`` zero-fills a vocab x h fp32 tensor, then adds
-    it): 4 + 12. Megatron fuses the accumulation into the weight-gradient GEMM; a profile of such a runtime
-    (``MeasuredProfile.grad_accumulation`` False) is priced without these."""
+def grad_accumulation_kernels(kind: str, model: ModelSpec, tp: int, elem_bytes: int,
+                              accumulation: str = "cast_add") -> list[Kernel]:
+    """What a runtime does per parameter and micro-batch after its backward GEMMs: the new gradient added into
+    the parameter's ``.grad`` (fp32 under 16-bit precision), as ``accumulation`` does it
+    (``GRAD_ACCUM_BYTES_16BIT``); in one dtype the add (3 x its bytes). The embedding's gradient is dense
+    (``embedding_dense_backward`` zero-fills a vocab x h fp32 tensor, then it is added): 4 + 12. ``fused``
+    (Megatron: ``MeasuredProfile.grad_accumulation``) is priced without any of these."""
+    if accumulation not in GRAD_ACCUM_BYTES_16BIT:
+        raise ValueError(f"accumulation must be one of {', '.join(ACCUMULATIONS)}, got {accumulation!r}")
+    if accumulation == "fused":
+        return []
     wide = max(elem_bytes, 4)
     if kind == "embedding":
         return [mem("embed.grad_accum", model.embedding_params() / tp * (wide + 3 * wide))]
     params = model.params_per_layer() if kind == "block" else model.head_params()
-    per_param = GRAD_ACCUM_BYTES_AUTOCAST if elem_bytes < 4 else 3 * elem_bytes
+    per_param = GRAD_ACCUM_BYTES_16BIT[accumulation] if elem_bytes < 4 else 3 * elem_bytes
     return [mem("grad_accum", params / tp * per_param)]
 
 
 def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                  attention: Attention, backward: bool, grad_accumulation: bool = True) -> list[Kernel]:
-    """One layer pass's kernels as ethpipe's runtime runs them (``grad_accumulation``: its backward adds each
-    new gradient into ``.grad``; False prices a runtime that fuses that into the GEMM, as Megatron does)."""
+                  attention: Attention, backward: bool, accumulation: str = "cast_add") -> list[Kernel]:
+    """One layer pass's kernels as a runtime runs them (``accumulation``: how its backward puts each new
+    gradient into ``.grad``; ethpipe's runtime by default)."""
     if kind == "block":
         ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward)
     elif kind == "head":
@@ -222,8 +231,8 @@ def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, t
         ks = embedding_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward)
     else:
         raise ValueError(f"unknown layer kind '{kind}'")
-    if backward and grad_accumulation:
-        ks = ks + grad_accumulation_kernels(kind, model, tp, elem_bytes)
+    if backward:
+        ks = ks + grad_accumulation_kernels(kind, model, tp, elem_bytes, accumulation)
     return ks
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ethpipe.cost.ops import ATTENTION_CHOICES
+from ethpipe.cost.ops import ACCUMULATIONS, ATTENTION_CHOICES
 from ethpipe.errors import UserError
 from ethpipe.atomic import write_text_atomic
 
@@ -44,9 +44,10 @@ class MeasuredProfile:
     # Attention of the measured runtime: "auto" = PyTorch SDPA's fused kernels (ethpipe's runtime),
     # "materialised" = the unfused s x s path (Megatron-DeepSpeed in fp32, e.g. the Sailor profiles).
     attention: str = "auto"
-    # Whether the measured backward adds each new gradient into ``.grad`` (ethpipe's runtime, autograd's
-    # default) or fuses the accumulation into the weight-gradient GEMM (Megatron): ``ops.grad_accumulation_kernels``.
-    grad_accumulation: bool = True
+    # How the measured backward puts each new gradient into ``.grad`` (``ops.GRAD_ACCUM_BYTES_16BIT``): "cast_add"
+    # (ethpipe's runtime), "autocast" (plain autocast over fp32 weights; profiles written before ethpipe cast
+    # its own weights record ``true``) or "fused" into the weight-gradient GEMM (Megatron; ``false``).
+    grad_accumulation: str = "cast_add"
 
     def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
@@ -142,7 +143,7 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             tp=int(data.get("tp", 1)),
             tf32=None if data.get("tf32") is None else bool(data["tf32"]),
             attention=_attention(data.get("attention", "auto")),
-            grad_accumulation=bool(data.get("grad_accumulation", True)),
+            grad_accumulation=_accumulation(data.get("grad_accumulation", True)),
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
@@ -152,6 +153,15 @@ def _attention(value: Any) -> str:
     if value not in ATTENTION_CHOICES:
         raise UserError(f"profile field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got {value!r}: "
                         "re-run `ethpipe profile --attention auto|materialised`")
+    return str(value)
+
+
+def _accumulation(value: Any) -> str:
+    """A profile's ``grad_accumulation``: a name, or the boolean older profiles wrote (true: plain autocast)."""
+    if isinstance(value, bool):
+        return "autocast" if value else "fused"
+    if value not in ACCUMULATIONS:
+        raise UserError(f"profile field 'grad_accumulation' must be one of {', '.join(ACCUMULATIONS)}, got {value!r}")
     return str(value)
 
 

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ethpipe.model_spec import ModelSpec
 from ethpipe.model_load import load_model_spec
 from ethpipe.runtime.model.attention import causal_attention, expand_kv
+from ethpipe.runtime.model.weight_cast import WeightCast, bind_weight_cast, cast
 from ethpipe.runtime.model.tensor_parallel import (
     TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
 )
@@ -169,6 +170,8 @@ class TiedHead(nn.Module):
     vocab-sharded, so this rank's rows give its slice of the logits.
     """
 
+    weight_cast: WeightCast | None = None
+
     def __init__(self, embedding: nn.Module) -> None:
         super().__init__()
         self.embedding_ref = (embedding,)
@@ -178,7 +181,7 @@ class TiedHead(nn.Module):
         return self.embedding_ref[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, cast(self, self.weight))  # type: ignore[arg-type]
 
 
 class Decoder(nn.Module):
@@ -213,6 +216,9 @@ class Decoder(nn.Module):
             self.norm = make_norm(spec)
             self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
                                     linear(spec.hidden_size, spec.vocab_size, False, "column", self.tp))
+        # The stage's 16-bit weight copies of a step (``weight_cast.py``); the executor opens its ``step``.
+        self.weight_cast = WeightCast()
+        bind_weight_cast(self, self.weight_cast)
 
     def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """Chunk ``chunk`` of the stage (the embedding runs in a first stage's chunk 0, the head in a last
@@ -323,6 +329,7 @@ def compile_blocks(module: Decoder) -> None:
     if next(module.parameters()).device.type == "cpu":
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cpu_kernel_cache_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     for layer in module.layers.values():
+        bind_weight_cast(layer, None)  # inductor traces autocast's casts, not a custom Function's side effect
         layer.compile()
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ethpipe.runtime.model.weight_cast import WeightCast, cast
+
 _COLUMN = ("attn.wq.", "attn.wk.", "attn.wv.", "mlp.w1.", "mlp.w3.")
 _ROW_WEIGHTS = ("attn.wo.weight", "mlp.w2.weight")
 
@@ -130,9 +132,21 @@ def tp_input(x: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
     return copy_to_tp(x, tp) if tp is not None and tp.size > 1 else x
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same names) multiplying by the step's 16-bit weight copy where its stage
+    casts (``weight_cast.WeightCast``: the gradient goes straight into the fp32 ``.grad``)."""
+
+    weight_cast: WeightCast | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, cast(self, self.weight), cast(self, self.bias))  # type: ignore[arg-type]
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local: this rank's share of the output features. Its input has been
     through ``f`` already (``tp_input``, once for all the sub-block's column-parallel layers)."""
+
+    weight_cast: WeightCast | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -141,11 +155,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features // tp.size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, cast(self, self.weight), cast(self, self.bias))  # type: ignore[arg-type]
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_local W_local^T, then + b (replicated): the input features are split."""
+
+    weight_cast: WeightCast | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -154,8 +170,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
-        return y + self.bias if self.bias is not None else y
+        y = reduce_from_tp(F.linear(x, cast(self, self.weight)), self.tp)  # type: ignore[arg-type]
+        return y + cast(self, self.bias) if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -175,9 +191,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def linear(in_features: int, out_features: int, bias: bool, style: str, tp: TPGroup | None) -> nn.Module:
-    """nn.Linear at tp 1, else the column- or row-parallel layer (same parameter names)."""
+    """``Linear`` at tp 1, else the column- or row-parallel layer (same parameter names)."""
     if tp is None or tp.size == 1:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
     return cls(in_features, out_features, bias, tp)
 

@@ -200,11 +200,13 @@ def run_stage_step(
 
     autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-    # One autocast region for the whole step: its cache keeps ONE 16-bit copy of each weight for all
-    # micro-batches in flight (a region per forward would keep one copy per in-flight micro-batch).
+    # One autocast region and one weight-cast step for the whole step: ONE 16-bit copy of each weight serves
+    # every micro-batch in flight (``weight_cast.py``: its gradients go straight into the fp32 ``.grad``).
     starts = frozenset(p2p_units(actions))  # where a batch is posted (inside an interleaved F-B unit: none)
     received: dict[Key, torch.Tensor] = {}
-    with autocast:
+    weight_cast = getattr(module, "weight_cast", None)
+    casting = weight_cast.step(autocast_dtype) if weight_cast is not None else contextlib.nullcontext()
+    with autocast, casting:
         for k, action in enumerate(actions):
             if k in starts:
                 assert not received, f"unused receives {sorted(received)}"
