@@ -31,9 +31,9 @@ def _spec(family: str, hidden: int, head_dim: int, ffn: int) -> ModelSpec:
 
 
 def _saved_bytes(spec: ModelSpec, last: bool, autocast: bool, seq_len: int, batch: int,
-                 recompute: bool = False) -> int:
+                 recompute: bool = False, fp32_residual: bool = False) -> int:
     """Non-parameter storages autograd keeps over one forward of layers 1-2 (+ the head)."""
-    module = build_stage(spec, (1, 3), first=False, last=last, recompute=recompute)
+    module = build_stage(spec, (1, 3), first=False, last=last, recompute=recompute, fp32_residual=fp32_residual)
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[tuple[int, int], int] = {}
 
@@ -75,9 +75,9 @@ def _norm_and_bias_params(spec: ModelSpec) -> int:
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_recompute_keeps_each_blocks_fp32_input(autocast: bool) -> None:
-    """Activation recomputation keeps only each block's input: the fp32 residual stream, also under 16-bit
-    autocast (what the memory model's recompute term counts per layer and sample)."""
+def test_recompute_keeps_each_blocks_input(autocast: bool) -> None:
+    """Activation recomputation keeps only each block's input: the residual stream, in the compute dtype (16-bit
+    under autocast: what the memory model's recompute term counts per layer and sample)."""
     from ethpipe.cluster import cluster_from_dict
     from ethpipe.cost.model import CostModel
 
@@ -90,4 +90,15 @@ def test_recompute_keeps_each_blocks_fp32_input(autocast: bool) -> None:
     _, with_rc = cost.memory_terms(1, b, 1, True, first=False, last=False)
     _, without = cost.memory_terms(1, b, 0, True, first=False, last=False)  # states and weight copies only
     assert _saved_bytes(spec, False, autocast, s, b, recompute=True) == 2 * (with_rc - without)
-    assert with_rc - without == memory.block_input_bytes(spec, s, 4) * b
+    assert with_rc - without == memory.block_input_bytes(spec, s, d) * b
+
+
+def test_fp32_residual_keeps_the_stream_in_fp32() -> None:
+    """``--fp32-residual``: the same saved tensors without recompute (the norms widen their input to fp32 either
+    way), and a recomputing block keeps its input in fp32: twice the 16-bit stream's bytes."""
+    s, b = 16, 2
+    for family in ("llama", "gpt"):
+        spec = _spec(family, 64, 16, 96)
+        assert _saved_bytes(spec, False, True, s, b, fp32_residual=True) == _saved_bytes(spec, False, True, s, b)
+        wide = _saved_bytes(spec, False, True, s, b, recompute=True, fp32_residual=True)
+        assert wide == 2 * _saved_bytes(spec, False, True, s, b, recompute=True) == 2 * memory.block_input_bytes(spec, s, 4) * b

@@ -8,7 +8,10 @@ tensors. Checked against the price of the same layer:
 - the per-micro-batch gradient accumulation of a backward into existing ``.grad`` (16-bit: each weight gradient
   added into the fp32 ``.grad`` by the runtime's fused cast-and-add, ``runtime/model/weight_cast.py``; fp32: the
   add; the embedding's dense gradient): the bytes of exactly those aten ops, within 10% of
-  ``ops.grad_accumulation_kernels``; a price without them, and a runtime that casts before adding, are caught.
+  ``ops.grad_accumulation_kernels``; a price without them, and a runtime that casts before adding, are caught;
+- the B/W split of a zero-bubble stage: B's and W's GEMM FLOPs apart, and W alone accumulating;
+- per step: one 16-bit copy of each copied weight (``CostModel.cast_params``' bytes, the memory model's copy term) and the
+  AdamW step's bytes (``OPTIMIZER_BYTES_PER_PARAM``).
 """
 
 from __future__ import annotations
@@ -235,3 +238,98 @@ def test_a_tp2_ranks_gemm_flops_are_half_the_priced_layers(spec: ModelSpec) -> N
     attention = 4.0 * BATCH * spec.num_heads / 2 * SEQ * SEQ * spec.head_dim_resolved
     assert fwd == pytest.approx(linear[False] + attention, rel=1e-9)
     assert bwd == pytest.approx(linear[True] + 2 * attention, rel=1e-9)
+
+
+def test_a_steps_weight_copies_are_made_once_and_priced() -> None:
+    """A 16-bit step of three micro-batches through a first-and-last stage makes ONE 16-bit copy of each block
+    and head weight (not of the embedding, looked up in fp32): 6 bytes per copied parameter, as
+    ``optimizer_s`` prices (``cast_params``), and the copies' bytes are the memory model's weight-copy term."""
+    from ethpipe.cluster import cluster_from_dict
+    from ethpipe.cost import memory
+    from ethpipe.cost.model import CostModel
+
+    spec = dataclasses.replace(MHA, num_layers=2)
+    stage = build_stage(spec, (0, 2), first=True, last=True)
+    params = {p.data_ptr() for p in stage.parameters()}
+    rec = OpRecorder()
+    with _step(stage, autocast=True):
+        with rec:
+            for _ in range(3):
+                _run(stage, spec, first=True).float().sum().backward()
+        copies = stage.weight_cast.copies()
+    casts = [(ins, outs) for name, ins, outs, _ in rec.ops if "_to_copy" in name and ins and ins[0][0] in params]
+    assert len(casts) == len(copies) == len({ins[0][0] for ins, _ in casts})  # once per weight per step
+    copied = sum(c.numel() for c in copies)
+    cost = CostModel(cluster_from_dict({"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 1,
+                                                 "nic_gbit_s": 100}]}),
+                     spec, SEQ, dtype_bytes=2, dtype="bf16")
+    priced = cost.cast_params(2, last=True)
+    assert copied == pytest.approx(priced, rel=0.02)  # the norms' scales are priced with their layers, not copied
+    assert sum(b for ins, outs in casts for _, b in ins + outs) == pytest.approx(ops.WEIGHT_CAST_BYTES * priced, rel=0.02)
+    kept = memory.autocast_weight_bytes(2 * spec.params_per_layer() + spec.vocab_size * spec.hidden_size, 2, 1)
+    assert sum(c.numel() * c.element_size() for c in copies) == pytest.approx(kept, rel=0.02)
+
+
+def test_the_optimizer_step_moves_the_priced_bytes() -> None:
+    """The AdamW step as a GPU runs it (torch's fused kernel, here its CPU twin) over a block's fp32 weights,
+    gradients and moments: the bytes it reads and writes are ``OPTIMIZER_BYTES_PER_PARAM`` per parameter."""
+    from ethpipe.cost.model_memory import OPTIMIZER_BYTES_PER_PARAM
+
+    params = list(_stage(GQA, first=False).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt.step()  # the moments exist from here on
+    rec = OpRecorder()
+    with rec:
+        opt.step()
+    moved = 0
+    for name, ins, _, tensors in rec.ops:
+        if "fused_adamw" in name:
+            written = {t.data_ptr() for group in (0, 2, 3) for t in _lists(tensors, group)}  # w, m, v in place
+            moved += sum(b for _, b in ins) + sum(b for ptr, b in ins if ptr in written)
+    n = sum(p.numel() for p in params)
+    assert moved / n == pytest.approx(OPTIMIZER_BYTES_PER_PARAM, rel=0.10)
+
+
+def _lists(tensors: list[torch.Tensor], group: int) -> list[torch.Tensor]:
+    """The ``group``-th tensor list of a fused optimizer op's flattened inputs (params, grads, m, v, ...)."""
+    size = len(tensors) // 5 if len(tensors) % 5 == 0 else None  # params, grads, m, v, steps (no amsgrad list)
+    assert size, "unexpected fused AdamW signature"
+    return tensors[group * size:(group + 1) * size]
+
+
+@pytest.mark.parametrize("spec", [MHA, GQA], ids=lambda s: s.name)
+def test_the_split_backward_runs_the_priced_b_and_w(spec: ModelSpec) -> None:
+    """A zero-bubble stage's backward as B (input gradient) and W (weight gradients), in a 16-bit step: B runs
+    every backward GEMM but the weight-gradient ones, W exactly those (``.wgrad`` in ``ops.block_kernels``, the
+    share ``split_pricing`` moves to W), and W alone puts the gradients into ``.grad``, with the priced bytes."""
+    from ethpipe.runtime.pipeline.split_backward import backward_input, backward_weight
+
+    stage = _stage(spec, first=False)
+    params = list(stage.parameters())
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel([SDPBackend.MATH]), _step(stage, autocast=True):
+        _run(stage, spec, False).float().sum().backward()  # micro-batch 1: .grad exists afterwards
+        x = torch.randn(BATCH, SEQ, spec.hidden_size, requires_grad=True)
+        out = stage(x)
+        grads = {p.grad.data_ptr() for p in params}
+        before = [p.grad.clone() for p in params]
+        with counter:
+            _, work = backward_input(out, torch.ones_like(out), x, params)
+        b_flops = counter.get_total_flops()
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, before)), "B touched a weight gradient"
+        rec = OpRecorder()
+        with counter, rec:
+            backward_weight(work)
+        w_flops = counter.get_total_flops()
+    kernels = ops.block_kernels(spec, SEQ, BATCH, 1, 2, "flash", True)
+    wgrad = sum(k.flops for k in kernels if k.name.endswith(".wgrad"))
+    linear = _priced_gemm_flops(kernels, LINEAR_GEMMS)
+    attention = sum(k.flops for k in kernels if k.name == "flash_attn") / ops.FLASH_CAUSAL_FRACTION \
+        / ops.FLASH_BWD_FLOPS_FACTOR * 2  # the math path: the masked half too, no recomputed scores
+    assert w_flops == pytest.approx(wgrad, rel=1e-9)
+    assert b_flops == pytest.approx(linear - wgrad + attention, rel=1e-9)
+    added = sum(sum(b for _, b in ins) + sum(b for _, b in outs) for name, ins, outs, _ in rec.ops
+                if name.endswith("add_.Tensor") and ins[0][0] in grads)
+    assert added == pytest.approx(priced_bytes("block", spec, True), rel=0.10)

@@ -48,8 +48,10 @@ def _stage(spec: ModelSpec, last: bool, recompute: bool = False, dtype: torch.dt
     return module.to(dtype)
 
 
-def _run(module: Decoder, last: bool, split: bool, autocast: bool = False) -> tuple[list[torch.Tensor], dict]:
-    """Forward NUM_MB micro-batches, then backward them (split: every B first, then every W)."""
+def _run(module: Decoder, last: bool, split: bool, autocast: bool = False,
+         cast: bool = False) -> tuple[list[torch.Tensor], dict]:
+    """Forward NUM_MB micro-batches, then backward them (split: every B first, then every W); ``cast``: the
+    runtime's one 16-bit copy of each weight per step (``weight_cast.py``), else plain autocast."""
     gen = torch.Generator().manual_seed(0)
     dtype = next(module.parameters()).dtype
     xs = [torch.randn(MB, SEQ, SPEC.hidden_size, generator=gen, dtype=dtype) for _ in range(NUM_MB)]
@@ -59,7 +61,7 @@ def _run(module: Decoder, last: bool, split: bool, autocast: bool = False) -> tu
     params = [p for p in module.parameters() if p.requires_grad]
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     outs, input_grads, works = [], [], []
-    with ctx:
+    with ctx, module.weight_cast.step(torch.bfloat16 if cast else None):
         for x in xs:
             x = x.clone().requires_grad_()
             out = module(x)
@@ -93,12 +95,18 @@ def test_split_equals_the_whole_backward_bit_for_bit(spec: ModelSpec, last: bool
         assert torch.equal(ref_weights[name], got_weights[name]), name
 
 
-def test_split_under_bf16_autocast_with_its_shared_weight_copies() -> None:
+@pytest.mark.parametrize("cast", [False, True], ids=["plain-autocast", "weight-cast"])
+def test_split_under_bf16_autocast_with_its_shared_weight_copies(cast: bool) -> None:
+    """Both ways a 16-bit step can hold its weight copies: autocast's cache, or the runtime's ``WeightCast``
+    (whose backward adds into ``.grad`` itself: W still does it, B still does not)."""
     module = _stage(SPEC, last=False, dtype=torch.float32)
-    ref_inputs, ref_weights = _run(module, False, split=False, autocast=True)
-    got_inputs, got_weights = _run(module, False, split=True, autocast=True)
+    ref_inputs, ref_weights = _run(module, False, split=False, autocast=True, cast=cast)
+    got_inputs, got_weights = _run(module, False, split=True, autocast=True, cast=cast)
     assert all(torch.equal(a, b) for a, b in zip(ref_inputs, got_inputs))
     assert all(torch.equal(ref_weights[n], got_weights[n]) for n in ref_weights)
+    if cast:  # the same gradients as plain autocast's, bit for bit (no tied weight in this stage)
+        _, plain = _run(module, False, split=True, autocast=True)
+        assert all(torch.equal(plain[n], got_weights[n]) for n in plain)
 
 
 def test_b_and_w_run_the_whole_backwards_matmuls_but_recompute_would_repeat_forwards() -> None:

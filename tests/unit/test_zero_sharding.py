@@ -62,8 +62,9 @@ V100S = cluster_from_dict({"nodes": [{"gpu": "v100_32gb_sxm2", "num_nodes": 4, "
 
 
 def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
-    """llama2-13b on 32 V100-32: whole AdamW state forces recompute on most stages; sharded over the two
-    pipelines fewer stages recompute and the plan is faster, priced at its own number of holders."""
+    """llama2-13b on 32 V100-32: whole AdamW state forces two 16-stage pipelines, most stages recomputing; sharded,
+    the freed memory buys shallower pipelines (more of them) or fewer recomputing stages, whichever is faster
+    (today: four 8-stage pipelines), and the plan is faster, priced at its own number of holders."""
     spec = load_model_spec("llama2-13b")
     plain = make_plan(V100S, spec, 64, 4096, max_tp=1, shard_optimizer=False)
     plan = make_plan(V100S, spec, 64, 4096, max_tp=1)
@@ -75,7 +76,10 @@ def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
     def recomputing(p: Plan) -> int:
         return sum(s.recompute for pipe in p.pipelines for s in pipe.stages)
 
-    assert recomputing(plan) < recomputing(plain)
+    def deepest(p: Plan) -> int:
+        return max(pipe.depth for pipe in p.pipelines)
+
+    assert deepest(plan) < deepest(plain) or recomputing(plan) < recomputing(plain)
     loaded = Plan.from_dict(plan.to_dict())
     cost = CostModel.for_plan(loaded)
     assert cost.optimizer_holders == len(plan.pipelines) > 1

@@ -92,6 +92,8 @@ def train(
     watchdog_s: Optional[float] = typer.Option(
         None, "--watchdog-s", help="End a rank without progress for this long (default 2 x --timeout-s + 60; 0: off)."),
     log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
+    fp32_residual: bool = typer.Option(False, "--fp32-residual", help="16-bit runs: keep the residual stream in "
+                                       "fp32 (default: bf16/fp16, as Megatron; more activation memory than planned)."),
     compile_blocks: bool = typer.Option(False, "--compile", help="torch.compile each decoder block (the first "
                                         "steps pay the compilation; not with tensor-parallel stages)."),
     bucket_mib: float = typer.Option(DEFAULT_BUCKET_BYTES / 2**20, "--bucket-mib", help="Gradient-sync bucket size "
@@ -156,7 +158,7 @@ def train(
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
-        overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks,
+        overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks, fp32_residual=fp32_residual,
         log_every=log_every, tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb,
         run_config=config_text(ctx) if checkpoint_dir else None,
     )

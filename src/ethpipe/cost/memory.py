@@ -65,7 +65,7 @@ def boundary_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
 
 def stashed_input_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int) -> float:
     """What a non-first stage keeps per in-flight sample besides its blocks' saved tensors: the received
-    16-bit boundary tensor (for its gradient), widened to the fp32 residual stream the first norm saves. In
+    16-bit boundary tensor (for its gradient; the first norm saves its own fp32 copy, counted with the block). In
     fp32 (or fp64) the received tensor is that saved input itself, counted with the block."""
     return boundary_bytes(model, seq_len, dtype_bytes) if dtype_bytes < 4 else 0.0
 

@@ -13,8 +13,9 @@ from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Block, Stage
 
-# Adam touches ~30 bytes per parameter (read w, g, m, v, master; write w, m, v, master).
-OPTIMIZER_BYTES_PER_PARAM = 30
+# The runtime's AdamW step over fp32 weights (the master copy), gradients and moments: one fused kernel on a GPU
+# reads w, g, m, v and writes w, m, v (counted: tests/unit/test_counted_work.py).
+OPTIMIZER_BYTES_PER_PARAM = 28
 DEFAULT_MEMORY_BANDWIDTH_GBPS = 300.0
 
 
@@ -57,14 +58,21 @@ class MemoryPricing:
         m = self.model
         return m.vocab_size * m.hidden_size * self.grad_bytes if m.tie_embeddings else 0
 
+    def cast_params(self, num_layers: int, *, last: bool) -> int:
+        """The parameters a 16-bit step copies to 16-bit (``runtime/model/weight_cast.py``): every block's and the
+        head's (a tied head's copy of the embedding matrix); a first stage's embedding is looked up in fp32."""
+        m = self.model
+        return num_layers * m.params_per_layer() + (m.head_params() if last else 0)
+
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """A stage's once-per-step work: the AdamW update of its parameters (sharded over ``optimizer_holders``:
-        each holder updates its shard only) and, under 16-bit autocast, the one cast of every weight to 16-bit
-        the step's autocast region makes (``ops.WEIGHT_CAST_BYTES``: the runtime runs a step in one region)."""
+        each holder updates its shard only) and, in 16-bit, the one copy of each weight to 16-bit the step
+        makes (``ops.WEIGHT_CAST_BYTES``, ``cast_params``)."""
         stage_params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp  # type: ignore[attr-defined]
         params = stage_params / self.optimizer_holders
         bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
-        cast_s = stage_params * ops.WEIGHT_CAST_BYTES / (bw * 1e9) if self.dtype_bytes < 4 else 0.0
+        cast = self.cast_params(stage.num_layers, last=last) / stage.tp
+        cast_s = cast * ops.WEIGHT_CAST_BYTES / (bw * 1e9) if self.dtype_bytes < 4 else 0.0
         prof = self.profiles.get(stage.device) if self.profiles else None
         if prof is not None:
             return params * prof.optimizer_s_per_param + cast_s
@@ -108,8 +116,8 @@ class MemoryPricing:
             return memo[key]  # type: ignore[no-any-return]
         m, s, d = self.model, self.seq_len, self.dtype_bytes
         full = self._activation_bytes(device, "block", micro_batch, tp)
-        # Recompute keeps each block's input: the residual stream, in the weights' fp32 under 16-bit autocast.
-        kept = memory.block_input_bytes(m, s, max(d, memory.GRAD_BYTES_PER_PARAM)) * micro_batch if recompute else full
+        # Recompute keeps each block's input: the residual stream, in the compute dtype (``Decoder._stream``).
+        kept = memory.block_input_bytes(m, s, d) * micro_batch if recompute else full
         layer_params = m.params_per_layer()
         per_layer_rest = (in_flight * kept, memory.autocast_weight_bytes(layer_params, d, tp))
         end_params = (m.embedding_params() if first else 0) + (m.head_params() if last else 0)

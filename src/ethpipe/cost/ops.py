@@ -240,8 +240,8 @@ def tp_allreduce_bytes(kind: str, model: ModelSpec, seq_len: int, micro_batch: i
                        backward: bool, wide_bytes: int | None = None) -> list[float]:
     """The tensor-parallel all-reduces of one layer pass (sizes in bytes), Megatron's and ethpipe's runtime's:
     a block's in the compute dtype (``elem_bytes``); the embedding's partial lookups and the loss's three
-    per-token sums in ``wide_bytes`` (ethpipe keeps its residual stream and loss in the weights' fp32 under
-    autocast; Megatron's 16-bit run: ``elem_bytes``, the default)."""
+    per-token sums in ``wide_bytes`` (ethpipe looks the embedding up in its fp32 weights and computes the loss in
+    fp32; Megatron's 16-bit run: ``elem_bytes``, the default)."""
     wide = elem_bytes if wide_bytes is None else wide_bytes
     act = float(micro_batch * seq_len * model.hidden_size * elem_bytes)
     if kind == "block":

@@ -169,7 +169,7 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     loaded = start.step_dir is not None or config.init_from is not None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
-                         chunks=stage.chunks, init=not loaded)
+                         chunks=stage.chunks, init=not loaded, fp32_residual=config.fp32_residual)
     if config.init_from is not None and start.step_dir is None:
         watchdog.beat(f"loading --init-from {config.init_from}")
         load_into(module, config.init_from)

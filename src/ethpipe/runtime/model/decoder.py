@@ -55,10 +55,27 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.to(wide), (x.shape[-1],), self.weight.to(wide), self.eps).type_as(x)
 
 
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm``'s parameters and maths, computed in fp32 (or fp64) whatever the input's dtype, output in
+    the input's: the same on every device (CUDA autocast runs ``layer_norm`` in fp32, CPU autocast in 16-bit)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = compute_dtype(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.layer_norm(x.to(wide), (x.shape[-1],), self.weight.to(wide), self.bias.to(wide), self.eps)
+        return out.type_as(x)
+
+
 def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
         return RMSNorm(spec.hidden_size, spec.norm_eps)
-    return nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
+    return LayerNorm(spec.hidden_size, spec.norm_eps)
 
 
 def rope_tables(spec: ModelSpec, seq_len: int, device: torch.device,
@@ -194,8 +211,11 @@ class Decoder(nn.Module):
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
                  recompute: bool = False, tp: TPGroup | None = None,
-                 chunks: tuple[tuple[int, int], ...] = ()) -> None:
+                 chunks: tuple[tuple[int, int], ...] = (), fp32_residual: bool = False) -> None:
         super().__init__()
+        # Under 16-bit autocast the residual stream runs in the compute dtype (Megatron's default); True keeps it
+        # in fp32 (``--fp32-residual``). Norms compute in fp32 either way; outside autocast nothing is cast.
+        self.fp32_residual = fp32_residual
         ranges = chunks or (layers,)
         for lo, hi in ranges:
             if not 0 <= lo < hi <= spec.num_layers:
@@ -231,6 +251,7 @@ class Decoder(nn.Module):
             if self.spec.position == "learned":
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device) + self.spec.position_offset)
             x = h
+        x = self._stream(x)
         rope = self._rope(seq_len, x.device) if self.spec.position == "rope" else None
         lo, hi = self.chunk_ranges[chunk]
         for k in range(lo, hi):
@@ -241,6 +262,14 @@ class Decoder(nn.Module):
                 x = layer(x, rope)
         if self.last and chunk == len(self.chunk_ranges) - 1:
             x = self.head(tp_input(self.norm(x), self.tp))
+        return x
+
+    def _stream(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream's dtype: under autocast its compute dtype (or fp32 with ``fp32_residual``), else
+        the stage's own (a received activation, in the weights' dtype)."""
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            return x.to(torch.float32 if self.fp32_residual else torch.get_autocast_dtype(device))
         return x
 
     def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +316,7 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int,
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
                 device: torch.device | str = "cpu", recompute: bool = False,
                 dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
-                chunks: tuple[tuple[int, int], ...] = (), init: bool = True) -> Decoder:
+                chunks: tuple[tuple[int, int], ...] = (), init: bool = True, fp32_residual: bool = False) -> Decoder:
     """One pipeline stage: built on meta, then only its own parameters are allocated and initialised.
 
     ``dtype`` is the parameters' (fp32, or fp64 for exactness checks); the init draws fp32
@@ -297,7 +326,8 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     drawing a 70B stage's global tensors first took minutes on one core).
     """
     with torch.device("meta"):
-        module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp, chunks=chunks).to(dtype)
+        module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp, chunks=chunks,
+                         fp32_residual=fp32_residual).to(dtype)
     module = module.to_empty(device=device)
     if not init:
         return module

@@ -42,9 +42,9 @@ class StageIO:
     """This stage's place in its pipeline and where its boundary tensors go (``comm.program.plan_peers``).
 
     Activations and their gradients cross stage boundaries in ``act_dtype``: the autocast dtype under
-    bf16/fp16 (half the bytes on the links between stages), else the parameters' dtype. Inside a stage
-    the residual stream and the loss stay in ``param_dtype`` (fp32, or fp64 in the exactness mode): a
-    received activation is widened back, so only the boundary rounds.
+    bf16/fp16 (half the bytes on the links between stages), else the parameters' dtype. Inside a stage the
+    residual stream runs in the dtype the stage sets (``Decoder._stream``: the compute dtype under autocast,
+    fp32 with ``--fp32-residual``) and the loss in ``param_dtype`` (fp32, or fp64 in the exactness mode).
     """
 
     group: dist.ProcessGroup
@@ -97,7 +97,7 @@ class _Step:
         x = None if first else received.pop(recv_key(action, io.peers)).requires_grad_()
 
         def run() -> torch.Tensor:
-            inp = self.inputs[mb] if first else x.to(io.param_dtype)  # type: ignore[index,union-attr]
+            inp = self.inputs[mb] if first else x  # the stage sets its residual stream's dtype (Decoder._stream)
             out = self.module(inp) if io.peers.num_chunks == 1 else self.module(inp, chunk)
             if last:
                 logits, labels = out.to(io.param_dtype), self.targets[mb]  # type: ignore[index]
