@@ -51,7 +51,7 @@ def test_cli_train_spawns_locally_and_writes_outputs(files: dict[str, Path]) -> 
     assert proc.returncode == 0, proc.stderr
     assert "ethpipe train: 2 ranks on cpu, 1 pipelines, fp32 (the plan records none), 2 steps" in proc.stdout
     lines = [json.loads(x) for x in (d / "m.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [0, 1]
+    assert [r["step"] for r in lines] == [1, 2]  # 1-based, as the console and the checkpoint folders
     assert {"loss", "tokens_per_s", "iteration_time_s", "pipeline_compute_s", "pipeline_idle_s",
             "grad_sync_exposed_s", "grad_norm", "lr"} <= set(lines[0])
     weights = load_file(d / "w.safetensors")
@@ -137,7 +137,8 @@ def test_torchrun_launch_trains_in_the_plans_bf16(files: dict[str, Path]) -> Non
 
 def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: dict[str, Path]) -> None:
     """A piped run with --log-every, --tensorboard and --wandb (offline) writes run.toml beside its checkpoints;
-    `train --config ckpt/run.toml` with other outputs repeats it: the same losses, bit for bit."""
+    `train --config ckpt/run.toml` with other outputs repeats it: the same losses, bit for bit, and its TensorBoard
+    run goes into a folder of its own beside the first run's (run.toml names the same --tensorboard root)."""
     d = files["dir"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_DIR": str(d), "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)
@@ -151,7 +152,7 @@ def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: di
     config = (d / "ckpt" / "run.toml").read_text()
     assert 'lr = 0.002' in config and "shuffle = true" in config and "log-every = 1" in config
     again = [sys.executable, "-m", "ethpipe", "train", "--config", str(d / "ckpt" / "run.toml"),
-             "--metrics", str(d / "b.jsonl"), "--checkpoint-dir", str(d / "ckpt2"), "--tensorboard", str(d / "tb2")]
+             "--metrics", str(d / "b.jsonl"), "--checkpoint-dir", str(d / "ckpt2")]
     proc = subprocess.run(again, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     runs = [[json.loads(x) for x in (d / name).read_text().splitlines()] for name in ("a.jsonl", "b.jsonl")]
@@ -161,7 +162,13 @@ def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: di
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(d / "tb"), size_guidance={"scalars": 0})
+    boards = sorted((d / "tb").iterdir())
+    assert [b.name.startswith("run-") for b in boards] == [True, True], boards  # one TensorBoard run per run
+    for board in boards:
+        acc = EventAccumulator(str(board), size_guidance={"scalars": 0})
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]  # 1-based, as the console counts
+    acc = EventAccumulator(str(boards[0]), size_guidance={"scalars": 0})
     acc.Reload()
     logged = acc.Scalars("train/loss")
     assert [e.step for e in logged] == [r["step"] for r in runs[0]]

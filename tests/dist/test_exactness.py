@@ -148,7 +148,7 @@ def test_plans_match_single_process_adamw(tmp_path: Path) -> None:
             warmup_steps=ref_kwargs.get("warmup_steps", 0), cosine=ref_kwargs.get("cosine", False),
         )
         records = json.loads(Path(tmp_path, f"{name}.json").read_text())
-        assert [r["step"] for r in records] == list(range(STEPS))
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         assert_matches_reference(name, _load(config.save_final), records, ref)
         if config.clip_grad > 0:
             assert max(ref.grad_norms) > config.clip_grad, f"{name}: clipping never engaged, the test proves nothing"

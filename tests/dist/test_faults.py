@@ -90,7 +90,7 @@ def _resume_and_check(env: dict[str, Any], ckpt: Path, from_step: int) -> tuple[
     records = run_local(PLAN, _config(env, ckpt, auto_resume=True, save_final=str(final)))
     took_s = time.monotonic() - start
     ref: ReferenceRun = env["ref"]
-    assert [r["step"] for r in records] == list(range(from_step, STEPS))
+    assert [r["step"] - 1 for r in records] == list(range(from_step, STEPS))  # record steps count from 1
     assert [r["samples"] for r in records] == [[BATCH * s, BATCH * (s + 1)] for s in range(from_step, STEPS)]
     ref_end = reference_train(LLAMA_LIKE, env["data"], BATCH, PLAN.seq_len, STEPS, LR, weight_decay=0.1,
                               clip_grad=0.0, seed=0)
@@ -228,13 +228,13 @@ def test_torchrun_restarts_after_sigkill_then_replans_for_a_smaller_world(env: d
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     restarts = sorted({r["restart"] for r in lines})
     assert restarts == [0, 1], "the first attempt was not killed and restarted"
-    committed = {r["step"]: r for r in lines}  # the last line of a step is the one the final weights contain
+    committed = {r["step"] - 1: r for r in lines}  # by step index; the last line of a step is the one kept
     assert sorted(committed) == list(range(STEPS + 2))
     ids = [i for s in range(STEPS + 2) for i in committed[s]["sample_ids"]]
     assert ids == list(range(BATCH * (STEPS + 2))), "a sample was skipped or seen twice"
     assert all(committed[s]["sample_ids"] == step_sample_ids(s, BATCH, 10**9, False, 0).tolist()
                for s in committed)
-    redone = sorted({r["step"] for r in lines if r["restart"] == 1})
+    redone = sorted({r["step"] - 1 for r in lines if r["restart"] == 1})
     assert redone and redone[0] == 2  # resumed at the last checkpoint (step 2), not later
     ref: ReferenceRun = env["ref"]
     assert_matches_reference("elastic", load_file(tmp / "elastic.safetensors"),

@@ -70,7 +70,7 @@ def test_the_printed_commands_train_the_plan_on_local_processes(tmp_path: Path) 
             p.kill()
     assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[:3000] for o in outputs)
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
 
     script = runner.invoke(app, ["launch", "--plan", str(plan), "--hosts", str(hosts), "--scheduler", "slurm", "--",
                                  "--data", "tokens.bin", "--steps", "3"])

@@ -43,7 +43,7 @@ class FixedReplanner:
     plan: Plan
 
     def __call__(self, current: Plan, records: list[dict[str, Any]]) -> tuple[Plan | None, dict[str, Any]]:
-        assert [r["step"] for r in records] == list(range(self.after_steps))  # every step so far, on rank 0
+        assert [r["step"] for r in records] == list(range(1, self.after_steps + 1))  # every step so far, on rank 0
         return self.plan, {"switched": True, "line": "test: switching to plan B", "after_steps": len(records)}
 
 
@@ -83,11 +83,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_switch_inside_the_job_continues_exactly(run: dict[str, Any]) -> None:
     tmp, ref = run["tmp"], run["ref"]
     records = json.loads((tmp / "switch.json").read_text())
-    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert_stats_match("switch", records, ref)
     assert_params_match("switch", load_file(tmp / "switch.safetensors"), ref.state)
     lines = [json.loads(x) for x in (tmp / "switch.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(STEPS))  # each step once, across the switch
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))  # each step once, across the switch
     assert [bool(r.get("replan")) for r in lines] == [False, True, False, False]
     assert [len(r["split"]) for r in lines] == [2, 2, 1, 1]  # A's two pipelines, then B's one
     assert all(len(r["rank_fwd_s"]) == 3 and min(r["rank_bwd_s"]) > 0 for r in lines)

@@ -64,3 +64,31 @@ def test_wandb_offline_writes_its_run_directory(tmp_path: Path, monkeypatch: pyt
     data = path.read_bytes()
     # the run file is protobuf records: the logged keys and the event text are stored verbatim
     assert b"train/loss" in data and b"memory/rank_1/peak_gib" in data and b"rebalance at step 1" in data
+
+
+def test_each_run_gets_its_own_tensorboard_folder_and_a_resume_continues_its_own(tmp_path: Path) -> None:
+    """A fresh run: a new ``run-<UTC time>`` folder (never an earlier run's); a resume: the folder its checkpoint
+    recorded, purged from the step after it; a checkpoint from before run folders: the root, as then. The sink
+    creates no event file before its first record (a run that fails to start leaves none)."""
+    import datetime
+
+    from ethpipe.runtime.checkpoint.layout import DataCursor, Manifest, ResumePoint
+    from ethpipe.runtime.observe.sinks import TENSORBOARD_RUN, TensorBoardSink, tensorboard_run_dir
+
+    when = datetime.datetime(2026, 12, 6, 7, 5, 0, tzinfo=datetime.timezone.utc)
+    first, purge = tensorboard_run_dir(tmp_path, ResumePoint(), when)
+    assert first == tmp_path / "run-20261206-070500" and purge is None
+    first.mkdir()
+    second, _ = tensorboard_run_dir(tmp_path, ResumePoint(), when)  # the same second: another folder
+    assert second == tmp_path / "run-20261206-070500-2"
+
+    def resumed(extra: dict) -> ResumePoint:
+        manifest = Manifest(10, DataCursor(80, False, 0, 1000), {}, {}, {}, extra=extra)
+        return ResumePoint(10, 80, tmp_path / "step-000010", manifest)
+
+    assert tensorboard_run_dir(tmp_path, resumed({TENSORBOARD_RUN: first.name})) == (first, 11)
+    assert tensorboard_run_dir(tmp_path, resumed({})) == (tmp_path, 11)
+    pytest.importorskip("tensorboard")
+    sink = TensorBoardSink(str(tmp_path / "never"))
+    sink.close()
+    assert not (tmp_path / "never").exists()

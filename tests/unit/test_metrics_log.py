@@ -9,7 +9,8 @@ from ethpipe.runtime.observe.metrics import LOG_EVERY_S, MetricsWriter
 
 
 def _record(step: int, **extra: object) -> dict:
-    return {"step": step, "loss": 3.0 - 0.1 * step, "tokens_per_s": 12345.6, "iteration_time_s": 0.5, **extra}
+    """The metrics line of the step of 0-based index ``step`` (``step_record`` numbers it from 1)."""
+    return {"step": step + 1, "loss": 3.0 - 0.1 * step, "tokens_per_s": 12345.6, "iteration_time_s": 0.5, **extra}
 
 
 def test_piped_runs_print_a_line_at_least_every_ten_seconds(monkeypatch) -> None:

@@ -39,7 +39,7 @@ def _settings(steps: Optional[int], baseline_steps: Optional[int], quick: bool) 
 
 def _loss_line(losses: list[float]) -> str:
     marks = sorted({0, len(losses) // 4, len(losses) // 2, 3 * len(losses) // 4, len(losses) - 1})
-    return "  ".join(f"step {i}: {losses[i]:.3f}" for i in marks)
+    return "  ".join(f"step {i + 1}: {losses[i]:.3f}" for i in marks)  # 1-based, as training prints them
 
 
 def _machine() -> str:

@@ -50,6 +50,9 @@ class TrainConfig:
     overlap_grad_sync: bool = True  # fire each bucket from backward hooks during the last backward
     compile: bool = False  # torch.compile each decoder block (runtime/model.compile_blocks)
     fp32_residual: bool = False  # 16-bit runs: keep the residual stream in fp32 (default: the compute dtype)
+    # Set on rank 0 once its TensorBoard sink is open: the run's folder under --tensorboard, which its checkpoints
+    # record so that a resume logs into the same TensorBoard run (observe/sinks.tensorboard_run_dir).
+    tensorboard_run: str | None = None
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
     # Start-up (groups, building and loading stages) ends in a CPU barrier that waits this long for the slowest
     # rank (a 1-layer V100 stage is ready minutes before a 12-layer H100 one), not the collective timeout.

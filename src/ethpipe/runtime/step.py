@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan, layout_key
 from ethpipe.precision import train_dtype
+from ethpipe.runtime.observe.sinks import TENSORBOARD_RUN
 from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
 from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
 from ethpipe.runtime.adapt.rebalance import Rebalancer, split_of
@@ -312,7 +313,8 @@ def save_step(run: StageRun, done: int, watchdog: Watchdog, control: dist.Proces
     cursor = DataCursor(run.first_sample(done - 1) + run.plan.global_batch_size, config.shuffle, config.seed,
                         run.num_samples)
     extra = {"dtype": run.dtype, "settings": run_settings(config, run.dtype),
-             **({"loss_scaler": run.scaler.to_dict()} if run.scaler else {})}
+             **({"loss_scaler": run.scaler.to_dict()} if run.scaler else {}),
+             **({TENSORBOARD_RUN: config.tensorboard_run} if config.tensorboard_run else {})}
     save_checkpoint(config.checkpoint_dir, done, run.module, run.stage_opt.optimizer, run.current, run.spec, cursor,
                     config.keep, run.device, extra=extra, group=control)
     if run.rank == 0 and config.run_config is not None:  # beside the checkpoints it wrote (not before)

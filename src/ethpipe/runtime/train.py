@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from ethpipe.runtime.checkpoint.layout import ResumePoint
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS, TrainConfig, lr_at, make_optimizer
 from ethpipe.runtime.data import TokenFile, sample_ids
 from ethpipe.runtime.groups import control_group
-from ethpipe.runtime.observe.sinks import open_sinks
+from ethpipe.runtime.observe.sinks import TensorBoardSink, open_sinks
 from ethpipe.runtime.start.checks import check_inputs, check_plan_runnable
 from ethpipe.runtime.start.placement import check_placement, local_device_info
 from ethpipe.runtime.start.preflight import settle
@@ -85,6 +86,9 @@ def train(plan: Plan, config: TrainConfig, rank: int, world_size: int, device: t
                 sinks = open_sinks(plan, config, start)
             except Exception as err:  # noqa: BLE001 - a directory, a login, a package: the user's to fix
                 problem = UserError(f"--tensorboard / --wandb could not start: {str(err).splitlines()[0]}")
+            board = next((s.log_dir for s in sinks if isinstance(s, TensorBoardSink)), None)
+            if board is not None and config.tensorboard is not None and Path(board) != Path(config.tensorboard):
+                config = dataclasses.replace(config, tensorboard_run=Path(board).name)
         device_info = None if config.emulate else local_device_info(device)  # emulated types run on CPUs
         payloads = settle(problem, control, (plan_key(plan), device_info))
         check_same_plan([key for key, _ in payloads])

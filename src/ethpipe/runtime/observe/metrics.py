@@ -109,9 +109,11 @@ def gather_stats(plan: Plan, device_values: torch.Tensor, host_values: Callable[
 
 def step_record(step: int, stats: StepStats, iteration_time_s: float, tokens: int, lr: float,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One metrics line; ``extra`` adds the data cursor, the split and any rebalancing decision."""
+    """One metrics line for the step of 0-based index ``step``; ``extra`` adds the data cursor, the split and any
+    rebalancing decision. Its ``step`` is 1-based, as the console, the checkpoint folders and TensorBoard count
+    (``step 1`` is the first step; a checkpoint ``step-000010`` holds the state after step 10)."""
     return {
-        "step": step,
+        "step": step + 1,
         "loss": stats.loss,
         "tokens_per_s": tokens / iteration_time_s if iteration_time_s > 0 else 0.0,
         "iteration_time_s": iteration_time_s,
@@ -137,7 +139,7 @@ def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | N
     """One step as a plain console line: what a log file of a long run needs to be watched (as torchtitan
     prints: loss, grad norm, lr, memory, throughput, MFU). ``capacity_bytes``: each rank's device memory, for
     the fullest rank's share."""
-    parts = [f"step {record['step'] + 1}/{num_steps}"]
+    parts = [f"step {record['step']}/{num_steps}"]
     if record.get("loss") is not None:
         parts.append(f"loss {record['loss']:.4f}")
     if record.get("grad_norm") is not None:
@@ -205,7 +207,7 @@ class MetricsWriter:
         if len(self.records) == self._num_steps:
             return True
         if self._log_every_steps > 0:  # by the run's step (a resumed run keeps its rhythm)
-            return (int(self.records[-1]["step"]) + 1) % self._log_every_steps == 0
+            return int(self.records[-1]["step"]) % self._log_every_steps == 0
         return now - self._last_line >= self._log_every_s
 
     def write(self, record: dict[str, Any]) -> None:

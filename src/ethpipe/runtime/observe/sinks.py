@@ -9,8 +9,10 @@ Each sink imports its library only when asked for, with a one-line error naming 
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ethpipe.errors import UserError
@@ -62,21 +64,54 @@ def events(record: dict[str, Any]) -> list[str]:
     return out
 
 
+TENSORBOARD_RUN = "tensorboard_run"  # the checkpoint manifest's record of the run's TensorBoard folder
+
+
+def tensorboard_run_dir(root: str | Path, start: ResumePoint, now: datetime.datetime | None = None
+                        ) -> tuple[Path, int | None]:
+    """A run's TensorBoard folder under ``--tensorboard ROOT`` and the step its writer purges from.
+
+    Each training run is one TensorBoard run, in its own folder: a fresh start a new ``run-<UTC time>`` (a run
+    repeated from its run.toml, or another run pointed at the same ROOT, never writes into an earlier run's
+    curves); a resume the folder its checkpoint recorded, purged from the step after it (what a crashed attempt
+    logged past the checkpoint goes). A checkpoint from before run folders: ROOT itself, as then."""
+    root = Path(root)
+    if start.manifest is None:
+        stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+        folder = root / f"run-{stamp}"
+        k = 1
+        while folder.exists():  # two runs started in one second
+            k += 1
+            folder = root / f"run-{stamp}-{k}"
+        return folder, None
+    name = start.manifest.extra.get(TENSORBOARD_RUN)
+    return (root / name if name else root), start.step + 1  # record steps count from 1
+
+
 class TensorBoardSink:
-    """torch.utils.tensorboard event files in ``log_dir`` (one run per directory)."""
+    """torch.utils.tensorboard event files in ``log_dir`` (one run per directory), opened at the first record: a
+    run that fails to start leaves no event file."""
 
     def __init__(self, log_dir: str, plan_memory_bytes: Sequence[int] = (), purge_step: int | None = None) -> None:
         self.plan_memory_bytes = tuple(plan_memory_bytes)
+        self.log_dir, self._purge_step = log_dir, purge_step
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install 'ethpipe[tensorboard]' "
                             "(or pip install tensorboard)") from None
-        # purge_step: a resumed run drops what a crashed attempt logged after the checkpoint it resumes from
-        # flushed every 10 s by its own thread (and on close), not by rank 0 between steps
-        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step, flush_secs=10)
+        self._writer_cls = SummaryWriter
+        self._writer: Any = None
+
+    def _open(self) -> Any:
+        if self._writer is None:
+            # purge_step: a resumed run drops what a crashed attempt logged after the checkpoint it resumes from;
+            # flushed every 10 s by its own thread (and on close), not by rank 0 between steps
+            self._writer = self._writer_cls(log_dir=self.log_dir, purge_step=self._purge_step, flush_secs=10)
+        return self._writer
 
     def write(self, record: dict[str, Any]) -> None:
+        self._open()
         step = int(record["step"])
         for name, value in scalars(record, self.plan_memory_bytes).items():
             self._writer.add_scalar(name, value, step)
@@ -84,7 +119,8 @@ class TensorBoardSink:
             self._writer.add_text("events", text, step)
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbSink:
@@ -131,7 +167,8 @@ def open_sinks(plan: Plan, config: TrainConfig, start: ResumePoint) -> list[Any]
 
     sinks: list[Any] = []
     if config.tensorboard is not None:
-        sinks.append(TensorBoardSink(config.tensorboard, purge_step=start.step or None))
+        log_dir, purge_step = tensorboard_run_dir(config.tensorboard, start)
+        sinks.append(TensorBoardSink(str(log_dir), purge_step=purge_step))
     if config.wandb is not None:
         settings = {**run_settings(config, train_dtype(plan, config.dtype)), "world_size": plan.world_size,
                     "pipelines": len(plan.pipelines), "model": plan.model,
