@@ -202,7 +202,7 @@ def _torchrun(env: dict[str, Any], nproc: int, args: list[str], extra_env: dict[
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **extra_env})
-    return proc.returncode, proc.stderr[-3000:], time.monotonic() - start
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
 @pytest.mark.slow
@@ -217,14 +217,18 @@ def test_torchrun_restarts_after_sigkill_then_replans_for_a_smaller_world(env: d
               "--log-sample-ids"]
     code, err, run_s = _torchrun(env, 3, ["--plan", str(env["plan"]), "--steps", str(STEPS), *common],
                                  {KILL_ENV: "1:forward@2"})
-    assert code == 0, err
+    assert code == 0, err[-3000:]
+    # The killed rank's peers each say what they can see, in one line, not gloo's "Connection closed by peer ...
+    # GLHF!" with a crash report each; torchrun's own summary names the rank and its signal (exitcode: -9).
+    assert "lost its connection to another rank" in err and "exitcode: -9" in err, err[-3000:]
+    assert "GLHF" not in err and "crashed with" not in err, err[-3000:]
     cluster = tmp / "three.yaml"
     cluster.write_text("nodes:\n  - gpu: {id: cpu, memory_gib: 1, peak_tflops: 1.0}\n    num_nodes: 1\n"
                        "    gpus_per_node: 3\n    nic_gbit_s: 16\n")
     code2, err2, shrink_s = _torchrun(env, 2, ["--plan", str(env["plan"]), "--steps", str(STEPS + 2),
                                                "--replan-cluster", str(cluster),
                                                "--save-final", str(tmp / "elastic.safetensors"), *common], {})
-    assert code2 == 0, err2
+    assert code2 == 0, err2[-3000:]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     restarts = sorted({r["restart"] for r in lines})
     assert restarts == [0, 1], "the first attempt was not killed and restarted"

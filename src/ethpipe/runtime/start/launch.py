@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -160,6 +162,9 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
             _local_worker, args=(plan, config, plan.world_size, run_dir, num_threads, replanner),
             nprocs=plan.world_size, join=False, start_method=start_method or default_start_method(accelerator),
         )
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)  # not one "Terminating process N via signal SIGTERM" per rank: our line says why
         try:
             while not context.join():
                 pass
@@ -169,6 +174,7 @@ def run_local(plan: Plan, config: TrainConfig, start_method: str | None = None,
                 raise UserError(errors[0].read_text()) from None
             raise _failure(context.processes, Path(run_dir)) from None
         finally:
+            spawn_log.setLevel(level)
             for proc in context.processes:
                 if proc.is_alive():
                     proc.kill()
@@ -228,8 +234,27 @@ def run_torchrun(plan: Plan, config: TrainConfig, replanner: Replanner | None = 
         set_gpu_environment()
     device = pick_device(config, local_rank, local_world)
     apply_kernel_modes(plan, device)
-    return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config),
-                 replanner=replanner)
+    try:
+        return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config),
+                     replanner=replanner)
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is a peer's death seen from here
+        if not peer_lost(err):
+            raise
+        raise TrainingFailed(peer_lost_line(rank, socket.gethostname(), config)) from None
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is this rank's broken connection to a peer that went away first (a consequence)."""
+    return any(marker in str(err) for marker in PEER_LOSS_MARKERS)
+
+
+def peer_lost_line(rank: int, host: str, config: TrainConfig) -> str:
+    """Under torchrun a rank cannot see how its peer ended; what it can say, in one line, and what to do."""
+    resume = ("torchrun restarts the ranks and they resume from the last checkpoint (--auto-resume)"
+              if config.auto_resume else "resume from the last checkpoint with --resume" if config.checkpoint_dir
+              else "no --checkpoint-dir: the run starts over")
+    return (f"rank {rank} on {host} lost its connection to another rank, which died or was killed first (torchrun's "
+            f"summary names it and its exit code or signal); {resume}")
 
 
 def torchrun_store(rank: int, world_size: int, config: TrainConfig) -> dist.Store:
