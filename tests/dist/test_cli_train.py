@@ -143,12 +143,13 @@ def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: di
     `train --config ckpt/run.toml` with other outputs repeats it: the same losses, bit for bit, and its TensorBoard
     run goes into a folder of its own beside the first run's (run.toml names the same --tensorboard root)."""
     d = files["dir"]
+    prepare_tokens([" ".join(["held", "out", "words", "."] * 600)], d / "val.bin")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_DIR": str(d), "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)
     first = [sys.executable, "-m", "ethpipe", "train", "--plan", str(files["plan"]), "--data", str(files["data"]),
              "--steps", "3", "--lr", "2e-3", "--clip-grad", "1.0", "--shuffle", "--metrics", str(d / "a.jsonl"),
              "--checkpoint-dir", str(d / "ckpt"), "--log-every", "1", "--tensorboard", str(d / "tb"),
-             "--wandb", "ethpipe-test"]
+             "--wandb", "ethpipe-test", "--val-data", str(d / "val.bin"), "--eval-every", "2", "--eval-batches", "1"]
     proc = subprocess.run(first, capture_output=True, text=True, timeout=120, env=env)  # piped: not a terminal
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")] == ["1/3", "2/3", "3/3"]
@@ -177,5 +178,8 @@ def test_run_toml_repeats_a_run_exactly_and_dashboards_get_its_scalars(files: di
     assert [e.step for e in logged] == [r["step"] for r in runs[0]]
     assert [e.value for e in logged] == pytest.approx([r["loss"] for r in runs[0]], rel=1e-6)  # kept as float32
     assert {"train/tokens_per_s", "train/grad_norm", "pipeline/0/idle_s", "sync/exposed_s",
-            "memory/rank_1/peak_gib"} <= set(acc.Tags()["scalars"])
+            "memory/rank_1/peak_gib", "val/loss"} <= set(acc.Tags()["scalars"])
+    validated = [r for r in runs[0] if "val_loss" in r]
+    assert [e.step for e in acc.Scalars("val/loss")] == [r["step"] for r in validated] == [2, 3]  # every 2, the last
+    assert [r["val_loss"] for r in validated] == [r["val_loss"] for r in runs[1] if "val_loss" in r]
     assert len(list((d / "wandb").glob("offline-run-*/run-*.wandb"))) == 2  # run.toml carries --wandb too

@@ -92,6 +92,12 @@ def train(
     watchdog_s: Optional[float] = typer.Option(
         None, "--watchdog-s", help="End a rank without progress for this long (default 2 x --timeout-s + 60; 0: off)."),
     log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
+    val_data: Optional[Path] = typer.Option(None, "--val-data", help="Held-out token file for the validation "
+                                            "loss (`ethpipe data prepare --val-fraction` writes one)."),
+    eval_every: int = typer.Option(0, "--eval-every", min=0, help="The validation loss every N steps and after the "
+                                   "last (console, --metrics val_loss, TensorBoard val/loss); 0: never."),
+    eval_batches: int = typer.Option(4, "--eval-batches", min=1, help="Global batches of --val-data per evaluation "
+                                     "(the same ones each time)."),
     fp32_residual: bool = typer.Option(False, "--fp32-residual", help="16-bit runs: keep the residual stream in "
                                        "fp32 (default: bf16/fp16, as Megatron; more activation memory than planned)."),
     compile_blocks: bool = typer.Option(False, "--compile", help="torch.compile each decoder block (the first "
@@ -159,6 +165,7 @@ def train(
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
         overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks, fp32_residual=fp32_residual,
+        val_data=str(val_data) if val_data else None, eval_every=eval_every, eval_batches=eval_batches,
         log_every=log_every, tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb,
         run_config=config_text(ctx) if checkpoint_dir else None,
     )
@@ -200,6 +207,8 @@ def prepare(
         None, "--tokenizer", help="Hugging Face tokenizer.json or a model directory holding one (needs `tokenizers`); "
                                   "documents are separated by its EOS token. Default: bytes (vocab 256)."),
     max_bytes: int = typer.Option(4_000_000, "--max-bytes", help="Cap on --builtin-text characters."),
+    val_fraction: float = typer.Option(0.0, "--val-fraction", help="Move this share of the tokens (the last "
+                                       "documents) into NAME.val.bin, for `train --val-data` (0: none)."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
 ) -> None:
     """Tokenize real text into a token file, streaming (inputs larger than memory work): byte-level
@@ -213,6 +222,8 @@ def prepare(
     from ethpipe.tokens.prepare import Doc, iter_docs, write_tokens
 
     files = [*(text or []), *(inputs or [])]
+    if val_fraction and not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val-fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     if not files and not builtin_text:
         raise UserError("give --input FILE / --text FILE (repeatable) or --builtin-text")
     for path in files:
@@ -229,6 +240,13 @@ def prepare(
                   console=console, disable=no_progress, transient=True) as bar:
         task = bar.add_task("tokenize", total=total)
         count = write_tokens(docs, out, tokenizer, progress=lambda n: bar.advance(task, n))
+    if val_fraction:
+        from ethpipe.tokens.split import split_validation, val_path
+
+        kept, held = split_validation(out, val_fraction)
+        console.print(f"wrote {kept} tokens to {out} and {held} held-out tokens to {val_path(out)} "
+                      f"(`ethpipe train --val-data {val_path(out)} --eval-every N`)", highlight=False)
+        return
     console.print(f"wrote {count} tokens to {out}")
 
 

@@ -281,3 +281,25 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
         post(sync_group(holders), (Op("collective", tag=f"gather {label}"),), wait=False)
     items.extend(Wait(h) for h in pending if h >= gathers)
     return items
+
+
+def forward_program(plan: Plan, rank: int, actions: Sequence[Action]) -> list[Item]:
+    """Rank ``rank``'s communication in a forward-only pass (``runtime/validation.py``: one evaluation batch):
+    each action's p2p batch, posted and waited before it, its TP collectives, the last sends, then the loss's
+    all-reduce over the world."""
+    pos = plan.position_of(rank)
+    stage = plan.pipelines[pos.pipeline].stages[pos.stage]
+    items: list[Item] = []
+
+    def post(group: str, ops: tuple[Op, ...]) -> None:
+        if ops:
+            items.extend([Post(len(items), group, ops), Wait(len(items))])
+
+    batches = p2p_batches(actions, plan_peers(plan, rank))
+    for k, action in enumerate(actions):
+        post(pipeline_group(pos.pipeline), tuple(Op(o.kind, o.peer, o.tag) for o in batches[k]))
+        if stage.tp > 1:
+            post(tp_group(pos.pipeline, pos.stage), (Op("collective", tag=str(action)),))
+    post(pipeline_group(pos.pipeline), tuple(Op(o.kind, o.peer, o.tag) for o in batches[-1]))
+    post(WORLD, (Op("collective", tag="validation loss"),))
+    return items

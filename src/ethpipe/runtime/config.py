@@ -53,6 +53,9 @@ class TrainConfig:
     # Set on rank 0 once its TensorBoard sink is open: the run's folder under --tensorboard, which its checkpoints
     # record so that a resume logs into the same TensorBoard run (observe/sinks.tensorboard_run_dir).
     tensorboard_run: str | None = None
+    val_data: str | None = None  # held-out tokens (``data prepare --val-fraction``) for the validation loss
+    eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
+    eval_batches: int = 4  # global batches of val_data per evaluation (the same ones every time)
     timeout_s: float = 300.0  # every collective and p2p fails after this instead of hanging
     # Start-up (groups, building and loading stages) ends in a CPU barrier that waits this long for the slowest
     # rank (a 1-layer V100 stage is ready minutes before a 12-layer H100 one), not the collective timeout.
@@ -76,6 +79,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise UserError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {self.eval_every} and "
+                            f"{self.eval_batches}")
+        if self.eval_every and self.val_data is None:
+            raise UserError("--eval-every needs --val-data FILE (held-out tokens: `ethpipe data prepare "
+                            "--val-fraction 0.01` writes one beside the training file)")
         if self.lr <= 0:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.weight_decay < 0 or self.clip_grad < 0 or self.warmup_steps < 0:

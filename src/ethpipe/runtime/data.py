@@ -14,8 +14,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ethpipe.errors import UserError
+from ethpipe.plan import Plan
 from ethpipe.tokens.format import sidecar_path, token_dtype
 
 _CHECK_CHUNK = 1 << 24
@@ -124,3 +126,16 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
                 f"data file '{data.path}' holds token id {top} but the model's vocab_size is {vocab_size}: "
                 "tokenize with the model's tokenizer"
             )
+
+
+def micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
+                   device: torch.device) -> list[torch.Tensor]:
+    """This pipeline's micro-batches (tokens and the next token, on ``device``) of a step's global sample ids,
+    under ``plan``'s split."""
+    out = []
+    for lo, hi in plan.microbatch_slices(pipeline):
+        rows = torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len))
+        if device.type == "cuda":  # pinned: the copy runs on the stream without holding the host
+            rows = rows.pin_memory().to(device, non_blocking=True)
+        out.append(rows.to(device))
+    return out

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan, layout_key
 from ethpipe.precision import train_dtype
+from ethpipe.runtime.validation import eval_due, open_validation, validation_loss
 from ethpipe.runtime.observe.sinks import TENSORBOARD_RUN
 from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
 from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow
@@ -39,7 +40,7 @@ from ethpipe.runtime.checkpoint.consolidated import load_into, save_consolidated
 from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint
 from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import AUTOCAST_DTYPES, TrainConfig, lr_at, one_queue_variable, overlap_is_safe
-from ethpipe.runtime.data import TokenFile, gather_samples, sample_ids
+from ethpipe.runtime.data import TokenFile, micro_batches, sample_ids
 from ethpipe.runtime.groups import RankGroups, build_groups, destroy_groups
 from ethpipe.runtime.model.decoder import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import TPGroup
@@ -119,12 +120,20 @@ def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, 
              replanner: Replanner | None = None, sinks: list[Any] | None = None) -> Outcome:
     """Step ``plan`` from ``start`` to the last step, or to the step where ``replanner`` switches plans."""
     run = build_stage_run(plan, config, spec, data, start, rank, device, watchdog, control, sinks or [])
+    val = (open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size)
+           if config.eval_every and config.val_data is not None else None)
     try:
         wait_for_every_rank(config.start_timeout_s, watchdog, control)
         for step in range(start.step, config.steps):
             watchdog.beat(f"step {step}")
             maybe_hang(rank, step)
             record = train_step(run, step)
+            if val is not None and eval_due(step, config.eval_every, config.steps):
+                watchdog.beat(f"validation after step {step + 1}")
+                run.stage_opt.wait_params()  # sharded: every holder's updated shard is here before the forwards
+                pos = run.groups.position
+                record["val_loss"] = validation_loss(run.module, run.current, pos.pipeline, pos.stage, run.io, val,
+                                                     config.eval_batches, run.device, run.autocast_dtype)
             switch_to = None
             if replan_due(replanner, step, start) and step + 1 < config.steps and config.checkpoint_dir is not None:
                 watchdog.beat("re-planning")
@@ -238,7 +247,7 @@ def begin_step(run: StageRun, step: int, lr: float) -> StepInputs:
     cur_pipe = run.current.pipelines[pos.pipeline]
     ids = sample_ids(run.first_sample(step), run.plan.global_batch_size, run.num_samples, config.shuffle,
                      config.seed)
-    batch = _micro_batches(run.current, run.data, ids, pos.pipeline, run.device) if run.first or run.last else []
+    batch = micro_batches(run.current, run.data, ids, pos.pipeline, run.device) if run.first or run.last else []
     return StepInputs(ids=ids,
                       inputs=[b[:, :-1].contiguous() for b in batch] if run.first else None,
                       targets=[b[:, 1:].contiguous() for b in batch] if run.last else None,
@@ -330,18 +339,6 @@ def finish_run(run: StageRun, watchdog: Watchdog, control: dist.ProcessGroup | N
         save_consolidated(run.module, run.plan, run.rank, run.spec, control, run.config.save_final)
     if run.config.trace is not None:
         write_trace(run.plan, run.config.trace, run.timeline.events, run.rank, control)
-
-
-def _micro_batches(plan: Plan, data: TokenFile, ids: np.ndarray, pipeline: int,
-                   device: torch.device) -> list[torch.Tensor]:
-    """This pipeline's micro-batches of the step's global sample ids, under ``plan``'s split."""
-    out = []
-    for lo, hi in plan.microbatch_slices(pipeline):
-        rows = torch.from_numpy(gather_samples(data, ids[lo:hi], plan.seq_len))
-        if device.type == "cuda":  # pinned: the copy runs on the stream without holding the host
-            rows = rows.pin_memory().to(device, non_blocking=True)
-        out.append(rows.to(device))
-    return out
 
 
 @dataclass

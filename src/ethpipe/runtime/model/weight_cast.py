@@ -63,9 +63,12 @@ class WeightCast:
         return copy
 
     def _no_grad(self, weight: torch.Tensor) -> torch.Tensor:
-        """Without autograd (an evaluation forward, a frozen weight) the same copy serves, detached."""
+        """Without autograd (a validation pass, a frozen weight): one plain 16-bit copy per weight for the step
+        (a copy made with autograd serves too, detached)."""
         copy = self._copies.get(weight)  # type: ignore[call-overload]
-        return copy.detach() if copy is not None else weight.detach().to(self.dtype)  # type: ignore[arg-type]
+        if copy is None:
+            copy = self._copies[weight] = weight.detach().to(self.dtype)  # type: ignore[index,arg-type]
+        return copy.detach()
 
     def copies(self) -> list[torch.Tensor]:
         """The step's 16-bit copies so far (the memory a profile must not count as activations)."""

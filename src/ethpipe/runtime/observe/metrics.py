@@ -142,6 +142,8 @@ def log_line(record: dict[str, Any], num_steps: int, predicted_step_s: float | N
     parts = [f"step {record['step']}/{num_steps}"]
     if record.get("loss") is not None:
         parts.append(f"loss {record['loss']:.4f}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val loss {record['val_loss']:.4f}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad norm {record['grad_norm']:.3g}")
     if record.get("lr") is not None:
@@ -195,6 +197,7 @@ class MetricsWriter:
         self._capacity = list(capacity_bytes)
         self._total = total_steps if total_steps is not None else num_steps  # a resumed run counts from its start
         self._last_line = -math.inf
+        self._val_info = ""  # the bar keeps the last validation loss in view
         if progress and interactive:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -223,9 +226,12 @@ class MetricsWriter:
             sink.write(record)
         if self._progress is not None:
             info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
+            if record.get("val_loss") is not None:
+                self._val_info = f"  val loss {record['val_loss']:.4f} (step {record['step']})"
+            info += self._val_info
             self._progress.update(self._task, advance=1, info=info)
         now = time.monotonic()
-        if self._lines and self._due(now):
+        if self._lines and (self._due(now) or record.get("val_loss") is not None):  # every validation is shown
             self._last_line = now
             line = log_line(record, self._total, self._predicted_s, self._capacity)
             if self._progress is not None:

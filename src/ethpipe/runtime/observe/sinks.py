@@ -39,7 +39,7 @@ def scalars(record: dict[str, Any], plan_memory_bytes: Sequence[int] = ()) -> di
     for key, name in (("loss", "train/loss"), ("grad_norm", "train/grad_norm"), ("tokens_per_s", "train/tokens_per_s"),
                       ("iteration_time_s", "train/step_time_s"), ("predicted_step_s", "train/predicted_step_time_s"),
                       ("mfu", "train/mfu"), ("lr", "train/lr"), ("loss_scale", "train/loss_scale"),
-                      ("grad_sync_exposed_s", "sync/exposed_s")):
+                      ("grad_sync_exposed_s", "sync/exposed_s"), ("val_loss", "val/loss")):
         if record.get(key) is not None:
             out[name] = float(record[key])
     for p, (busy, idle) in enumerate(zip(record.get("pipeline_compute_s", ()), record.get("pipeline_idle_s", ()))):

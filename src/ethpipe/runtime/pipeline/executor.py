@@ -107,12 +107,15 @@ class _Step:
 
         out = self.timed(action, run, "F")
         assert out is not None
+        keep = torch.is_grad_enabled()  # a forward-only pass (``run_stage_forward``) keeps nothing for a backward
         if last:
             if io.count_loss:
                 self.loss_total = out.detach() if self.loss_total is None else self.loss_total + out.detach()
-            self.stash[(mb, chunk)] = (x, out)
+            if keep:
+                self.stash[(mb, chunk)] = (x, out)
             return {}
-        self.stash[(mb, chunk)] = (x, get_gradient_edge(out))  # the output's memory goes once it is sent
+        if keep:
+            self.stash[(mb, chunk)] = (x, get_gradient_edge(out))  # the output's memory goes once it is sent
         payload = out.detach()
         if self.probe is not None:
             self.probe.track(payload, "send")
@@ -235,3 +238,27 @@ def run_stage_step(
     if state.loss_total is None:
         return torch.zeros((), dtype=io.param_dtype, device=device)
     return state.loss_total
+
+
+def run_stage_forward(module: nn.Module, actions: tuple[Action, ...], micro_batch_sizes: tuple[int, ...],
+                      inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, io: StageIO,
+                      device: torch.device, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Forward-only actions (``runtime/validation.eval_actions``) without autograd: the point-to-point batches a
+    step's forwards post, nothing kept past its action. Returns this stage's summed token loss (0 off the last
+    stage, and off all but the first rank of a TP group)."""
+    state = _Step(module, io, micro_batch_sizes, inputs, targets, 1.0, lambda action, fn, kind: fn(), device, None)
+    batches = p2p_batches(actions, io.peers)
+    autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    weight_cast = getattr(module, "weight_cast", None)
+    casting = weight_cast.step(autocast_dtype) if weight_cast is not None else contextlib.nullcontext()
+    outgoing: dict[Key, torch.Tensor] = {}
+    with torch.no_grad(), autocast, casting:
+        for k, action in enumerate(actions):
+            assert action.kind == "F", "a forward-only pass runs forwards only"
+            received = post_batch(batches[k], outgoing, io.group, state.new_buffer)
+            outgoing = state.forward(action, received)
+            assert not received and not state.stash, f"unused receives {sorted(received)}"
+        post_batch(batches[-1], outgoing, io.group, state.new_buffer)
+    return state.loss_total if state.loss_total is not None else torch.zeros((), dtype=io.param_dtype, device=device)
+

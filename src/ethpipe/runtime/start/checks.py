@@ -30,6 +30,7 @@ from ethpipe.runtime.checkpoint.layout import (
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
 from ethpipe.runtime.start.run_settings import check_strict_resume
+from ethpipe.runtime.validation import open_validation
 
 
 def _launch_fix(plan: Plan) -> str:
@@ -89,6 +90,8 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int,
         _validate_resumed_data(data, plan, config, start)
     if config.init_from is not None and start.step_dir is None:
         check_checkpoint(config.init_from, spec)
+    if config.eval_every and config.val_data is not None:
+        open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size)
     if config.emulate:
         check_emulation(plan)
     if config.compile and any(s.tp > 1 for p in plan.pipelines for s in p.stages):
