@@ -29,25 +29,32 @@ def reference_train(spec: ModelSpec, data_path: str, global_batch: int, seq_len:
                     warmup_steps: int = 0, cosine: bool = False, min_lr_ratio: float = 0.1,
                     init_seed: int | None = None, dtype: torch.dtype = torch.float64,
                     per_sample: bool = False, autocast: torch.dtype | None = None,
-                    skip_steps: frozenset[int] = frozenset()) -> ReferenceRun:
+                    skip_steps: frozenset[int] = frozenset(), betas: tuple[float, float] = (0.9, 0.95),
+                    eps: float = 1e-8, wsd_decay_fraction: float | None = None) -> ReferenceRun:
     """``seed`` orders the data (shuffle); ``init_seed`` (default: seed) initialises the model.
 
     ``dtype`` float64 by default: the comparisons in tests/dist/exactness.py are made there.
     ``per_sample`` accumulates the batch one sample at a time (another summation order, same
     maths): the reference's own order-noise floor. ``autocast``: bf16/fp16 autocast over the
     model (fp32 weights). ``skip_steps``: steps whose optimizer update is skipped (as an fp16
-    overflow does), data and learning rate advancing as usual.
+    overflow does), data and learning rate advancing as usual. ``wsd_decay_fraction``: warmup-stable-decay, the
+    lr constant until the last ``fraction`` of the steps after warm-up, then linear down to ``lr * min_lr_ratio``.
     """
     model = build_full_model(spec, seed=seed if init_seed is None else init_seed, dtype=dtype)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                            lr=lr, betas=betas, eps=eps)
     data = open_tokens(data_path, spec.vocab_size)
     losses, norms = [], []
     for step in range(steps):
         if step < warmup_steps:
             step_lr = lr * (step + 1) / warmup_steps
+        elif wsd_decay_fraction is not None:
+            decaying = max(1, round((steps - warmup_steps) * wsd_decay_fraction))
+            first_decaying = steps - decaying
+            step_lr = lr if step < first_decaying else (
+                lr - (lr - lr * min_lr_ratio) * min(1.0, (step - first_decaying + 1) / decaying))
         elif cosine:
             progress = min(1.0, (step - warmup_steps) / max(1, steps - 1 - warmup_steps))
             step_lr = lr * min_lr_ratio + 0.5 * (lr - lr * min_lr_ratio) * (1 + math.cos(math.pi * progress))

@@ -111,8 +111,10 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
          TrainConfig(**common, clip_grad=0.5, seed=3, shuffle=True, warmup_steps=1, lr_schedule="cosine",
                      emulate=True, init_from=init_file, save_final=str(tmp / "c.safetensors")),
          dict(clip_grad=0.5, seed=3, shuffle=True, warmup_steps=1, cosine=True, init_seed=7)),
-        ("idle-devices", idle, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "d.safetensors")),
-         dict(clip_grad=0.05)),
+        ("idle-devices", idle, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "d.safetensors"),
+                                           adam_betas=(0.8, 0.99), adam_eps=1e-6, lr_schedule="wsd", warmup_steps=1,
+                                           decay_fraction=0.5, min_lr_ratio=0.2),
+         dict(clip_grad=0.05, betas=(0.8, 0.99), eps=1e-6, warmup_steps=1, wsd_decay_fraction=0.5, min_lr_ratio=0.2)),
         ("planned-hybrid", hybrid, TrainConfig(**common, save_final=str(tmp / "e.safetensors")), {}),
         ("planned-per-type-tp", per_type, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "f.safetensors")),
          dict(clip_grad=0.05)),
@@ -146,6 +148,8 @@ def test_plans_match_single_process_adamw(tmp_path: Path) -> None:
             weight_decay=ref_kwargs.get("weight_decay", 0.1), clip_grad=ref_kwargs.get("clip_grad", 0.0),
             seed=ref_kwargs.get("seed", 0), init_seed=init_seed, shuffle=ref_kwargs.get("shuffle", False),
             warmup_steps=ref_kwargs.get("warmup_steps", 0), cosine=ref_kwargs.get("cosine", False),
+            betas=ref_kwargs.get("betas", (0.9, 0.95)), eps=ref_kwargs.get("eps", 1e-8),
+            wsd_decay_fraction=ref_kwargs.get("wsd_decay_fraction"), min_lr_ratio=ref_kwargs.get("min_lr_ratio", 0.1),
         )
         records = json.loads(Path(tmp_path, f"{name}.json").read_text())
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))

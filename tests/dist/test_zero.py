@@ -100,7 +100,8 @@ def test_sharded_optimizer_matches_single_process_adamw(tmp_path: Path) -> None:
     final = {n: str(tmp_path / f"{n}.safetensors") for n in ("a", "d", "chain", "fp16", "broken")}
     runs: list[tuple[str, Plan, TrainConfig, dict[str, str]]] = [
         ("a", sharded(PLAN_A, WEIGHTS_1), TrainConfig(**common, steps=3, clip_grad=0.05, save_final=final["a"]), {}),
-        ("d", sharded(PLAN_D), TrainConfig(**common, steps=2, clip_grad=0.05, save_final=final["d"]), {}),
+        ("d", sharded(PLAN_D), TrainConfig(**common, steps=2, clip_grad=0.05, save_final=final["d"],  # the optimizer's
+                                           adam_betas=(0.8, 0.99), adam_eps=1e-6), {}),  # settings reach the shards
         ("b-on", sharded(PLAN_B, WEIGHTS_2), TrainConfig(**common, steps=2, checkpoint_dir=ckpt, bucket_bytes=2048), {}),
         ("a-off", PLAN_A, TrainConfig(**common, steps=4, checkpoint_dir=ckpt, resume=True), {}),
         ("a-on", sharded(PLAN_A, WEIGHTS_1), TrainConfig(**common, steps=6, checkpoint_dir=ckpt, resume=True,
@@ -119,7 +120,8 @@ def test_sharded_optimizer_matches_single_process_adamw(tmp_path: Path) -> None:
     assert max(ref_a.grad_norms) > 0.05, "clipping never engaged: the test proves nothing"
     assert_matches_reference("A sharded", load_file(final["a"]), records["a"], ref_a)
 
-    ref_d = reference_train(TIED, data, steps=2, clip_grad=0.05, **{**kwargs, "global_batch": PLAN_D.global_batch_size})
+    ref_d = reference_train(TIED, data, steps=2, clip_grad=0.05, betas=(0.8, 0.99), eps=1e-6,
+                            **{**kwargs, "global_batch": PLAN_D.global_batch_size})
     assert_matches_reference("D sharded (tied)", load_file(final["d"]), records["d"], ref_d)
 
     ref_6 = reference_train(GQA, data, steps=6, clip_grad=0.0, **kwargs)

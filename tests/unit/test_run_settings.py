@@ -85,3 +85,34 @@ def test_after_a_plan_switch_run_toml_names_the_new_plan() -> None:
     assert new is not None and new.startswith("# the options of an `ethpipe train` run\n")
     assert tomllib.loads(new) == {"plan": "/ckpt/plan-replanned.json", "steps": 10, "lr": 0.001}
     assert with_plan(None, "x") is None
+
+
+def test_the_lr_schedules_and_adamw_settings() -> None:
+    """Warm-up then constant, cosine, linear or warmup-stable-decay to lr x min_lr_ratio; the AdamW settings reach
+    torch's optimizer; bad values are one line each."""
+    import math
+
+    import pytest
+    import torch
+
+    from ethpipe.errors import UserError
+    from ethpipe.runtime.config import TrainConfig, lr_at, make_optimizer
+
+    def lrs(schedule: str, **kw: object) -> list[float]:
+        config = TrainConfig(data="x.bin", steps=10, lr=1.0, warmup_steps=2, lr_schedule=schedule,  # type: ignore[arg-type]
+                             min_lr_ratio=0.1, **kw)
+        return [lr_at(config, s) for s in range(10)]
+
+    assert lrs("constant") == [0.5, 1.0] + [1.0] * 8
+    assert lrs("linear")[2] == 1.0 and lrs("linear")[-1] == pytest.approx(0.1)
+    assert lrs("cosine")[-1] == pytest.approx(0.1) and lrs("cosine")[2] == 1.0
+    wsd = lrs("wsd", decay_fraction=0.25)  # 8 steps after warm-up: the last 2 decay
+    assert wsd == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.55, 0.1])
+    assert all(not math.isnan(x) for x in lrs("wsd", decay_fraction=1.0))
+    module = torch.nn.Linear(2, 2)
+    opt = make_optimizer(module, TrainConfig(data="x.bin", steps=1, adam_betas=(0.8, 0.99), adam_eps=1e-6))
+    assert opt.defaults["betas"] == (0.8, 0.99) and opt.defaults["eps"] == 1e-6
+    for bad in (dict(lr_schedule="step"), dict(adam_betas=(1.0, 0.9)), dict(adam_eps=0.0), dict(min_lr_ratio=2.0),
+                dict(decay_fraction=0.0)):
+        with pytest.raises(UserError):
+            TrainConfig(data="x.bin", steps=1, **bad)  # type: ignore[arg-type]

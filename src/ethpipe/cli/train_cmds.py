@@ -51,7 +51,16 @@ def train(
         "paced", "--emulate-mode", help="With --emulate: paced (the plan's emulation.compute_s targets, else as "
                                         "measured) or measured (each action's real compute x time_scale / speed)."),
     warmup_steps: int = typer.Option(0, "--warmup-steps", help="Linear LR warm-up steps (default: none)."),
-    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant (default) or cosine."),
+    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant (default), cosine, linear (both down "
+                                    "to --min-lr-ratio at the last step) or wsd (warmup-stable-decay: constant, then "
+                                    "linear down over the last --decay-fraction of the steps)."),
+    min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="cosine / linear / wsd: the last step's lr as a "
+                                       "share of --lr."),
+    decay_fraction: float = typer.Option(0.2, "--decay-fraction", help="wsd: the share of the steps after warm-up "
+                                         "spent decaying."),
+    adam_beta1: float = typer.Option(0.9, "--adam-beta1", help="AdamW beta1."),
+    adam_beta2: float = typer.Option(0.95, "--adam-beta2", help="AdamW beta2."),
+    adam_eps: float = typer.Option(1e-8, "--adam-eps", help="AdamW epsilon."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of F/B/all-reduce."),
     device: str = typer.Option("auto", "--device", help="auto (accelerator if present), cuda (refuse to run "
                                "without one) or cpu."),
@@ -160,6 +169,8 @@ def train(
         save_final=str(save_final) if save_final else None, emulate=emulate,
         emulate_mode=emulate_mode, warmup_steps=warmup_steps,  # type: ignore[arg-type]
         lr_schedule=lr_schedule, trace=str(trace) if trace else None,  # type: ignore[arg-type]
+        min_lr_ratio=min_lr_ratio, decay_fraction=decay_fraction, adam_betas=(adam_beta1, adam_beta2),
+        adam_eps=adam_eps,
         timeout_s=timeout_s, start_timeout_s=start_timeout_s, progress=not no_progress, device=device,  # type: ignore[arg-type]
         checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, save_every=save_every, keep=keep,
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
@@ -251,9 +262,10 @@ def prepare(
 
 
 # TrainConfig fields a resume takes from the checkpoint unless given (``run_settings.SETTINGS``; the precision stays
-# the plan's, which a re-plan may have changed);
-# min_lr_ratio has no option: always the checkpoint's.
-RESUMED = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_grad", "seed", "shuffle")
+# the plan's, which a re-plan may have changed), and the options that give each.
+RESUMED = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "adam_betas", "adam_eps",
+           "weight_decay", "clip_grad", "seed", "shuffle")
+OPTIONS_OF = {"adam_betas": ("adam_beta1", "adam_beta2")}
 
 
 def settings_of_the_checkpoint(ctx: typer.Context, config: Any) -> Any:
@@ -273,7 +285,9 @@ def settings_of_the_checkpoint(ctx: typer.Context, config: Any) -> Any:
         saved = read_manifest(found[-1][1]).extra.get("settings") or {}
     except UserError:
         return config
-    given = {name for name in RESUMED if (source := ctx.get_parameter_source(name)) is not None
-             and source.name in ("COMMANDLINE", "ENVIRONMENT", "DEFAULT_MAP")}  # None: no such option (min lr)
-    taken = {k: saved[k] for k in RESUMED if k in saved and k not in given}
+    given = {name for name in RESUMED if any(
+        (source := ctx.get_parameter_source(option)) is not None and source.name in ("COMMANDLINE", "ENVIRONMENT",
+                                                                                    "DEFAULT_MAP")
+        for option in OPTIONS_OF.get(name, (name,)))}
+    taken = {k: tuple(saved[k]) if k == "adam_betas" else saved[k] for k in RESUMED if k in saved and k not in given}
     return dataclasses.replace(config, **taken) if taken else config

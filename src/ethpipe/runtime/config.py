@@ -17,6 +17,7 @@ from ethpipe.runtime.adapt.rebalance import RebalanceConfig
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -42,8 +43,11 @@ class TrainConfig:
     emulate: bool = False
     emulate_mode: EmulateMode = "paced"  # paced: the plan's targets; measured: real compute x scale / speed
     warmup_steps: int = 0
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    lr_schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    min_lr_ratio: float = 0.1  # cosine / linear / wsd decay to lr * min_lr_ratio at the last step
+    decay_fraction: float = 0.2  # wsd: the share of the steps after warm-up spent decaying (the last ones)
+    adam_betas: tuple[float, float] = ADAM_BETAS
+    adam_eps: float = ADAM_EPS
     trace: str | None = None
     slowdowns: tuple[Slowdown, ...] = ()  # emulated stragglers (seam for --emulate-slowdown)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient-sync buckets (runtime/sync/buckets.py); 0: one per unit
@@ -92,8 +96,14 @@ class TrainConfig:
         if self.dtype not in (None, "fp32", "bf16", "fp16", "fp64"):
             raise UserError(f"--dtype must be fp32, bf16, fp16 or fp64, got {self.dtype!r}")
         check_emulate_mode(self.emulate_mode)
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise UserError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 < self.decay_fraction <= 1.0:
+            raise UserError(f"--min-lr-ratio must be in [0, 1] and --decay-fraction in (0, 1], got {self.min_lr_ratio} "
+                            f"and {self.decay_fraction}")
+        if not all(0.0 <= b < 1.0 for b in self.adam_betas) or not self.adam_eps > 0:
+            raise UserError(f"--adam-beta1/--adam-beta2 must be in [0, 1) and --adam-eps positive, got "
+                            f"{self.adam_betas} and {self.adam_eps}")
         if self.bucket_bytes < 0:
             raise UserError(f"--bucket-mib must be >= 0 (0: one all-reduce per block), got {self.bucket_bytes / 2**20}")
         if self.save_every < 0 or self.keep < 1:
@@ -122,14 +132,25 @@ class TrainConfig:
 
 
 def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warm-up to ``lr``, then constant or cosine down to ``lr * min_lr_ratio``."""
+    """Linear warm-up to ``lr``, then constant, cosine or linear down to ``lr * min_lr_ratio`` at the last step,
+    or warmup-stable-decay (``wsd``: ``lr`` until the last ``decay_fraction`` of the steps after warm-up, then
+    linearly down to ``lr * min_lr_ratio``, as MiniCPM and torchtitan's WSD)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     if config.lr_schedule == "constant":
         return config.lr
-    span = max(1, config.steps - 1 - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
     low = config.lr * config.min_lr_ratio
+    after = config.steps - config.warmup_steps  # steps from the end of warm-up on
+    if config.lr_schedule == "wsd":
+        decay = max(1, round(after * config.decay_fraction))
+        into = step - (config.steps - decay)  # 0 at the first decaying step
+        if into < 0:
+            return config.lr
+        return config.lr - (config.lr - low) * min(1.0, (into + 1) / decay)
+    span = max(1, after - 1)
+    progress = min(1.0, (step - config.warmup_steps) / span)
+    if config.lr_schedule == "linear":
+        return config.lr - (config.lr - low) * progress
     return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
 
 
@@ -140,7 +161,7 @@ def make_optimizer(module: torch.nn.Module, config: TrainConfig) -> torch.optim.
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = next(module.parameters()).device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, eps=ADAM_EPS, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, fused=fused or None)
 
 
 # Environment variables that make a GPU run all of a rank's NCCL communicators in one queue (one hardware

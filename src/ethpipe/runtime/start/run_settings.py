@@ -17,12 +17,15 @@ from ethpipe.runtime.checkpoint.layout import Manifest
 from ethpipe.runtime.config import TrainConfig
 
 RUN_CONFIG_NAME = "run.toml"  # the options of the run that wrote a checkpoint directory (`train --config` reads it)
-SETTINGS = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "clip_grad", "seed", "shuffle")
+SETTINGS = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "adam_betas", "adam_eps",
+            "weight_decay", "clip_grad", "seed", "shuffle")
 
 
 def run_settings(config: TrainConfig, dtype: str) -> dict[str, Any]:
     """What a checkpoint records: the optimisation settings, the precision and the data file's name."""
-    return {**{k: getattr(config, k) for k in SETTINGS}, "dtype": dtype, "data": os.path.basename(config.data)}
+    values = {k: getattr(config, k) for k in SETTINGS}
+    values["adam_betas"] = list(values["adam_betas"])  # as JSON keeps it: a resume compares like with like
+    return {**values, "dtype": dtype, "data": os.path.basename(config.data)}
 
 
 def changed_settings(manifest: Manifest, config: TrainConfig, dtype: str) -> list[str]:

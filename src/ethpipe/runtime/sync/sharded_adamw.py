@@ -26,8 +26,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class ShardedAdamW:
     """This rank's AdamW state and step (module docstring); ``param_groups`` carries the lr like torch's."""
 
-    def __init__(self, buckets: ShardedBuckets, lr: float, weight_decay: float) -> None:
-        self.buckets = buckets
+    def __init__(self, buckets: ShardedBuckets, lr: float, weight_decay: float,
+                 betas: tuple[float, float] = ADAM_BETAS, eps: float = ADAM_EPS) -> None:
+        self.buckets, self.betas, self.eps = buckets, betas, eps
         pieces = buckets.pieces
         self.fused = bool(pieces) and pieces[0].param.device.type == "cuda"
         self.param_groups: list[dict[str, Any]] = [{"lr": lr, "weight_decay": weight_decay, "decay": True},
@@ -51,8 +52,8 @@ class ShardedAdamW:
             adamw([pieces[i].param for i in idx], [pieces[i].grad for i in idx],
                   [self.moments["exp_avg"][i] for i in idx], [self.moments["exp_avg_sq"][i] for i in idx], [],
                   [self.steps[i] for i in idx], foreach=None, fused=self.fused or None, amsgrad=False,
-                  beta1=ADAM_BETAS[0], beta2=ADAM_BETAS[1], lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=ADAM_EPS, maximize=False)
+                  beta1=self.betas[0], beta2=self.betas[1], lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=self.eps, maximize=False)
         self.num_steps += 1
 
     def full_states(self) -> dict[str, dict[str, torch.Tensor]]:

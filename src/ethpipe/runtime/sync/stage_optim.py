@@ -89,7 +89,7 @@ def build_stage_optimizer(plan: Plan, config: TrainConfig, rank: int, module: nn
         return StageOptimizer(buckets, optimizer, GradStats(params, owned, device))
     weights = dict(enumerate(plan.shard_weights)) if plan.shard_weights else {}
     sharded = ShardedBuckets(params, units, groups.block_groups, rank, weights, config.bucket_bytes)
-    sharded_optimizer = ShardedAdamW(sharded, config.lr, config.weight_decay)
+    sharded_optimizer = ShardedAdamW(sharded, config.lr, config.weight_decay, config.adam_betas, config.adam_eps)
     if states is not None:
         sharded_optimizer.load_full(states)
     return StageOptimizer(sharded, sharded_optimizer, _shard_stats(sharded, device))
