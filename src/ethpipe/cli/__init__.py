@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from ethpipe.cli.app import app, err_console
 
@@ -21,7 +22,8 @@ def main() -> None:
             sys.exit(2)
         ctx = getattr(err, "ctx", None)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        err_console.print(f"[bold red]error:[/] {err.format_message()}{hint}", highlight=False, soft_wrap=True)
+        message = escape(f"{err.format_message()}{hint}")  # text, not markup: `[train]` in it stays
+        err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
         sys.exit(2 if err.exit_code == 2 else 1)
     except typer.Abort:
         err_console.print("aborted")

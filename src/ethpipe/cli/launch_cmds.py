@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cli.run_config import config_option, job_checkpoint_dir
 from ethpipe.errors import UserError
 
 
@@ -16,6 +17,7 @@ from ethpipe.errors import UserError
 @user_errors
 def launch(
     ctx: typer.Context,
+    config_file: Optional[Path] = config_option(),
     plan: Path = typer.Option(..., "--plan", help="The plan to run (ethpipe plan --out)."),
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="Hostfile: one host per node of the cluster file (its "
                                          "idle nodes are left out for you) or per node that runs ranks, in the cluster "
@@ -52,8 +54,11 @@ def launch(
     host_list = (read_hosts(hosts, nodes, cluster_node_count(the_plan)) if hosts is not None
                  else recorded_hosts(the_plan, nodes))
     train_args = list(ctx.args)
-    if max_restarts and any(a.split("=")[0] == "--checkpoint-dir" for a in train_args) and not any(
-            a in ("--resume", "--auto-resume") for a in train_args):
+    checkpoints = any(a.split("=")[0] == "--checkpoint-dir" for a in train_args)
+    if config_file is not None:  # each node's `ethpipe train` reads the same job file (its [train], [checkpoint]...)
+        train_args = ["--config", str(config_file.resolve()), *train_args]
+        checkpoints = checkpoints or job_checkpoint_dir(config_file) is not None
+    if max_restarts and checkpoints and not any(a in ("--resume", "--auto-resume") for a in train_args):
         train_args.append("--auto-resume")  # a restarted node's ranks continue from the last checkpoint
     plan_path = str(plan.resolve())  # the same file from any directory a node's shell starts in
     if scheduler == "slurm":

@@ -5,12 +5,22 @@ alike), the values what the option takes (a flag is ``true`` / ``false``; a repe
 becomes click's ``default_map``, so click parses and checks every value exactly as it parses the command line,
 and the command line overrides the file. ``write_config`` writes the options a run used in the same format, so
 ``train --config CHECKPOINT_DIR/run.toml`` repeats the run.
+
+**One job file for every command.** A file of sections (``[cluster]``, ``[model]``, ``[plan]``, ``[train]``,
+``[checkpoint]``, ``[metrics]``, ``[validation]``, ``[launch]``) is read by ``plan``, ``train`` and ``launch``
+alike: each takes the sections it uses (``READS``) and leaves the others to the other commands. A section's keys
+are the option names, or the option without the section's prefix (``[checkpoint] dir`` is ``--checkpoint-dir``,
+``[metrics] file`` is ``--metrics``, ``[cluster] file`` is ``--cluster``, ``[model] name`` is ``--model``); the
+``[plan]`` section's ``out`` is where ``plan`` writes the plan and what ``train`` and ``launch`` run. Relative
+paths in a job file are relative to the file (a node's shell starts elsewhere). An unknown section, or an unknown
+key in a section the command reads, is one line naming the nearest valid one.
 """
 
 from __future__ import annotations
 
 import difflib
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +43,61 @@ def _keys(command: Any) -> dict[str, Any]:
     return keys
 
 
+# The sections of a job file and which command reads each; ``RENAMES``: section keys that are not option names.
+SECTIONS = ("cluster", "model", "plan", "train", "checkpoint", "metrics", "validation", "launch")
+READS = {"plan": ("cluster", "model", "plan"),
+         "train": ("plan", "train", "checkpoint", "metrics", "validation"),
+         "launch": ("plan", "launch")}
+RENAMES = {("cluster", "file"): "cluster", ("model", "name"): "model", ("model", "file"): "model",
+           ("checkpoint", "dir"): "checkpoint-dir", ("metrics", "file"): "metrics", ("train", "plan"): "plan"}
+PLAN_OUT = {"plan": "out", "train": "plan", "launch": "plan"}  # what [plan] out is to each command; the other
+# [plan] keys are the planner's
+
+
+def _takes_path(option: Any) -> bool:
+    """Whether an option's value is a file or directory (``Path``, ``Optional[Path]``)."""
+    annotation = getattr(getattr(option, "type_descriptor", None), "annotation", None)
+    if annotation is None:  # click's own options
+        return getattr(getattr(option, "type", None), "name", "") == "path"
+    return annotation is Path or Path in typing.get_args(annotation)
+
+
+def job_checkpoint_dir(path: Path) -> str | None:
+    """A job file's ``[checkpoint] dir`` (None: none, or a flat file)."""
+    section = tomllib.loads(path.read_text()).get("checkpoint")
+    return section.get("dir") if isinstance(section, dict) else None
+
+
+def _job_entries(command: str, sections: dict[str, Any], keys: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The flat ``option -> value`` a job file's sections give ``command``; relative paths resolved from ``path``."""
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], SECTIONS, n=1)
+        hint = f"did you mean [{near[0]}]?" if near else f"sections are {', '.join(SECTIONS)}"
+        raise typer.BadParameter(f"{path}: unknown section [{unknown[0]}]: {hint}")
+    out: dict[str, Any] = {}
+    for section in READS.get(command, ()):
+        for key, item in (sections.get(section) or {}).items():
+            name = key.replace("_", "-")
+            if section == "plan" and command != "plan":
+                if name != "out":
+                    continue  # the planner's options
+                name = PLAN_OUT[command]
+            else:
+                name = RENAMES.get((section, name), name)
+                if name not in keys and f"{section}-{name}" in keys:
+                    name = f"{section}-{name}"
+            option = keys.get(name)
+            if option is None:
+                near = difflib.get_close_matches(name, [k for k in keys if "_" not in k], n=1)
+                hint = f"did you mean '{near[0]}'?" if near else f"keys are `ethpipe {command}`'s options"
+                raise typer.BadParameter(f"{path}: unknown key '{key}' in [{section}]: {hint}")
+            if _takes_path(option) and isinstance(item, str) and not Path(item).is_absolute():
+                item = str((path.parent / item).resolve())
+            out[name] = item
+    return out
+
+
 def _load(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
     """Eager callback: read the file into ``ctx.default_map`` before any other option is parsed."""
     if value is None:
@@ -44,6 +109,10 @@ def _load(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) ->
     except tomllib.TOMLDecodeError as err:
         raise typer.BadParameter(f"{value} is not valid TOML: {err}") from None
     keys = _keys(ctx.command)
+    sections = {k: v for k, v in table.items() if isinstance(v, dict)}
+    if sections:
+        flat = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        table = {**flat, **_job_entries(str(ctx.info_name), sections, keys, value)}
     defaults: dict[str, Any] = {}
     for key, item in table.items():
         option = keys.get(key)
