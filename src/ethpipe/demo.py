@@ -130,18 +130,6 @@ def measured_step_s(records: Sequence[Mapping[str, Any]], warmup: int = WARMUP_S
     return statistics.median(times[warmup:] if len(times) > warmup else times)
 
 
-def plan_shape(plan: Plan) -> str:
-    """Compact description: one 'device x depth [layers] m x b' entry per pipeline (and its schedule if not 1F1B)."""
-    parts = []
-    for pipe in plan.pipelines:
-        devices = sorted({s.device for s in pipe.stages})
-        layers = "/".join(str(s.num_layers) for s in pipe.stages)
-        sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
-        parts.append(f"{'+'.join(devices)}:{layers} {pipe.num_samples}smp/{pipe.num_microbatches}mb"
-                     f"(b={'/'.join(map(str, sizes))})" + (f" {pipe.schedule}" if pipe.schedule != "1f1b" else ""))
-    return "; ".join(parts)
-
-
 def last_step_events(events_by_rank: Mapping[int, Sequence[Any]]) -> dict[int, list[Any]]:
     """Per rank, the events after its second-to-last optimizer step: the final training step."""
     out = {}

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ethpipe.runtime.validation as validation
+import ethpipe.runtime.pipeline.validation as validation
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.runtime.data import gather_samples, open_tokens
 from ethpipe.runtime.model.decoder import build_full_model

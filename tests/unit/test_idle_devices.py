@@ -173,8 +173,10 @@ def test_cli_plan_and_simulate_with_idle_devices(tmp_path: Path) -> None:
     res = runner.invoke(app, ["plan", "--cluster", str(cluster), "--model", "tiny", "--global-batch", "8",
                               "--seq-len", str(SEQ), "--max-tp", "1", "--out", str(out)], env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
-    assert "idle: whole node 0 (cluster nodes[0] node 0: 2 x slow, devices 0-1): no rank, start no" in res.output
-    assert "idle: whole node 1 (cluster nodes[0] node 1" in res.output
+    # the two idle nodes of one cluster-file entry: one line, not one per node
+    assert ("idle: whole nodes 0-1 (cluster nodes[0] from node 0: 2 x slow each, devices 0-3): no rank, start no"
+            in res.output)
+    assert res.output.count("idle: whole node") == 1
     assert "start ethpipe on the other 4 of 8 devices only (world size 4" in res.output
     res = runner.invoke(app, ["simulate", str(out), "--json"])
     assert res.exit_code == 0, res.output

@@ -1,4 +1,4 @@
-"""Validation's forward-only action lists (``runtime/validation.eval_actions``) replayed under NCCL's semantics
+"""Validation's forward-only action lists (``runtime/pipeline/validation.eval_actions``) replayed under NCCL's semantics
 (``ethpipe.comm.replay``: no buffering, a batch completes as a unit): 1F1B stages of any depth and micro-batch
 count, every interleaved shape training allows, TP fan-in and fan-out, side by side, all complete; a plain
 chunk-major order (every micro-batch of chunk 0, then chunk 1) does not: its wrap-around waits in a cycle."""
@@ -13,7 +13,7 @@ import pytest
 from ethpipe.comm.program import communicators, forward_program
 from ethpipe.comm.replay import replay
 from ethpipe.plan import Plan
-from ethpipe.runtime.validation import eval_actions, eval_due
+from ethpipe.runtime.pipeline.validation import eval_actions, eval_due
 from ethpipe.schedule import Action, interleaved_fits
 
 from _comm_plans import SPEC, even_pipeline, interleaved_pipeline, make_plan

@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from ethpipe.plan import Plan
+from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.units import format_bytes
 
@@ -134,11 +136,9 @@ def inspect(
     if info["shard_optimizer"]:
         head.add_row("optimizer", "AdamW state sharded across pipelines (saved whole, loads under any plan)")
     console.print(head)
-    pipes = Table(title="plan that wrote it")
-    for column in ("pipeline", "depth", "devices", "layers per stage", "micro-batches"):
+    pipes = Table(title="plan that wrote it", caption="stage: device[ tpT] Lfirst-last layer (* = recompute)")
+    for column in ("pipelines", "stages", "samples each", "micro-batches"):
         pipes.add_column(column)
-    for p_idx, pipe in enumerate(info["pipelines"]):
-        layers = " | ".join("+".join(f"{lo}-{hi}" for lo, hi in ranges) for ranges in pipe["layers"])
-        pipes.add_row(str(p_idx), str(pipe["depth"]), ", ".join(pipe["devices"]), layers,
-                      " ".join(str(b) for b in pipe["micro_batch_sizes"]))
+    for indices, pipe in pipeline_groups(Plan.from_dict(info["plan"]).pipelines):
+        pipes.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe))
     console.print(pipes)

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
+from ethpipe.plan_text import plan_shape
 from ethpipe.cli.app import app, console, heading, user_errors
 from ethpipe.errors import UserError
 
@@ -134,7 +135,7 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
     for method, plan in plans.items():
         n = main_steps if method == "eth" else base_steps
         pred = d.predict(plan, cost)
-        console.print(f"\n[bold]{method}[/] plan: {d.plan_shape(plan)}")
+        console.print(f"\n[bold]{method}[/] plan: {plan_shape(plan)}")
         console.print(f"training {n} steps on {plan.world_size} processes "
                       f"(predicted {pred.simulated_s * 1e3:.0f} ms/step)")
         config = TrainConfig(
@@ -147,7 +148,7 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
         console.print(f"loss {_loss_line(losses)}")
         measured = d.measured_step_s(records)
         rows[method] = {
-            "plan": d.plan_shape(plan), "steps": n, "losses": losses,
+            "plan": plan_shape(plan), "steps": n, "losses": losses,
             "measured_step_s": measured, "tokens_per_s": GLOBAL_BATCH * seq_len / measured,
             "simulated_step_s": pred.simulated_s, "estimate_step_s": pred.estimate_s,
             "error": (pred.simulated_s - measured) / measured,

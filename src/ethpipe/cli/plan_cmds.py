@@ -12,6 +12,7 @@ from rich.table import Table
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cli.run_config import config_option
+from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import canonical_dtype
@@ -73,17 +74,17 @@ def parse_schedules(text: str | None) -> tuple[str, ...] | None:
 def _summary(plan: Any) -> Table:
     pred = plan.predicted
     mem = {d["rank"]: d for d in pred["devices"]}
-    table = Table(title=f"{plan.method} plan: {plan.model}, batch {plan.global_batch_size} x {plan.seq_len} tokens")
-    for col in ("pipe", "stages (device x tp: layers)", "samples", "micro-batches", "schedule", "time s",
-                "min headroom"):
-        table.add_column(col, justify="right" if col not in ("stages (device x tp: layers)",) else "left")
-    for p, (pipe, t) in enumerate(zip(plan.pipelines, pred["pipeline_times_s"])):
-        stages = ", ".join(f"{s.device}x{s.tp}:{'+'.join(f'{lo}-{hi}' for lo, hi in s.layer_ranges)}"
-                           f"{'*' if s.recompute else ''}" for s in pipe.stages)
-        head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for r in pipe.ranks)
-        sizes = sorted(set(pipe.micro_batch_sizes), reverse=True)
-        mbs = f"{pipe.num_microbatches} (b={'/'.join(map(str, sizes))})"
-        table.add_row(str(p), stages, str(pipe.num_samples), mbs, pipe.schedule, f"{t:.3f}", f"{100 * head:.0f}%")
+    table = Table(title=f"{plan.method} plan: {plan.model}, batch {plan.global_batch_size} x {plan.seq_len} tokens",
+                  caption="stage: device[ tpT] Lfirst-last layer (* = recompute); identical pipelines share a row")
+    for col in ("pipelines", "stages", "samples each", "micro-batches", "schedule", "time s", "min headroom"):
+        table.add_column(col, justify="left" if col == "stages" else "right")
+    times = pred["pipeline_times_s"]
+    for indices, pipe in pipeline_groups(plan.pipelines):
+        head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for p in indices
+                   for r in plan.pipelines[p].ranks)
+        t = max(times[p] for p in indices)
+        table.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
+                      pipe.schedule, f"{t:.3f}", f"{100 * head:.0f}%")
     return table
 
 
@@ -100,15 +101,27 @@ def idle_lines(plan: Any) -> list[str]:
     by_node: dict[int, list[Any]] = {}
     for d in sorted(plan.idle_devices, key=lambda d: d.device_index):
         by_node.setdefault(full.devices[d.device_index].node, []).append(d)
-    lines = []
+    # One line per run of alike nodes (same cluster-file entry, same idle share, same reason), not one per node.
+    runs: list[tuple[list[int], list[int], str, bool]] = []  # (nodes, device indices, reason, whole)
     for node, idle in sorted(by_node.items()):
-        g, k = group_of[node]
         indices = [d.device_index for d in idle]
         whole = len(indices) == sum(1 for d in full.devices if d.node == node)
-        what = "whole node" if whole else f"{len(indices)} devices of node"
-        lines.append(f"idle: {what} {node} (cluster nodes[{g}] node {k}: {len(indices)} x "
-                     f"{full.devices[indices[0]].gpu.id}, devices {indices[0]}-{indices[-1]}): no rank, start no "
-                     f"process there ({idle[0].reason})")
+        last = runs[-1] if runs else None
+        if (last is not None and last[0][-1] == node - 1 and group_of[last[0][-1]][0] == group_of[node][0]
+                and last[2] == idle[0].reason and last[3] == whole and len(last[1]) % len(indices) == 0):
+            last[0].append(node)
+            last[1].extend(indices)
+        else:
+            runs.append(([node], indices, idle[0].reason, whole))
+    lines = []
+    for nodes, indices, reason, whole in runs:
+        g, k = group_of[nodes[0]]
+        per = len(indices) // len(nodes)
+        what = ("whole node" if whole else f"{per} devices of node") + ("s" if len(nodes) > 1 else "")
+        each = " each" if len(nodes) > 1 else ""
+        lines.append(f"idle: {what} {indices_text(nodes)} (cluster nodes[{g}] from node {k}: {per} x "
+                     f"{full.devices[indices[0]].gpu.id}{each}, devices {indices_text(indices)}): no rank, start no "
+                     f"process there ({reason})")
     lines.append(f"start ethpipe on the other {plan.world_size} of {full.num_devices} devices only (world size "
                  f"{plan.world_size}; ranks number them in cluster order)")
     return lines
@@ -118,7 +131,7 @@ def _metrics_line(plan: Any) -> str:
     p = plan.predicted
     return (f"iteration {p['iteration_time_s']:.3f} s  |  {p['tokens_per_s']:,.0f} tokens/s  |  balance efficiency "
             f"{p['balance_efficiency']:.3f}  |  MFU {p['mfu']:.3f}  |  grad sync exposed {p['grad_sync_exposed_s']:.3f} s"
-            f"  |  planned in {p['planning_time_s']:.3f} s  (* = recompute)")
+            f"  |  planned in {p['planning_time_s']:.3f} s")
 
 
 def partly_profiled_line(cluster: Any, profiles: dict[str, Any] | None) -> str | None:

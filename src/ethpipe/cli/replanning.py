@@ -18,6 +18,7 @@ from ethpipe.cost.hardware import Calibration, shipped_calibration
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
+from ethpipe.plan_text import plan_shape
 from ethpipe.precision import AUTO, plan_dtype, without_bf16
 
 
@@ -95,21 +96,11 @@ def plan_for_world(old: Plan, cluster_path: Path, world_size: int) -> Plan:
     return replan(old, first_devices(load_cluster(cluster_path), world_size), allow_idle=False)  # world is fixed
 
 
-def plan_shape(plan: Plan) -> str:
-    """One 'devices[layers per stage]xsamples' entry per pipeline: what a person compares between two plans."""
-    parts = []
-    for pipe in plan.pipelines:
-        devices = "+".join(sorted({s.device for s in pipe.stages}))
-        layers = "/".join(str(s.num_layers) for s in pipe.stages)
-        parts.append(f"{devices}[{layers}]x{pipe.num_samples}")
-    return " ".join(parts)
-
-
 def describe_changes(old: Plan, new: Plan, old_repriced_s: float | None = None) -> list[str]:
     """What a person needs to know: world, pipelines, split, predicted iteration time. ``old_repriced_s``: the
     old plan priced with the new plan's constants (``replan --catalog``), the fair pair of the new price."""
     lines = [f"world size {old.world_size} -> {new.world_size}, pipelines {len(old.pipelines)} -> {len(new.pipelines)}",
-             f"old: {plan_shape(old)}", f"new: {plan_shape(new)}  (device[layers per stage] x samples)"]
+             f"old: {plan_shape(old)}", f"new: {plan_shape(new)}"]
     if new.idle_devices:
         lines.append(f"new plan leaves {len(new.idle_devices)} devices idle (no rank, start no process there): "
                      f"{new.idle_devices[0].reason}")

@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.errors import UserError
 
-_MAX_RANK_ROWS = 64  # bigger plans print per-pipeline summaries only
 
 
 def load_profiles(paths: list[Path], as_types: list[str]) -> dict[str, object] | None:
@@ -93,18 +93,25 @@ def _print_report(plan: object, report: object) -> None:
         from ethpipe.cli.plan_cmds import nodes_line
 
         console.print(nodes_line(plan), highlight=False)
-    pipes = Table("pipeline", "depth", "micro-batches", "samples", "flush (ms)", title="pipelines")
-    for p, pipe in enumerate(plan.pipelines):
-        pipes.add_row(str(p), str(pipe.depth), str(pipe.num_microbatches), str(pipe.num_samples),
-                      f"{report.pipeline_flush_s[p] * 1e3:.3f}")
+    groups = pipeline_groups(plan.pipelines)
+    pipes = Table("pipelines", "stages", "samples each", "micro-batches", "flush (ms)", title="pipelines",
+                  caption="identical pipelines share a row (flush: the slowest of them)")
+    for indices, pipe in groups:
+        pipes.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
+                      f"{max(report.pipeline_flush_s[p] for p in indices) * 1e3:.3f}")
     console.print(pipes)
-    if len(report.ranks) <= _MAX_RANK_ROWS:
-        ranks = Table("rank", "pipe", "stage", "device", "busy %", "bubble ms", "sync wait ms", "memory GiB", title="ranks")
-        it = report.iteration_time_s or 1.0
-        for r in report.ranks:
-            ranks.add_row(str(r.rank), str(r.pipeline), str(r.stage), r.device, f"{100 * r.busy_s / it:.1f}",
-                          f"{r.bubble_s * 1e3:.3f}", f"{r.sync_wait_s * 1e3:.3f}", f"{r.peak_memory_bytes / 2**30:.2f}")
-        console.print(ranks)
+    ranks = Table("ranks", "pipelines", "stage", "device", "busy %", "bubble ms", "sync wait ms", "memory GiB",
+                  title="ranks", caption="the stage's ranks of a pipeline group: mean busy, worst bubble, wait, memory")
+    it = report.iteration_time_s or 1.0
+    for indices, pipe in groups:
+        for s in range(pipe.depth):
+            members = [r for r in report.ranks if r.pipeline in indices and r.stage == s]
+            ranks.add_row(indices_text([r.rank for r in members]), indices_text(indices), str(s), members[0].device,
+                          f"{100 * sum(r.busy_s for r in members) / len(members) / it:.1f}",
+                          f"{max(r.bubble_s for r in members) * 1e3:.3f}",
+                          f"{max(r.sync_wait_s for r in members) * 1e3:.3f}",
+                          f"{max(r.peak_memory_bytes for r in members) / 2**30:.2f}")
+    console.print(ranks)
     busy = sum(r.busy_s for r in report.ranks) / (len(report.ranks) * (report.iteration_time_s or 1.0))
     console.print(f"mean busy {100 * busy:.1f}%; critical path: {len(report.critical_path)} events, "
                   f"ends with {', '.join(e.name for e in report.critical_path[-3:])}")

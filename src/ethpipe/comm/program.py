@@ -284,7 +284,7 @@ def step_program(plan: Plan, rank: int, sync_posts: SyncPosts, *, warmup: bool =
 
 
 def forward_program(plan: Plan, rank: int, actions: Sequence[Action]) -> list[Item]:
-    """Rank ``rank``'s communication in a forward-only pass (``runtime/validation.py``: one evaluation batch):
+    """Rank ``rank``'s communication in a forward-only pass (``runtime/pipeline/validation.py``: one evaluation batch):
     each action's p2p batch, posted and waited before it, its TP collectives, the last sends, then the loss's
     all-reduce over the world."""
     pos = plan.position_of(rank)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan, layout_key
 from ethpipe.precision import train_dtype
-from ethpipe.runtime.validation import eval_due, open_validation, validation_loss
+from ethpipe.runtime.pipeline.validation import eval_due, open_validation, validation_loss
 from ethpipe.runtime.observe.sinks import TENSORBOARD_RUN
 from ethpipe.runtime.adapt.emulate import Emulator, make_emulator
 from ethpipe.runtime.adapt.fault_hooks import ForwardKill, kill_spec, maybe_hang, maybe_kill, maybe_overflow

@@ -297,7 +297,7 @@ def checkpoint_summary(path: str | Path) -> dict[str, Any]:
         "num_files": len(manifest.files), "saved_at": manifest.saved_at, "torch_version": manifest.torch_version,
         "plan_method": plan.get("method"), "global_batch_size": plan.get("global_batch_size"),
         "seq_len": plan.get("seq_len"), "world_size": sum(len(r) for p in pipelines for r in p["ranks"]),
-        "pipelines": pipelines,
+        "pipelines": pipelines, "plan": plan,
         "checkpoints": [step for step, _ in complete_checkpoints(step_dir.parent)],
         "settings": manifest.extra.get("settings") or {},  # what the run trained with (runtime/start/run_settings.py)
         "shard_optimizer": bool(plan.get("shard_optimizer", False)),

@@ -243,7 +243,7 @@ def run_stage_step(
 def run_stage_forward(module: nn.Module, actions: tuple[Action, ...], micro_batch_sizes: tuple[int, ...],
                       inputs: list[torch.Tensor] | None, targets: list[torch.Tensor] | None, io: StageIO,
                       device: torch.device, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Forward-only actions (``runtime/validation.eval_actions``) without autograd: the point-to-point batches a
+    """Forward-only actions (``runtime/pipeline/validation.eval_actions``) without autograd: the point-to-point batches a
     step's forwards post, nothing kept past its action. Returns this stage's summed token loss (0 off the last
     stage, and off all but the first rank of a TP group)."""
     state = _Step(module, io, micro_batch_sizes, inputs, targets, 1.0, lambda action, fn, kind: fn(), device, None)

@@ -30,7 +30,7 @@ from ethpipe.runtime.checkpoint.layout import (
 from ethpipe.runtime.config import TrainConfig
 from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
 from ethpipe.runtime.start.run_settings import check_strict_resume
-from ethpipe.runtime.validation import open_validation
+from ethpipe.runtime.pipeline.validation import open_validation
 
 
 def _launch_fix(plan: Plan) -> str:
