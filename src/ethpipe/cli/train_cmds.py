@@ -101,6 +101,9 @@ def train(
     watchdog_s: Optional[float] = typer.Option(
         None, "--watchdog-s", help="End a rank without progress for this long (default 2 x --timeout-s + 60; 0: off)."),
     log_sample_ids: bool = typer.Option(False, "--log-sample-ids", help="List each step's sample ids in --metrics."),
+    samples: str = typer.Option("packed", "--samples", help="packed (default: sample i is the stream's tokens "
+                                "[i*s, (i+1)*s], across documents) or documents (every sample inside one document, "
+                                "padded; the loss the mean over the counted tokens of the global batch)."),
     val_data: Optional[Path] = typer.Option(None, "--val-data", help="Held-out token file for the validation "
                                             "loss (`ethpipe data prepare --val-fraction` writes one)."),
     eval_every: int = typer.Option(0, "--eval-every", min=0, help="The validation loss every N steps and after the "
@@ -176,6 +179,7 @@ def train(
         resume=resume, strict_resume=strict_resume, auto_resume=auto_resume, rebalance=balance, slowdowns=slowdowns, watchdog_s=watchdog_s,
         log_sample_ids=log_sample_ids, bucket_bytes=int(bucket_mib * 2**20),
         overlap_grad_sync=not no_overlap_grad_sync, compile=compile_blocks, fp32_residual=fp32_residual,
+        samples=samples,  # type: ignore[arg-type]
         val_data=str(val_data) if val_data else None, eval_every=eval_every, eval_batches=eval_batches,
         log_every=log_every, tensorboard=str(tensorboard) if tensorboard else None, wandb=wandb,
         run_config=config_text(ctx) if checkpoint_dir else None,
@@ -264,7 +268,7 @@ def prepare(
 # TrainConfig fields a resume takes from the checkpoint unless given (``run_settings.SETTINGS``; the precision stays
 # the plan's, which a re-plan may have changed), and the options that give each.
 RESUMED = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "adam_betas", "adam_eps",
-           "weight_decay", "clip_grad", "seed", "shuffle")
+           "weight_decay", "clip_grad", "seed", "shuffle", "samples")
 OPTIONS_OF = {"adam_betas": ("adam_beta1", "adam_beta2")}
 
 

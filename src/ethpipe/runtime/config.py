@@ -57,6 +57,9 @@ class TrainConfig:
     # Set on rank 0 once its TensorBoard sink is open: the run's folder under --tensorboard, which its checkpoints
     # record so that a resume logs into the same TensorBoard run (observe/sinks.tensorboard_run_dir).
     tensorboard_run: str | None = None
+    # packed: sample i is tokens [i*s, i*s + s] of the stream (nanoGPT); documents: samples inside one document
+    # each, padded, the loss the mean over the counted targets (runtime/data.DocumentSamples)
+    samples: Literal["packed", "documents"] = "packed"
     val_data: str | None = None  # held-out tokens (``data prepare --val-fraction``) for the validation loss
     eval_every: int = 0  # the validation loss every N steps and after the last (0: never)
     eval_batches: int = 4  # global batches of val_data per evaluation (the same ones every time)
@@ -83,6 +86,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
+        if self.samples not in ("packed", "documents"):
+            raise UserError(f"--samples must be packed or documents, got {self.samples!r}")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise UserError(f"--eval-every must be >= 0 and --eval-batches >= 1, got {self.eval_every} and "
                             f"{self.eval_batches}")

@@ -8,6 +8,7 @@ formula, so no data is ever sent between ranks and a re-planned run continues in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -18,7 +19,7 @@ import torch
 
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
-from ethpipe.tokens.format import sidecar_path, token_dtype
+from ethpipe.tokens.format import documents_path, sidecar_path, token_dtype
 
 _CHECK_CHUNK = 1 << 24
 
@@ -28,13 +29,60 @@ class TokenFile:
     path: Path
     tokens: np.ndarray  # read-only memmap
     max_token_id: int | None = None  # from the sidecar (``data prepare`` records it); None: scan to check
+    documents: DocumentSamples | None = None  # ``--samples documents``: samples within one document each
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
     def num_samples(self, seq_len: int) -> int:
+        if self.documents is not None:
+            return len(self.documents.starts)
         return max(0, (self.num_tokens - 1) // seq_len)
+
+    def counted_tokens(self, ids: np.ndarray, seq_len: int) -> int:
+        """How many targets of these samples count in the loss: all of them, or (documents) the unpadded ones."""
+        if self.documents is None:
+            return len(ids) * seq_len
+        return int((self.documents.lengths[ids] - 1).sum())
+
+
+IGNORE_TARGET = -100  # a padded position: its target is not counted (cross-entropy's ignore_index)
+
+
+@dataclass(frozen=True)
+class DocumentSamples:
+    """``--samples documents``: every sample lies inside one document and starts at its beginning or at a multiple
+    of ``seq_len`` into it (a long document is several samples), so no sample attends across a document boundary
+    or predicts the next document's first token. A short sample is padded; its padded targets are
+    ``IGNORE_TARGET`` and the step's loss is the mean over the counted targets of the whole global batch
+    (``TokenFile.counted_tokens``), so uneven data per pipeline never reweights the loss."""
+
+    starts: np.ndarray  # int64 token offset of each sample
+    lengths: np.ndarray  # int64 tokens of each sample (2 .. seq_len + 1)
+
+    @classmethod
+    def build(cls, doc_starts: np.ndarray, num_tokens: int, seq_len: int) -> DocumentSamples:
+        ends = np.append(doc_starts[1:], num_tokens)  # a document ends with its separator (EOS): predicting it is
+        sizes = ends - doc_starts  # learning where documents end, as GPT-style training does
+        keep = sizes >= 2  # a sample needs an input and a target
+        doc_starts, sizes = doc_starts[keep], sizes[keep]
+        per_doc = (sizes - 2) // seq_len + 1  # samples of a document: one per seq_len tokens of targets
+        first = np.repeat(doc_starts, per_doc)
+        k = np.arange(per_doc.sum()) - np.repeat(np.cumsum(per_doc) - per_doc, per_doc)
+        starts = first + k * seq_len
+        remaining = np.repeat(doc_starts + sizes, per_doc) - starts
+        return cls(starts.astype(np.int64), np.minimum(remaining, seq_len + 1).astype(np.int64))
+
+
+def with_documents(data: TokenFile, seq_len: int) -> TokenFile:
+    """``data`` sampled by document (its ``.bin.docs`` index, written by ``data prepare``)."""
+    path = documents_path(data.path)
+    if not path.is_file():
+        raise UserError(f"data file '{data.path}' has no document index ({path.name}): re-make it with "
+                        "`ethpipe data prepare`, or train with --samples packed")
+    starts = np.fromfile(path, dtype=np.int64)
+    return dataclasses.replace(data, documents=DocumentSamples.build(starts, data.num_tokens, seq_len))
 
 
 def open_tokens(path: str | Path, vocab_size: int) -> TokenFile:
@@ -101,9 +149,21 @@ def step_sample_ids(step: int, global_batch_size: int, num_samples: int, shuffle
 
 
 def gather_samples(data: TokenFile, sample_ids: np.ndarray, seq_len: int) -> np.ndarray:
-    """(n, seq_len + 1) int64 array of the given samples."""
+    """(n, seq_len + 1) int64 array of the given samples (documents: padded with ``IGNORE_TARGET``; the model's
+    inputs take padding as token 0, ``model_inputs``)."""
+    if data.documents is not None:
+        out = np.full((len(sample_ids), seq_len + 1), IGNORE_TARGET, dtype=np.int64)
+        for row, i in enumerate(sample_ids):
+            start, length = int(data.documents.starts[i]), int(data.documents.lengths[i])
+            out[row, :length] = data.tokens[start:start + length]
+        return out
     rows = [np.asarray(data.tokens[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64) for i in sample_ids]
     return np.stack(rows) if rows else np.zeros((0, seq_len + 1), dtype=np.int64)
+
+
+def model_inputs(rows: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's input tokens (its rows but the last token; padding as token 0, whose targets do not count)."""
+    return rows[:, :-1].clamp_min(0).contiguous()
 
 
 def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_steps: int, shuffle: bool,
@@ -116,7 +176,7 @@ def validate_data(data: TokenFile, seq_len: int, global_batch_size: int, num_ste
             f"data file '{data.path}' holds {available} samples of {seq_len}+1 tokens but --steps {num_steps} x "
             f"global_batch_size {global_batch_size} needs {needed}: use fewer --steps or more data"
         )
-    end = data.num_tokens if shuffle else needed * seq_len + 1
+    end = data.num_tokens if shuffle or data.documents is not None else needed * seq_len + 1
     # The sidecar's maximum covers the whole file: no scan on any rank (a scan of a 100 GB file took minutes).
     maxima = [data.max_token_id] if data.max_token_id is not None else (
         int(data.tokens[lo:min(end, lo + _CHECK_CHUNK)].max()) for lo in range(0, end, _CHECK_CHUNK))

@@ -40,7 +40,7 @@ from ethpipe.runtime.checkpoint.consolidated import load_into, save_consolidated
 from ethpipe.runtime.checkpoint.layout import DataCursor, ResumePoint
 from ethpipe.runtime.checkpoint.state import load_checkpoint, save_checkpoint
 from ethpipe.runtime.config import AUTOCAST_DTYPES, TrainConfig, lr_at, one_queue_variable, overlap_is_safe
-from ethpipe.runtime.data import TokenFile, micro_batches, sample_ids
+from ethpipe.runtime.data import TokenFile, micro_batches, model_inputs, sample_ids
 from ethpipe.runtime.groups import RankGroups, build_groups, destroy_groups
 from ethpipe.runtime.model.decoder import PARAM_DTYPES, build_stage, compile_blocks, state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import TPGroup
@@ -83,7 +83,7 @@ class StageRun:
     forward_kill: ForwardKill | None
     dtype: str
     autocast_dtype: torch.dtype | None
-    loss_scale: float  # 1 / global tokens: every pipeline's loss is a share of the global mean
+    loss_scale: float  # 1 / global tokens (packed samples): every pipeline's loss is a share of the global mean
     num_samples: int
     restart: int
     current: Plan
@@ -113,6 +113,7 @@ class StepInputs:
     inputs: list[torch.Tensor] | None
     targets: list[torch.Tensor] | None
     actions: tuple[Action, ...]
+    loss_scale: float  # 1 / the step's counted targets (the global batch's: the same on every rank)
 
 
 def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint, rank: int,
@@ -120,7 +121,7 @@ def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, 
              replanner: Replanner | None = None, sinks: list[Any] | None = None) -> Outcome:
     """Step ``plan`` from ``start`` to the last step, or to the step where ``replanner`` switches plans."""
     run = build_stage_run(plan, config, spec, data, start, rank, device, watchdog, control, sinks or [])
-    val = (open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size)
+    val = (open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size, config.samples == "documents")
            if config.eval_every and config.val_data is not None else None)
     try:
         wait_for_every_rank(config.start_timeout_s, watchdog, control)
@@ -249,8 +250,10 @@ def begin_step(run: StageRun, step: int, lr: float) -> StepInputs:
                      config.seed)
     batch = micro_batches(run.current, run.data, ids, pos.pipeline, run.device) if run.first or run.last else []
     return StepInputs(ids=ids,
-                      inputs=[b[:, :-1].contiguous() for b in batch] if run.first else None,
+                      inputs=[model_inputs(b) for b in batch] if run.first else None,
                       targets=[b[:, 1:].contiguous() for b in batch] if run.last else None,
+                      loss_scale=(run.loss_scale if run.data.documents is None  # the global count of counted targets
+                                  else 1.0 / run.data.counted_tokens(ids, run.plan.seq_len)),
                       actions=actions_of(cur_pipe, pos.stage, split=not (config.recompute or config.compile)))
 
 
@@ -263,7 +266,7 @@ def forward_backward(run: StageRun, step: int, batch: StepInputs, scale: float) 
     run.timeline.start_step()
     run.sync.step, run.sync.start = step, None
     return run_stage_step(run.module, batch.actions, cur_pipe.micro_batch_sizes, batch.inputs, batch.targets,
-                          run.io, run.loss_scale * scale, run.emulator, step, run.timeline, run.autocast_dtype,
+                          run.io, batch.loss_scale * scale, run.emulator, step, run.timeline, run.autocast_dtype,
                           on_last_backward=run.sync.fire_rest,
                           before_last_backward=run.sync.arm if run.overlap else None)
 

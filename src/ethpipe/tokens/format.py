@@ -21,3 +21,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def sidecar_path(path: Path) -> Path:
     """The ``.bin.json`` beside a token file: its dtype and vocabulary (and EOS id)."""
     return path.with_name(path.name + ".json")
+
+
+def documents_path(path: Path) -> Path:
+    """The ``.bin.docs`` beside a token file: each document's first token offset (int64), for samples that start
+    at a document (``train --samples documents``)."""
+    return path.with_name(path.name + ".docs")
+

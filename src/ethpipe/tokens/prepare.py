@@ -10,6 +10,7 @@ a Hugging Face tokenizer separates them by its EOS token. The file appears atomi
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 
 from ethpipe.atomic import atomic_path, write_bytes_atomic
 from ethpipe.errors import UserError
-from ethpipe.tokens.format import sidecar_path, token_dtype
+from ethpipe.tokens.format import documents_path, sidecar_path, token_dtype
 
 BATCH_CHARS = 1 << 20  # text handed to the tokenizer at once
 PIECE_CHARS = 1 << 20  # a plain text file is read in pieces of about this size, cut at line ends
@@ -194,6 +195,7 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
     separator = np.frombuffer(b"\n\n", dtype=np.uint8) if tok is None else np.asarray([eos])
     out = Path(out)
     started = False
+    starts = array("q")  # each document's first token offset
     with atomic_path(out) as tmp, open(tmp, "wb") as f:
         writer = _ChunkWriter(f, dtype)
         for batch in _batches(docs):
@@ -205,6 +207,8 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
             for doc, ids in zip(batch, encoded):
                 if doc.first and started:
                     writer.add(separator)
+                if doc.first:
+                    starts.append(writer.count + writer.buffered)
                 started = True
                 writer.add(ids)
             if progress is not None:
@@ -214,6 +218,7 @@ def write_tokens(docs: Iterable[Doc], out: str | Path, tokenizer: str | Path | N
             raise UserError("the given text is empty: nothing to tokenize")
         f.flush()
     meta = {"dtype": str(dtype), "vocab_size": vocab_size, "num_tokens": writer.count, "max_token_id": writer.max_id,
-            **({"eos_id": eos} if eos is not None else {})}
+            "num_documents": len(starts), **({"eos_id": eos} if eos is not None else {})}
+    write_bytes_atomic(documents_path(out), np.asarray(starts, dtype=np.int64).tobytes())
     write_bytes_atomic(sidecar_path(out), json.dumps(meta).encode())
     return writer.count

@@ -17,7 +17,7 @@ import numpy as np
 
 from ethpipe.atomic import atomic_path, write_bytes_atomic
 from ethpipe.errors import UserError
-from ethpipe.tokens.format import sidecar_path
+from ethpipe.tokens.format import documents_path, sidecar_path
 
 SCAN_TOKENS = 1 << 20  # how far past the cut a separator is looked for, in tokens, one chunk at a time
 
@@ -63,8 +63,19 @@ def split_validation(out: Path, fraction: float) -> tuple[int, int]:
     with atomic_path(target) as tmp, open(tmp, "wb") as f:
         for lo in range(cut, total, SCAN_TOKENS):
             f.write(np.asarray(tokens[lo:min(total, lo + SCAN_TOKENS)]).tobytes())
-    write_bytes_atomic(sidecar_path(target), json.dumps({**meta, "num_tokens": total - cut}).encode())
+    docs = documents_path(out)
+    starts = np.fromfile(docs, dtype=np.int64) if docs.is_file() else None
+    val_meta, train_meta = {**meta, "num_tokens": total - cut}, {**meta, "num_tokens": cut}
+    if starts is not None:  # the document index, cut where the tokens are (the cut is a document's start)
+        held = starts[starts >= cut] - cut
+        if not held.size or held[0] != 0:  # cut inside a document (no separator near): its tail is one of its own
+            held = np.concatenate([np.zeros(1, dtype=np.int64), held])
+        write_bytes_atomic(documents_path(target), held.tobytes())
+        val_meta["num_documents"], train_meta["num_documents"] = len(held), int((starts < cut).sum())
+    write_bytes_atomic(sidecar_path(target), json.dumps(val_meta).encode())
     del tokens
     os.truncate(out, cut * dtype.itemsize)
-    write_bytes_atomic(sidecar_path(out), json.dumps({**meta, "num_tokens": cut}).encode())
+    if starts is not None:
+        write_bytes_atomic(docs, starts[starts < cut].tobytes())
+    write_bytes_atomic(sidecar_path(out), json.dumps(train_meta).encode())
     return cut, total - cut

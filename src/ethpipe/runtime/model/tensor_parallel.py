@@ -200,7 +200,8 @@ def linear(in_features: int, out_features: int, bias: bool, style: str, tp: TPGr
 
 def vocab_parallel_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
                                      vocab_start: int) -> torch.Tensor:
-    """Sum over tokens of -log softmax(logits)[target], with each rank holding a vocabulary slice.
+    """Sum over tokens of -log softmax(logits)[target], with each rank holding a vocabulary slice; targets below 0
+    (padding, ``runtime/data.IGNORE_TARGET``) are not counted, as ``F.cross_entropy``'s ``ignore_index``.
 
     The max is only a shift (no gradient); the sum of exponentials and the target logit are
     all-reduced with identity backward, so each rank's logits get exactly their softmax gradient.
@@ -215,4 +216,4 @@ def vocab_parallel_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor
     mine = (local >= 0) & (local < logits.shape[-1])
     picked = shifted.gather(1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(1)).squeeze(1)
     target_logit = reduce_from_tp(picked.masked_fill(~mine, 0.0), tp)
-    return (sum_exp.log() - target_logit).sum()
+    return (sum_exp.log() - target_logit).masked_fill(targets < 0, 0.0).sum()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ethpipe.errors import UserError
 from ethpipe.plan import Pipeline, Plan
-from ethpipe.runtime.data import TokenFile, micro_batches, open_tokens, validate_data
+from ethpipe.runtime.data import TokenFile, micro_batches, model_inputs, open_tokens, validate_data, with_documents
 from ethpipe.runtime.pipeline.executor import StageIO, run_stage_forward
 from ethpipe.schedule import Action, actions_of
 
@@ -37,9 +37,12 @@ def eval_due(step: int, eval_every: int, num_steps: int) -> bool:
     return eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == num_steps)
 
 
-def open_validation(path: str, plan: Plan, num_batches: int, vocab_size: int) -> TokenFile:
-    """The validation tokens, checked to hold ``num_batches`` global batches of ids the model embeds."""
+def open_validation(path: str, plan: Plan, num_batches: int, vocab_size: int, documents: bool = False) -> TokenFile:
+    """The validation tokens, checked to hold ``num_batches`` global batches of ids the model embeds; sampled by
+    document where training is (``--samples documents``)."""
     data = open_tokens(path, vocab_size)
+    if documents:
+        data = with_documents(data, plan.seq_len)
     need = num_batches * plan.global_batch_size
     if data.num_samples(plan.seq_len) < need:
         raise UserError(f"--val-data '{path}' holds {data.num_samples(plan.seq_len)} samples of {plan.seq_len}+1 "
@@ -68,12 +71,14 @@ def validation_loss(module: torch.nn.Module, plan: Plan, pipeline: int, stage: i
     pipe = plan.pipelines[pipeline]
     actions = eval_actions(pipe, stage)
     total = torch.zeros((), dtype=io.param_dtype, device=device)
+    counted = 0
     for batch in range(num_batches):
-        rows = (micro_batches(plan, data, batch_ids(batch, plan.global_batch_size), pipeline, device)
-                if io.first or io.last else [])
-        inputs = [r[:, :-1].contiguous() for r in rows] if io.first else None
+        ids = batch_ids(batch, plan.global_batch_size)
+        counted += data.counted_tokens(ids, plan.seq_len)
+        rows = micro_batches(plan, data, ids, pipeline, device) if io.first or io.last else []
+        inputs = [model_inputs(r) for r in rows] if io.first else None
         targets = [r[:, 1:].contiguous() for r in rows] if io.last else None
         total = total + run_stage_forward(module, actions, pipe.micro_batch_sizes, inputs, targets, io, device,
                                           autocast_dtype)
-    return mean_token_loss(total, num_batches * plan.global_batch_size * plan.seq_len, device)
+    return mean_token_loss(total, counted, device)
 

@@ -28,7 +28,7 @@ from ethpipe.runtime.checkpoint.layout import (
     find_resume,
 )
 from ethpipe.runtime.config import TrainConfig
-from ethpipe.runtime.data import TokenFile, open_tokens, validate_data
+from ethpipe.runtime.data import TokenFile, open_tokens, validate_data, with_documents
 from ethpipe.runtime.start.run_settings import check_strict_resume
 from ethpipe.runtime.pipeline.validation import open_validation
 
@@ -67,6 +67,8 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int,
     if config.dtype is not None:
         check_dtype_fits(plan, config.dtype)
     data = open_tokens(config.data, spec.vocab_size)
+    if config.samples == "documents":
+        data = with_documents(data, plan.seq_len)
     start = ResumePoint()
     if config.checkpoint_dir is not None and Path(config.checkpoint_dir).exists() and not Path(
             config.checkpoint_dir).is_dir():
@@ -91,7 +93,7 @@ def check_inputs(plan: Plan, config: TrainConfig, world_size: int,
     if config.init_from is not None and start.step_dir is None:
         check_checkpoint(config.init_from, spec)
     if config.eval_every and config.val_data is not None:
-        open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size)
+        open_validation(config.val_data, plan, config.eval_batches, spec.vocab_size, config.samples == "documents")
     if config.emulate:
         check_emulation(plan)
     if config.compile and any(s.tp > 1 for p in plan.pipelines for s in p.stages):

@@ -18,7 +18,7 @@ from ethpipe.runtime.config import TrainConfig
 
 RUN_CONFIG_NAME = "run.toml"  # the options of the run that wrote a checkpoint directory (`train --config` reads it)
 SETTINGS = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "decay_fraction", "adam_betas", "adam_eps",
-            "weight_decay", "clip_grad", "seed", "shuffle")
+            "weight_decay", "clip_grad", "seed", "shuffle", "samples")
 
 
 def run_settings(config: TrainConfig, dtype: str) -> dict[str, Any]:
