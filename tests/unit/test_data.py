@@ -59,7 +59,8 @@ def test_prepare_bytes_roundtrip(tmp_path: Path) -> None:
     assert count == data.num_tokens
     assert bytes(data.tokens.astype(np.uint8)).decode() == "héllo\n\nworld"
     assert json.loads((tmp_path / "o.bin.json").read_text()) == {"dtype": "uint16", "vocab_size": 256,
-                                                                 "num_tokens": count, "max_token_id": 195}  # 'é' 
+                                                                 "num_tokens": count, "max_token_id": 195,  # 'é'
+                                                                 "num_documents": 2}
 
 
 def test_tokenizer_needs_package_or_file(tmp_path: Path) -> None:

@@ -68,3 +68,25 @@ def test_the_validation_loss_is_printed_and_logged() -> None:
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # the first, the validation, the last
     assert "val loss 2.5000" in lines[1] and "val loss" not in lines[0]
     assert scalars({"step": 2, "val_loss": 2.5})["val/loss"] == 2.5
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--eval-every", "2"], "--eval-every needs --val-data FILE"),
+    (["--samples", "documents"], "has no document index"),
+    (["--adam-beta2", "1.5"], "--adam-beta1/--adam-beta2 must be in [0, 1)"),
+    (["--lr-schedule", "step"], "--lr-schedule must be one of constant, cosine, linear, wsd"),
+])
+def test_train_refuses_in_one_line(tmp_path: Path, extra: list[str], message: str) -> None:
+    from ethpipe.tokens.format import documents_path
+
+    plan = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", "--cluster", "examples/clusters/cpu_demo.yaml", "--model", "tiny",
+                                   "--global-batch", "6", "--seq-len", "32", "--max-tp", "1", "--dtype", "fp32",
+                                   "--out", str(plan)])
+    assert res.exit_code == 0, res.output
+    data = tmp_path / "t.bin"
+    prepare_tokens(["some text " * 200], data)
+    documents_path(data).unlink()
+    res = CliRunner().invoke(app, ["train", "--plan", str(plan), "--data", str(data), "--steps", "1", *extra])
+    assert res.exit_code == 2 and message in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert "Traceback" not in res.output
