@@ -41,7 +41,8 @@ def test_compare_writes_results_and_plot(tmp_path: Path) -> None:
                "--out", str(out), "--plot", str(fig))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"eth", "eth (no ZeRO)", "eth 1F1B only", "uniform", "layer-balanced"}
+    assert set(data["methods"]) == {"eth", "eth (no ZeRO)", "eth 1F1B only", "uniform", "layer-balanced",
+                                    "uniform (best type)", "layer-balanced (best type)"}  # two types: fast, slow
     assert data["methods"]["eth"]["eth_speedup"] == 1.0
     assert data["methods"]["eth (no ZeRO)"]["eth_speedup"] >= 1.0 - 1e-9  # eth is the faster of the two
     assert data["methods"]["eth 1F1B only"]["eth_speedup"] >= 1.0 - 1e-9  # ... and with every schedule allowed

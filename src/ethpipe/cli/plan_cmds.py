@@ -262,6 +262,7 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     from ethpipe.cost.hardware import load_calibration
     from ethpipe.cost.model import CostModel
     from ethpipe.planner import METHODS, make_plan
+    from ethpipe.planner.baselines.homogeneous import best_homogeneous
     from ethpipe.planner.robust import robust_record
     from ethpipe.atomic import write_text_atomic
 
@@ -280,12 +281,20 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     plans = {"eth": plans["eth"], UNSHARDED: planned("eth", shard_optimizer=False),
              **({ONE_F_ONE_B: planned("eth", schedules=("1f1b",))} if chosen != ("1f1b",) else {}),
              **{m: p for m, p in plans.items() if m != "eth"}}  # eth may shard the optimizer; the baselines do not
+    if len(clu.gpu_types) > 1:  # what a Megatron user runs: the baseline on the one type that is fastest alone
+        for base in (m for m in METHODS if m != "eth"):
+            best = best_homogeneous(clu, lambda sub, base=base: make_plan(
+                sub, spec, global_batch, seq_len, base, max_tp=max_tp, profiles=profiles, recompute=recompute,
+                dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, schedules=chosen), base)
+            if best is not None:
+                plans[f"{base} (best type)"] = best
+    baselines = {m: p for m, p in plans.items() if m not in ("eth", UNSHARDED, ONE_F_ONE_B)}
     worst = {m: robust_record(p, CostModel.for_plan(p, profiles)) for m, p in plans.items()}
     eth_time = plans["eth"].predicted["iteration_time_s"]
     rows = {m: {k: p.predicted[k] for k in ("iteration_time_s", "tokens_per_s", "balance_efficiency", "mfu",
                                            "grad_sync_exposed_s", "planning_time_s")}
             | {"eth_speedup": p.predicted["iteration_time_s"] / eth_time, "num_pipelines": len(p.pipelines),
-               "num_idle_devices": len(p.idle_devices),
+               "num_idle_devices": len(p.idle_devices), "devices": _devices_used(p),
                "schedules": sorted({pipe.schedule for pipe in p.pipelines}),
                "efficiency_factors": p.predicted.get("efficiency_factors", {}),
                "worst_case_time_s": worst[m]["worst_case_time_s"], "worst_scenario": worst[m]["worst_scenario"]}
@@ -301,13 +310,26 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
                       f"{r['tokens_per_s']:,.0f}", f"{r['eth_speedup']:.2f}x", f"{r['balance_efficiency']:.3f}",
                       ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in losses), f"{r['mfu']:.3f}",
                       f"{r['planning_time_s']:.3f}")
+    best_name = min(baselines, key=lambda m: plans[m].predicted["iteration_time_s"])
+    headline = (f"eth {rows[best_name]['eth_speedup']:.2f}x over the best baseline, {best_name} "
+                f"({rows[best_name]['devices']}); {rows['uniform']['eth_speedup']:.2f}x over uniform on every device")
     result = {"model": spec.name, "num_devices": clu.num_devices, "global_batch_size": global_batch,
-              "seq_len": seq_len, "cluster": clu.source, "methods": rows}
+              "seq_len": seq_len, "cluster": clu.source, "methods": rows, "best_baseline": best_name,
+              "eth_speedup_over_best_baseline": rows[best_name]["eth_speedup"]}
     if plot is not None:
         _plot(rows, plot, f"{spec.name}, {clu.num_devices} devices, batch {global_batch}x{seq_len}")
     if out is not None:
         write_text_atomic(out, json.dumps(result, indent=2) + "\n")
     console.print(table)
+    console.print(headline, highlight=False)
+
+
+def _devices_used(plan: Plan) -> str:
+    """'16 h100_sxm + 32 a100_80gb_sxm': the devices a plan gives ranks to, by type."""
+    from collections import Counter
+
+    counts = Counter(s.device for p in plan.pipelines for s in p.stages for _ in s.ranks)
+    return " + ".join(f"{n} {t}" for t, n in sorted(counts.items()))
 
 
 def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
@@ -316,16 +338,16 @@ def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    names = list(rows)
-    fig = Figure(figsize=(10, 1.2 + 0.45 * len(names)))
+    names = [f"{n}\n{rows[n]['devices']}" if rows[n].get("devices") else n for n in rows]  # each with its devices
+    fig = Figure(figsize=(10, 1.2 + 0.7 * len(names)))
     ax1, ax2 = fig.subplots(1, 2, sharey=True)
-    colors = ["#2a9d8f" if n == "eth" else "#8d99ae" for n in names]
-    ax1.barh(names, [rows[n]["tokens_per_s"] for n in names], color=colors)
+    colors = ["#2a9d8f" if n == "eth" else "#8d99ae" for n in rows]
+    ax1.barh(names, [r["tokens_per_s"] for r in rows.values()], color=colors)
     ax1.set_xlabel("predicted tokens/s")
     ax1.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:,.0f}k" if v else "0"))
     ax1.locator_params(axis="x", nbins=5)
     ax1.invert_yaxis()
-    ax2.barh(names, [rows[n]["balance_efficiency"] for n in names], color=colors)
+    ax2.barh(names, [r["balance_efficiency"] for r in rows.values()], color=colors)
     ax2.set_xlabel("balance efficiency")
     ax2.set_xlim(0, 1)
     fig.suptitle(title, fontsize=10)
