@@ -114,16 +114,7 @@ def priced_bytes(kind: str, spec: ModelSpec, autocast: bool, accumulation: str =
 @pytest.mark.parametrize("spec", [MHA, GQA, GPT], ids=lambda s: s.name)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_linear_gemm_flops_are_the_priced_ones(spec: ModelSpec, autocast: bool) -> None:
-    stage = _stage(spec, first=False)
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel([SDPBackend.MATH]):  # attention as bmm's the counter sees (CPU's fused kernel it does not)
-        with _step(stage, autocast):
-            with counter:
-                out = _run(stage, spec, False)
-            fwd = counter.get_total_flops()
-            with counter:
-                out.float().sum().backward()
-            bwd = counter.get_total_flops()
+    fwd, bwd = _counted_flops(_stage(spec, first=False), spec, autocast)  # attention as bmm's (SDPA's math path)
     e = 2 if autocast else 4
     kernels = {False: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", False),
                True: ops.block_kernels(spec, SEQ, BATCH, 1, e, "flash", True)}
