@@ -114,5 +114,6 @@ def test_cli_plan_robust_and_compare_print_worst_case(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "worst case s" in res.output
     rows = json.loads(out.read_text())["methods"]
-    assert set(rows) == {"eth", "eth (no ZeRO)", "eth 1F1B only", "uniform", "layer-balanced"}
+    assert set(rows) == {"eth", "eth (no ZeRO)", "eth 1F1B only", "uniform", "layer-balanced", "uniform (best type)",
+                         "layer-balanced (best type)"}
     assert all(row["worst_case_time_s"] > 0 and row["worst_scenario"] for row in rows.values())
