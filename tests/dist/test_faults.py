@@ -218,10 +218,10 @@ def test_torchrun_restarts_after_sigkill_then_replans_for_a_smaller_world(env: d
     code, err, run_s = _torchrun(env, 3, ["--plan", str(env["plan"]), "--steps", str(STEPS), *common],
                                  {KILL_ENV: "1:forward@2"})
     assert code == 0, err[-3000:]
-    # The killed rank's peers each say what they can see, in one line, not gloo's "Connection closed by peer ...
-    # GLHF!" with a crash report each; torchrun's own summary names the rank and its signal (exitcode: -9).
-    assert "lost its connection to another rank" in err and "exitcode: -9" in err, err[-3000:]
-    assert "GLHF" not in err and "crashed with" not in err, err[-3000:]
+    # The killed rank's peers print no gloo "Connection closed by peer ... GLHF!" and no crash report each (a peer
+    # that sees the broken connection before torchrun ends it says so in one line: tests/unit/test_peer_loss.py);
+    # torchrun's own summary names the rank and its signal (exitcode: -9).
+    assert "exitcode: -9" in err and "GLHF" not in err and "crashed with" not in err, err[-3000:]
     cluster = tmp / "three.yaml"
     cluster.write_text("nodes:\n  - gpu: {id: cpu, memory_gib: 1, peak_tflops: 1.0}\n    num_nodes: 1\n"
                        "    gpus_per_node: 3\n    nic_gbit_s: 16\n")
