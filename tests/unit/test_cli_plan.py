@@ -53,6 +53,10 @@ def test_compare_writes_results_and_plot(tmp_path: Path) -> None:
     assert one.exit_code == 0, one.output
     assert "eth 1F1B only" not in json.loads(out.read_text())["methods"]  # the same plan as eth then
     assert fig.read_bytes()[:4] == b"\x89PNG"
+    vector = tmp_path / "fig.svg"
+    res = _run("compare", "--cluster", DEMO, "--model", "tiny", "--global-batch", "32", "--seq-len", "64",
+               "--plot", str(vector))
+    assert res.exit_code == 0 and b"<svg" in vector.read_bytes()[:400]  # the format the name asks for
 
 
 def test_catalog_lists_gpus_and_models() -> None:

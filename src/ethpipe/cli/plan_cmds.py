@@ -353,7 +353,7 @@ def _plot(rows: dict[str, dict[str, float]], path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format=path.suffix[1:].lower())  # png, svg or pdf, as the name says
 
 
 def _key_column(table: Table, header: str, keys: Any) -> None:
