@@ -30,6 +30,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
             assert row[key] > 0 and math.isfinite(row[key]), (method, key)
         assert row["error"] == pytest.approx((row["simulated_step_s"] - row["measured_step_s"]) / row["measured_step_s"])
         assert method in proc.stdout
+        assert f"plan: {row['plan']}" in proc.stdout  # the plan's [stages] printed as text, not eaten as markup
         # Outputs a user can open: plan, metrics (one line per step), trace, timeline picture.
         assert json.loads((out / f"plan-{method}.json").read_text())["emulation"]["compute_s"]
         assert len((out / f"metrics-{method}.jsonl").read_text().splitlines()) == row["steps"]

@@ -131,6 +131,9 @@ def test_calibrate_from_run_writes_a_catalog_that_plan_and_replan_use(tmp_path: 
     assert replanned.exit_code == 0, replanned.output
     new = Plan.load(tmp_path / "new.json")
     assert new.world_size == plan.world_size
+    from ethpipe.plan_text import plan_shape
+
+    assert f"new: {plan_shape(new)}" in replanned.output  # the plan's [stages] printed as text, not eaten as markup
     # the headline pairs prices from the same constants (the old plan's own, uncalibrated, is only mentioned)
     headline = next(line for line in replanned.output.splitlines() if line.startswith("predicted iteration"))
     repriced = priced_with(plan, (recorded_calibration(plan) or shipped_calibration()).merged(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ethpipe.plan_text import plan_shape
@@ -135,7 +136,7 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
     for method, plan in plans.items():
         n = main_steps if method == "eth" else base_steps
         pred = d.predict(plan, cost)
-        console.print(f"\n[bold]{method}[/] plan: {plan_shape(plan)}")
+        console.print(f"\n[bold]{method}[/] plan: {escape(plan_shape(plan))}")  # its [...] is text, not markup
         console.print(f"training {n} steps on {plan.world_size} processes "
                       f"(predicted {pred.simulated_s * 1e3:.0f} ms/step)")
         config = TrainConfig(

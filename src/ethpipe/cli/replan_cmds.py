@@ -58,5 +58,5 @@ def replan_cmd(
 
         repriced = priced_with(old, calibration)
     for line in describe_changes(old, new, repriced):  # with --catalog: both prices from the same constants
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)  # a plan's [stages] are text
     console.print(f"planned in {took_s:.3f} s" + (f"; written to {out}" if out is not None else ""), highlight=False)
