@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ethpipe.plan import Pipeline, Plan, Stage
-from ethpipe.units import index_ranges
 
 
 def layers_text(ranges: Sequence[tuple[int, int]]) -> str:
@@ -50,10 +49,6 @@ def pipeline_groups(pipelines: Sequence[Pipeline]) -> list[tuple[list[int], Pipe
         else:
             groups.append(([p], pipe))
     return groups
-
-
-def indices_text(indices: Sequence[int]) -> str:
-    return index_ranges(indices)
 
 
 def plan_shape(plan: Plan) -> str:

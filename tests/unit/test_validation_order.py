@@ -61,3 +61,14 @@ def test_the_order_and_when_it_runs() -> None:
     assert all(a.kind == "F" for a in eval_actions(pipe, 0))
     assert [s for s in range(10) if eval_due(s, 4, 10)] == [3, 7, 9]  # after steps 4 and 8, and the last
     assert not any(eval_due(s, 0, 10) for s in range(10))
+
+
+def test_a_ranks_forward_only_program_does_not_grow_with_the_world() -> None:
+    """Counted, not assumed: rank 0 of a plan of 2 and of 512 two-stage pipelines posts the same p2p batches and
+    the same one world collective in an evaluation (the world's size is only that collective's membership)."""
+    small = forward_program(make_plan([even_pipeline(2, [1] * 4)] * 2), 0,
+                            eval_actions(make_plan([even_pipeline(2, [1] * 4)]).pipelines[0], 0))
+    big_plan = make_plan([even_pipeline(2, [1] * 4)] * 512)
+    assert big_plan.world_size == 1024
+    big = forward_program(big_plan, 0, eval_actions(big_plan.pipelines[0], 0))
+    assert big == small and sum(1 for item in big if hasattr(item, "group") and item.group == "world") == 1

@@ -10,7 +10,8 @@ import typer
 from rich.table import Table
 
 from ethpipe.plan import Plan
-from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
+from ethpipe.units import index_ranges
+from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.units import format_bytes
 
@@ -140,5 +141,5 @@ def inspect(
     for column in ("pipelines", "stages", "samples each", "micro-batches"):
         pipes.add_column(column)
     for indices, pipe in pipeline_groups(Plan.from_dict(info["plan"]).pipelines):
-        pipes.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe))
+        pipes.add_row(index_ranges(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe))
     console.print(pipes)

@@ -12,7 +12,7 @@ from rich.table import Table
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.cli.run_config import config_option
-from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
+from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.errors import UserError
 from ethpipe.plan import Plan
 from ethpipe.precision import canonical_dtype
@@ -83,7 +83,7 @@ def _summary(plan: Any) -> Table:
         head = min(1 - mem[r]["memory_bytes"] / mem[r]["memory_capacity_bytes"] for p in indices
                    for r in plan.pipelines[p].ranks)
         t = max(times[p] for p in indices)
-        table.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
+        table.add_row(index_ranges(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
                       pipe.schedule, f"{t:.3f}", f"{100 * head:.0f}%")
     return table
 
@@ -119,8 +119,8 @@ def idle_lines(plan: Any) -> list[str]:
         per = len(indices) // len(nodes)
         what = ("whole node" if whole else f"{per} devices of node") + ("s" if len(nodes) > 1 else "")
         each = " each" if len(nodes) > 1 else ""
-        lines.append(f"idle: {what} {indices_text(nodes)} (cluster nodes[{g}] from node {k}: {per} x "
-                     f"{full.devices[indices[0]].gpu.id}{each}, devices {indices_text(indices)}): no rank, start no "
+        lines.append(f"idle: {what} {index_ranges(nodes)} (cluster nodes[{g}] from node {k}: {per} x "
+                     f"{full.devices[indices[0]].gpu.id}{each}, devices {index_ranges(indices)}): no rank, start no "
                      f"process there ({reason})")
     lines.append(f"start ethpipe on the other {plan.world_size} of {full.num_devices} devices only (world size "
                  f"{plan.world_size}; ranks number them in cluster order)")

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from ethpipe.plan_text import indices_text, micro_batches_text, pipeline_groups, pipeline_text
+from ethpipe.units import index_ranges
+from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.cli.app import app, console, user_errors
 from ethpipe.errors import UserError
 
@@ -97,16 +98,19 @@ def _print_report(plan: object, report: object) -> None:
     pipes = Table("pipelines", "stages", "samples each", "micro-batches", "flush (ms)", title="pipelines",
                   caption="identical pipelines share a row (flush: the slowest of them)")
     for indices, pipe in groups:
-        pipes.add_row(indices_text(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
+        pipes.add_row(index_ranges(indices), pipeline_text(pipe), str(pipe.num_samples), micro_batches_text(pipe),
                       f"{max(report.pipeline_flush_s[p] for p in indices) * 1e3:.3f}")
     console.print(pipes)
     ranks = Table("ranks", "pipelines", "stage", "device", "busy %", "bubble ms", "sync wait ms", "memory GiB",
                   title="ranks", caption="the stage's ranks of a pipeline group: mean busy, worst bubble, wait, memory")
     it = report.iteration_time_s or 1.0
+    at: dict[tuple[int, int], list[Any]] = {}  # (pipeline, stage) -> its ranks' reports, in one pass
+    for r in report.ranks:
+        at.setdefault((r.pipeline, r.stage), []).append(r)
     for indices, pipe in groups:
         for s in range(pipe.depth):
-            members = [r for r in report.ranks if r.pipeline in indices and r.stage == s]
-            ranks.add_row(indices_text([r.rank for r in members]), indices_text(indices), str(s), members[0].device,
+            members = [r for p in indices for r in at[(p, s)]]
+            ranks.add_row(index_ranges([r.rank for r in members]), index_ranges(indices), str(s), members[0].device,
                           f"{100 * sum(r.busy_s for r in members) / len(members) / it:.1f}",
                           f"{max(r.bubble_s for r in members) * 1e3:.3f}",
                           f"{max(r.sync_wait_s for r in members) * 1e3:.3f}",

@@ -83,7 +83,6 @@ class StageRun:
     forward_kill: ForwardKill | None
     dtype: str
     autocast_dtype: torch.dtype | None
-    loss_scale: float  # 1 / global tokens (packed samples): every pipeline's loss is a share of the global mean
     num_samples: int
     restart: int
     current: Plan
@@ -113,7 +112,9 @@ class StepInputs:
     inputs: list[torch.Tensor] | None
     targets: list[torch.Tensor] | None
     actions: tuple[Action, ...]
-    loss_scale: float  # 1 / the step's counted targets (the global batch's: the same on every rank)
+    # 1 / the step's counted targets (the global batch's: the same on every rank): every pipeline's loss is a share
+    # of the global mean
+    loss_scale: float
 
 
 def run_plan(plan: Plan, config: TrainConfig, spec: ModelSpec, data: TokenFile, start: ResumePoint, rank: int,
@@ -215,7 +216,7 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
         writer=metrics_writer(plan, config, start, device, sinks) if rank == 0 else None,
         rebalancer=Rebalancer(plan, config.rebalance) if config.rebalance is not None else None,
         forward_kill=ForwardKill.arm(module, kill, rank), dtype=dtype, autocast_dtype=autocast_dtype,
-        loss_scale=1.0 / (plan.global_batch_size * plan.seq_len), num_samples=data.num_samples(plan.seq_len),
+        num_samples=data.num_samples(plan.seq_len),
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), current=plan,
         scaler=_initial_scaler(start) if dtype == "fp16" else None,
         overlap=config.overlap_grad_sync and overlap_is_safe(tied, device.type == "cuda" and one_queue is not None))
@@ -252,8 +253,7 @@ def begin_step(run: StageRun, step: int, lr: float) -> StepInputs:
     return StepInputs(ids=ids,
                       inputs=[model_inputs(b) for b in batch] if run.first else None,
                       targets=[b[:, 1:].contiguous() for b in batch] if run.last else None,
-                      loss_scale=(run.loss_scale if run.data.documents is None  # the global count of counted targets
-                                  else 1.0 / run.data.counted_tokens(ids, run.plan.seq_len)),
+                      loss_scale=1.0 / run.data.counted_tokens(ids, run.plan.seq_len),
                       actions=actions_of(cur_pipe, pos.stage, split=not (config.recompute or config.compile)))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,19 @@ class _Step:
         return {}
 
 
+@contextlib.contextmanager
+def _precision(module: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+    """One autocast region and one weight-cast step around a whole step (or forward-only pass): ONE 16-bit copy of
+    each weight serves every micro-batch in flight (``weight_cast.py``: its gradients go straight into the fp32
+    ``.grad``). Nothing under fp32 / fp64."""
+    autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    weight_cast = getattr(module, "weight_cast", None)
+    casting = weight_cast.step(autocast_dtype) if weight_cast is not None else contextlib.nullcontext()
+    with autocast, casting:
+        yield
+
+
 def run_stage_step(
     module: nn.Module,
     actions: tuple[Action, ...],
@@ -201,15 +214,9 @@ def run_stage_step(
         in_flight[0].clear()
         in_flight[1].clear()
 
-    autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
-    # One autocast region and one weight-cast step for the whole step: ONE 16-bit copy of each weight serves
-    # every micro-batch in flight (``weight_cast.py``: its gradients go straight into the fp32 ``.grad``).
     starts = frozenset(p2p_units(actions))  # where a batch is posted (inside an interleaved F-B unit: none)
     received: dict[Key, torch.Tensor] = {}
-    weight_cast = getattr(module, "weight_cast", None)
-    casting = weight_cast.step(autocast_dtype) if weight_cast is not None else contextlib.nullcontext()
-    with autocast, casting:
+    with _precision(module, device, autocast_dtype):
         for k, action in enumerate(actions):
             if k in starts:
                 assert not received, f"unused receives {sorted(received)}"
@@ -248,12 +255,8 @@ def run_stage_forward(module: nn.Module, actions: tuple[Action, ...], micro_batc
     stage, and off all but the first rank of a TP group)."""
     state = _Step(module, io, micro_batch_sizes, inputs, targets, 1.0, lambda action, fn, kind: fn(), device, None)
     batches = p2p_batches(actions, io.peers)
-    autocast = (torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
-    weight_cast = getattr(module, "weight_cast", None)
-    casting = weight_cast.step(autocast_dtype) if weight_cast is not None else contextlib.nullcontext()
     outgoing: dict[Key, torch.Tensor] = {}
-    with torch.no_grad(), autocast, casting:
+    with torch.no_grad(), _precision(module, device, autocast_dtype):
         for k, action in enumerate(actions):
             assert action.kind == "F", "a forward-only pass runs forwards only"
             received = post_batch(batches[k], outgoing, io.group, state.new_buffer)

@@ -209,7 +209,7 @@ def _failure(processes: list[Any], run_dir: Path) -> TrainingFailed:
         # A crashed rank tears its groups down before it writes its report, so a peer can report the broken
         # connection first: the earliest report that is not such a consequence is the cause.
         texts = [c.read_text() for c in crashes]
-        text = next((t for t in texts if not any(m in t for m in PEER_LOSS_MARKERS)), texts[0])
+        text = next((t for t in texts if not peer_lost(t)), texts[0])
         lines = [line for line in text.strip().splitlines() if line.strip()]
         report = write_crash_report(text)
         return TrainingFailed(f"training failed on {lines[0].split(':')[0]}: {lines[-1].strip()} "
@@ -238,14 +238,15 @@ def run_torchrun(plan: Plan, config: TrainConfig, replanner: Replanner | None = 
         return train(plan, config, rank, world_size, device, store=torchrun_store(rank, world_size, config),
                      replanner=replanner)
     except Exception as err:  # noqa: BLE001 - re-raised unless it is a peer's death seen from here
-        if not peer_lost(err):
+        if not peer_lost(str(err)):
             raise
         raise TrainingFailed(peer_lost_line(rank, socket.gethostname(), config)) from None
 
 
-def peer_lost(err: BaseException) -> bool:
-    """Whether ``err`` is this rank's broken connection to a peer that went away first (a consequence)."""
-    return any(marker in str(err) for marker in PEER_LOSS_MARKERS)
+def peer_lost(error_text: str) -> bool:
+    """Whether an error (its message, or a crash report) is this rank's broken connection to a peer that went away
+    first: a consequence, not a cause."""
+    return any(marker in error_text for marker in PEER_LOSS_MARKERS)
 
 
 def peer_lost_line(rank: int, host: str, config: TrainConfig) -> str:
