@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 COLORS = {"eth": "#1b7837", "eth-robust": "#7fbf7b", "eth-1f1b": "#d9f0d3", "layer-balanced": "#762a83",
-          "uniform": "#999999"}
+          "uniform": "#999999", "layer-balanced-best-type": "#c2a5cf", "uniform-best-type": "#d9d9d9"}
 
 
 def _save(fig: Any, path: Path) -> None:
@@ -55,7 +55,7 @@ def _label(cond: dict[str, Any]) -> str:
 def speedups(section: dict[str, Any], docs: Path) -> None:
     """eth's speedup over each baseline per case, by samples per GPU and condition, static (hollow) and
     rebalanced (filled), with the geometric mean of each group as a bar."""
-    pairs = ["eth / layer-balanced", "eth / uniform"]
+    pairs = [p for p in ("eth / best-baseline", "eth / layer-balanced", "eth / uniform") if p in section["pairs"]]
     conds, spgs, rows = section["conditions"], section["samples_per_gpu"], section["rows"]
     fig, axes = plt.subplots(len(pairs), len(conds), figsize=(4 * len(conds), 3.2 * len(pairs)), squeeze=False)
     for i, pair in enumerate(pairs):

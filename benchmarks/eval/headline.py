@@ -13,6 +13,8 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
+from eval.throughput import BASELINES
+
 TIE_TOLERANCE = 0.01  # |speedup - 1| within this is a tie
 NOMINAL = "nominal"
 STATIC, REBALANCED = "static", "rebalanced"
@@ -188,6 +190,18 @@ def different_plans(rows: list[dict[str, Any]], a: str, b: str) -> dict[str, int
         r["methods"][a]["signature"], r["methods"][b]["signature"]) != "same plan")}
 
 
+def best_baseline_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case: the fastest baseline at nominal speeds (no rebalancing) and eth's speedup over it."""
+    out = []
+    for r in rows:
+        best = r.get("best_baseline")
+        value = r["speedup"][STATIC][NOMINAL].get("eth / best-baseline")
+        if best is not None and value is not None:
+            out.append({**where(r), "baseline": best, "value": value,
+                        "baseline_plan": r["methods"][best]["nominal"]["summary"]})
+    return out
+
+
 def summarize_matrix(section: dict[str, Any]) -> dict[str, Any]:
     """Everything the headline and the class tables print, from the throughput section."""
     rows, spgs = section["rows"], section["samples_per_gpu"]
@@ -199,8 +213,11 @@ def summarize_matrix(section: dict[str, Any]) -> dict[str, Any]:
     return {
         "tie_tolerance": TIE_TOLERANCE,
         "grid": grid(rows, section["pairs"], conds, section["modes"], spgs),
-        "nominal_losses": {m: nominal_losses(rows, m, ["layer-balanced", "uniform"]) for m in ("eth", "eth-robust")},
-        "nominal_estimate_losses": estimate_losses(rows, "eth", ["layer-balanced", "uniform"]),
+        "nominal_losses": {m: nominal_losses(rows, m, [b for b in BASELINES if f"{m} / {b}" in section["pairs"]])
+                           for m in ("eth", "eth-robust")},
+        "nominal_estimate_losses": estimate_losses(rows, "eth", [b for b in BASELINES
+                                                                 if f"eth / {b}" in section["pairs"]]),
+        "best_baselines": best_baseline_rows(rows),
         "classes": [{"a": a, "b": b, "condition": c, "mode": m, "classes": classes(rows, a, b, c, m, spgs)}
                     for a, b in main for c, m in class_sets],
         "rebalance_ability": {m: rebalance_ability(rows, m, conds) for m in section["methods"]},

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from eval import fmt
-from eval.render_headline import case_name, labels_of, method_name
+from eval.render_headline import best_baseline_table, case_name, labels_of, method_name
 from eval.render_headline import headline as headline_bullets
 from eval.render_more import ablation, closing_note, measured, sensitivity, where_eth_loses
 from eval.render_schedules import section as schedules_section
@@ -71,7 +71,7 @@ def headline(results: dict[str, dict[str, Any]]) -> list[str]:
                      f"{'above' if gap['value'] > 0 else 'below'} simulation); {gap['num_over_threshold']} of "
                      f"{gap['num_cases']} eth plans differ by more than {fmt.pct(gap['threshold'])}. The planner "
                      "optimises the estimate, so where they differ eth may be choosing on a wrong number.")
-    return lines + [""]
+    return lines + [""] + best_baseline_table(results)
 
 
 def throughput(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -2,9 +2,11 @@
 speeds and where one device type runs slower than the cost model believed, each plan replayed
 without and with the runtime's online data rebalancing (``eval/replay.py``).
 
-Five methods, every plan made with the nominal cost model: eth (every schedule allowed), eth with
+Seven methods, every plan made with the nominal cost model: eth (every schedule allowed), eth with
 ``robust=True`` (the best worst case under per-type speed perturbations among eth's best candidates),
-eth with 1F1B only, layer-balanced and uniform (both 1F1B, their published schedule). Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
+eth with 1F1B only, layer-balanced and uniform (both 1F1B, their published schedule) on every device, and the
+same two on the best homogeneous subset (each GPU type alone, the fastest kept: what a Megatron user would run;
+``planner/baselines/homogeneous.py``). ``best baseline`` is, per case and condition, the fastest of the four. Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from ethpipe.errors import UserError
 from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
 from ethpipe.planner import CostModel, ideal_time_s, make_plan
+from ethpipe.planner.baselines.homogeneous import best_homogeneous
 from ethpipe.sim import simulate
 
 from eval import replay as rp
@@ -23,9 +26,12 @@ from eval.common import Job, describe, layout_signature, timed
 
 ROBUST = "eth-robust"
 ONE_F_ONE_B = "eth-1f1b"  # eth with --schedules 1f1b: what the schedule choice buys
-MATRIX_METHODS = ("eth", ROBUST, ONE_F_ONE_B, "layer-balanced", "uniform")
-PAIRS = (("eth", "layer-balanced"), ("eth", "uniform"), (ROBUST, "layer-balanced"), (ROBUST, "uniform"),
-         (ROBUST, "eth"), ("eth", ONE_F_ONE_B))
+UNIFORM_BEST, LB_BEST = "uniform-best-type", "layer-balanced-best-type"  # on the best homogeneous subset
+BASELINES = ("layer-balanced", "uniform", LB_BEST, UNIFORM_BEST)
+BEST = "best-baseline"  # per case and condition, the fastest of BASELINES
+MATRIX_METHODS = ("eth", ROBUST, ONE_F_ONE_B, *BASELINES)
+PAIRS = (("eth", BEST), ("eth", "layer-balanced"), ("eth", "uniform"), ("eth", LB_BEST), ("eth", UNIFORM_BEST),
+         (ROBUST, "layer-balanced"), (ROBUST, "uniform"), (ROBUST, "eth"), ("eth", ONE_F_ONE_B))
 MODES = ("static", "rebalanced")
 # The layer-balanced baseline's exhaustive search gets more than the search section's budget here, so that
 # the baseline is its best plan, not a timed-out one (a timeout would still be recorded and reported).
@@ -46,6 +52,16 @@ def _plan(cluster: Any, spec: Any, batch: int, seq_len: int, method: str,
         name, kwargs["robust"] = "eth", True
     if method == ONE_F_ONE_B:
         name, kwargs["schedules"] = "eth", ("1f1b",)
+    if method in (UNIFORM_BEST, LB_BEST):
+        name = "uniform" if method == UNIFORM_BEST else "layer-balanced"
+        if method == LB_BEST:
+            kwargs["time_budget_s"] = budget_s
+        planning_s, plan = timed(lambda: best_homogeneous(
+            cluster, lambda sub: make_plan(sub, spec, batch, seq_len, name, **kwargs), name))
+        if plan is None:
+            return None, {"feasible": False, "error": f"{name} fits no GPU type of the cluster alone"}
+        return plan, {"feasible": True, "planning_s": planning_s,
+                      "search_timed_out": bool((plan.extra.get("search") or {}).get("timed_out", False))}
     try:
         planning_s, plan = timed(lambda: make_plan(cluster, spec, batch, seq_len, name, **kwargs))
     except UserError as err:  # no feasible plan (a bug would propagate)
@@ -65,6 +81,22 @@ def run_plan(plan: Plan, slowed: dict[str, str | None]) -> dict[str, Any]:
     return {"nominal": describe(plan, cost, nominal_report), "signature": layout_signature(plan), "replay": replays}
 
 
+def _tokens_per_s(methods: dict[str, dict[str, Any]], method: str, cond: str, mode: str) -> float | None:
+    """A method's simulated tokens/s (``BEST``: the fastest baseline's); None where it does not fit."""
+    if method == BEST:
+        fits = [_tokens_per_s(methods, b, cond, mode) for b in BASELINES]
+        return max((t for t in fits if t is not None), default=None)
+    m = methods[method]
+    return m["replay"][cond][mode]["tokens_per_s"] if m["feasible"] else None
+
+
+def best_baseline(methods: dict[str, dict[str, Any]], cond: str = "nominal", mode: str = "static") -> str | None:
+    """The fastest of ``BASELINES`` in one case (None where none fits)."""
+    fits = {b: _tokens_per_s(methods, b, cond, mode) for b in BASELINES}
+    fits = {b: t for b, t in fits.items() if t is not None}
+    return max(fits, key=lambda b: fits[b]) if fits else None
+
+
 def speedup_table(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
     """mode -> condition -> "a / b" -> a's simulated tokens/s over b's; None where either does not fit."""
     out: dict[str, dict[str, dict[str, float | None]]] = {}
@@ -73,10 +105,8 @@ def speedup_table(methods: dict[str, dict[str, Any]]) -> dict[str, dict[str, dic
         for cond in rp.CONDITIONS:
             row: dict[str, float | None] = {}
             for a, b in PAIRS:
-                ma, mb = methods[a], methods[b]
-                row[pair_key(a, b)] = (ma["replay"][cond.key][mode]["tokens_per_s"]
-                                       / mb["replay"][cond.key][mode]["tokens_per_s"]
-                                       if ma["feasible"] and mb["feasible"] else None)
+                ta, tb = _tokens_per_s(methods, a, cond.key, mode), _tokens_per_s(methods, b, cond.key, mode)
+                row[pair_key(a, b)] = ta / tb if ta is not None and tb is not None else None
             out[mode][cond.key] = row
     return out
 
@@ -97,7 +127,7 @@ def _case(cluster_key: str, model_name: str, samples_per_gpu: int, budget_s: flo
             "seq_len": model.seq_len, "ideal_tokens_per_s": batch * model.seq_len / ideal_time_s(base, batch),
             "slowed_types": {k: (sc.short(v) if v else None) for k, v in slowed.items()},
             "condition_labels": {c.key: c.label(slowed[c.key]) for c in rp.CONDITIONS},
-            "methods": methods, "speedup": speedup_table(methods)}
+            "methods": methods, "speedup": speedup_table(methods), "best_baseline": best_baseline(methods)}
 
 
 def cases(quick: bool) -> list[tuple[str, str, int]]:
