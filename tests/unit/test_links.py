@@ -146,3 +146,25 @@ def test_a_ring_without_pcie_peer_to_peer_runs_at_half_the_slowest_measured_rate
         assert allreduce_gbps(geforce, tp, n) == slowest / HOST_STAGED_CROSSINGS
         assert allreduce_gbps(a100, tp, n) == intra_gbps(a100, tp, n)
     assert allreduce_gbps(geforce, 8, n) < intra_gbps(geforce, 8, n) / 2  # the 8-GPU curve reads higher than 2's
+
+
+def test_a_geforce_nodes_gradient_sync_is_host_staged_like_its_tp_all_reduces() -> None:
+    """Without PCIe peer-to-peer the data-parallel ring inside a node crosses host memory as the TP ring does
+    (``links.allreduce_gbps``): 4 RTX 3090 pipelines' block sync on one node is priced at the staged rate, slower
+    than the same GPUs priced on their peer-to-peer curve; an A100 node keeps its measured curve."""
+    def sync_s(gpu: str) -> tuple[float, CostModel, Plan]:
+        clu = cluster_from_dict({"nodes": [{"gpu": gpu, "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+        pipes = tuple(Pipeline((Stage((r,), gpu, (0, 2)),), (1,)) for r in range(4))
+        plan = Plan("eth", "tiny", 4, 128, pipes, (Block((0, 2), (0, 1, 2, 3)),))
+        cost = CostModel(clu, TINY, 128)
+        return cost.block_sync_s(plan)[0], cost, plan
+
+    staged, cost, plan = sync_s("rtx_3090")
+    nbytes = cost.block_grad_bytes(plan.blocks[0], first=True, last=True)
+    rate = links.allreduce_gbps(get_gpu("rtx_3090"), 4, nbytes)
+    assert rate < links.intra_gbps(get_gpu("rtx_3090"), 4, nbytes)
+    assert staged == pytest.approx(comm.ring_allreduce_s(4, nbytes, rate, cost.cluster.intra_node_latency_s))
+    assert cost.allreduce_s([0, 1, 2, 3], nbytes) == pytest.approx(staged)
+    a100, cost_a, _ = sync_s("a100_40gb_sxm")  # same model and dtype: the same bytes
+    curve = links.shipped_link_curves().curve("a100_40gb_sxm", 4)
+    assert a100 == pytest.approx(comm.ring_allreduce_s(4, nbytes, curve.gbps(nbytes), cost_a.cluster.intra_node_latency_s))

@@ -144,3 +144,14 @@ def slowest_intra(gpus: Iterable[GpuSpec], num_gpus: int) -> tuple[float, LinkCu
     if best is None:
         raise ValueError("no GPUs")
     return best[1], best[2]
+
+
+def collective_intra(gpus: Iterable[GpuSpec], num_gpus: int, num_bytes: float) -> tuple[float | None, LinkCurve | None]:
+    """How a collective's in-node ring over ``num_gpus`` GPUs of ``gpus`` is priced: (flat GB/s, None) where one of
+    them has no PCIe peer-to-peer (GeForce: NCCL stages every ring step through host memory, as for the TP
+    all-reduces, ``allreduce_gbps``), else (None, the slowest measured curve or None for the flat figure)."""
+    gpus = tuple(gpus)
+    staged = [g for g in gpus if not g.pcie_p2p]
+    if staged and num_gpus >= 2:
+        return min(allreduce_gbps(g, num_gpus, num_bytes) for g in staged), None
+    return None, slowest_intra(gpus, num_gpus)[1]

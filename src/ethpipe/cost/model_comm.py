@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from ethpipe.cluster import Cluster
 from ethpipe.cost import comm, links
 from ethpipe.cost.p2p import P2pFlows
-from ethpipe.cost.sync import SyncShape, block_sync_shapes, sync_shape_s, tied_sync_shape
+from ethpipe.cost.sync import SyncShape, block_sync_shapes, distinct_gpus, sync_shape_s, tied_sync_shape
 from ethpipe.plan import Plan
 
 
@@ -70,16 +70,17 @@ class CommPricing:
         # One rail per participating GPU on a node, capped by the node's NIC and its share of it.
         inter = min(min(c * d.flow_gbps, d.nic_gbps / max(nic_share, 1.0))
                     for n, c in per_node.items() for d in devs if d.node == n)
+        staged_gbps, curve = links.collective_intra(distinct_gpus(d.gpu for d in devs), count, num_bytes)
         return comm.allreduce_shape_s(
             num_bytes,
             num_ranks=len(ranks),
             num_nodes=len(per_node),
             max_ranks_per_node=max(per_node.values()),
-            intra_gbps=min(d.gpu.intra_node_gbps for d in devs),
+            intra_gbps=staged_gbps if staged_gbps is not None else min(d.gpu.intra_node_gbps for d in devs),
             inter_gbps=inter,
             intra_latency_s=self.cluster.intra_node_latency_s,
             inter_latency_s=self.cluster.inter_node_latency_s,
-            intra_curve=links.slowest_intra([d.gpu for d in devs], count)[1],
+            intra_curve=curve,
         )
 
     def sync_s(self, shape: SyncShape | None) -> float:

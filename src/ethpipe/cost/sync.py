@@ -56,13 +56,14 @@ def distinct_gpus(gpus: Iterable[GpuSpec]) -> tuple[GpuSpec, ...]:
 def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:
     if shape.num_ranks <= 1 or shape.num_bytes <= 0:
         return 0.0
-    curve = None
+    curve, intra_gbps = None, shape.intra_gbps
     if shape.gpus:
         count = shape.max_ranks_per_node if shape.num_nodes > 1 else shape.num_ranks
-        curve = links.slowest_intra(shape.gpus, count)[1]
+        staged_gbps, curve = links.collective_intra(shape.gpus, count, shape.num_bytes)
+        intra_gbps = staged_gbps if staged_gbps is not None else intra_gbps
     return comm.allreduce_shape_s(
         shape.num_bytes, num_ranks=shape.num_ranks, num_nodes=shape.num_nodes,
-        max_ranks_per_node=shape.max_ranks_per_node, intra_gbps=shape.intra_gbps,
+        max_ranks_per_node=shape.max_ranks_per_node, intra_gbps=intra_gbps,
         inter_gbps=shape.nic_gbps, intra_latency_s=cluster.intra_node_latency_s,
         inter_latency_s=cluster.inter_node_latency_s, intra_curve=curve)
 
