@@ -39,6 +39,10 @@ Tf32Opt = Annotated[bool, typer.Option("--tf32/--no-tf32", help="fp32 plans: mat
 AttentionOpt = Annotated[str, typer.Option("--attention", help="auto (the fused kernels PyTorch SDPA runs: flash or "
                                                              "memory-efficient) | materialised (the unfused s x s "
                                                              "scores of a Megatron-style runtime).")]
+GradReduceOpt = Annotated[str, typer.Option(
+    "--grad-reduce", help="What the block gradient sync sums in: fp32 (default) | bf16 (half the sync's bytes, one "
+                          "bf16 copy of each synced gradient in memory, each sum within (P + 1) 2^-8 of its P "
+                          "terms' absolute sum; plans unsharded: docs/runtime.md).")]
 SchedulesOpt = Annotated[Optional[str], typer.Option(
     "--schedules", help="Pipeline schedules each pipeline may run, comma-separated: 1f1b, zb-h1 (zero-bubble H1: "
                         "weight gradients deferred into the bubble), interleaved (2 model chunks per stage; a "
@@ -172,6 +176,9 @@ def nodes_line(plan: Plan) -> str:
 def sharding_line(plan: Plan) -> str:
     """Whether the plan shards the optimizer state, and what the planner compared."""
     record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
+    if plan.extra.get("grad_reduce", "fp32") != "fp32":
+        return (f"optimizer state: whole on every rank (--grad-reduce {plan.extra['grad_reduce']}: gradients summed "
+                "in bf16, which a sharded optimizer does not do)")
     if plan.shard_optimizer:
         head = f"optimizer state: AdamW moments sharded over the {len(plan.pipelines)} pipelines (ZeRO-1)"
         other = record.get("unsharded_iteration_s")
@@ -195,7 +202,7 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
              "--shard-optimizer/--no-shard-optimizer",
              help="eth: also plan with the AdamW state sharded across pipelines (ZeRO-1) and keep it where that "
                   "is faster; --no-shard-optimizer: every rank keeps its stage's whole state.")] = True,
-         schedules: SchedulesOpt = None,
+         schedules: SchedulesOpt = None, grad_reduce: GradReduceOpt = "fp32",
          no_idle: Annotated[bool, typer.Option("--no-idle", help="Use every device, also where the planner would "
                                                                 "leave some idle (docs/plan-format.md, \"Idle "
                                                                 "devices\").")] = False,
@@ -211,7 +218,7 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
                        dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
                        attention=attention, shard_optimizer=shard_optimizer, schedules=parse_schedules(schedules),
-                       options=PlannerOptions(allow_idle=not no_idle))
+                       options=PlannerOptions(allow_idle=not no_idle), grad_reduce=grad_reduce)
     if out is not None:
         result.save(out)
     if as_json:

@@ -19,6 +19,10 @@ from ethpipe.model_spec import ModelSpec
 # fragmentation and communication buffers take the rest.
 USABLE_MEMORY_FRACTION = 0.9
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients: what the block sync all-reduces, also under 16-bit autocast
+# What the block sync sums each gradient element in (a plan's ``grad_reduce``): the gradients' own fp32 (default), or
+# bf16 (half the bytes on the wire; runtime/sync/buckets.py casts each bucket, sums it, casts back).
+GRAD_REDUCE_BYTES = {"fp32": GRAD_BYTES_PER_PARAM, "bf16": 2}
+GRAD_REDUCE_CHOICES = tuple(GRAD_REDUCE_BYTES)
 LOGITS_BYTES_PER_ELEMENT = 4  # fp32 logits for a stable cross-entropy
 # Boundary tensors a stage with a neighbour holds besides its stashed inputs (runtime/pipeline/executor.py): while
 # one p2p batch is in flight, the payload it sends and the buffer it receives into (during a backward:
@@ -31,13 +35,20 @@ P2P_BUFFERS = 2
 LOSS_TRANSIENT_LOGITS = 2
 
 
-def state_bytes_per_param(dtype_bytes: int, holders: int = 1) -> float:
+def state_bytes_per_param(dtype_bytes: int, holders: int = 1, grad_reduce: str = "fp32") -> float:
     """Weights + gradients + AdamW's two moments per parameter, as the runtime keeps them: all in the weights'
     dtype, fp32 under every 16-bit precision (autocast) and in fp32 training (4 + 4 + 8 = 16), fp64 in the
     exactness mode (32). ``holders`` > 1: the moments are sharded over that many holders of each block (ZeRO-1
     across pipelines, ``runtime/sync/zero.py``): 8 + 8 / k bytes. Weights and gradients stay whole (the all-gather
-    and the reduce run in place in the persistent buffers: no extra buffer)."""
-    return 2 * weight_bytes(dtype_bytes) + moment_bytes_per_param(dtype_bytes, holders)
+    and the reduce run in place in the persistent buffers: no extra buffer). ``grad_reduce`` bf16: the
+    low-precision copy each bucket is summed in (``reduce_copy_bytes``), counted whole."""
+    return 2 * weight_bytes(dtype_bytes) + moment_bytes_per_param(dtype_bytes, holders) + reduce_copy_bytes(grad_reduce)
+
+
+def reduce_copy_bytes(grad_reduce: str) -> int:
+    """Per parameter, the copy a ``grad_reduce`` other than the gradients' own dtype sums in: alive from its bucket's
+    issue in the last backward to the wait, so at the end of the last backward all of a stage's at once."""
+    return 0 if grad_reduce == "fp32" else GRAD_REDUCE_BYTES[grad_reduce]
 
 
 def weight_bytes(dtype_bytes: int) -> int:

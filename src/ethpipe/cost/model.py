@@ -74,6 +74,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
     # ZeRO-1 across pipelines (``runtime/sync/zero.py``): each block's AdamW moments and update are split over this
     # many holders (the plan's pipelines); 1 = every rank keeps and updates its stage's whole state.
     optimizer_holders: int = 1
+    # What the block sync sums gradients in (``memory.GRAD_REDUCE_CHOICES``): fp32, or bf16 (half the bytes, one copy).
+    grad_reduce: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -109,7 +111,11 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
         object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
         object.__setattr__(self, "_act_bytes", float(m.hidden_size * s * self.dtype_bytes))
-        object.__setattr__(self, "_state_bpp", memory.state_bytes_per_param(self.dtype_bytes, self.optimizer_holders))
+        if self.grad_reduce not in memory.GRAD_REDUCE_CHOICES:
+            raise UserError(f"--grad-reduce must be one of {', '.join(memory.GRAD_REDUCE_CHOICES)}, got "
+                            f"{self.grad_reduce!r}")
+        object.__setattr__(self, "_state_bpp", memory.state_bytes_per_param(self.dtype_bytes, self.optimizer_holders,
+                                                                            self.grad_reduce))
         speeds = {t: self.achievable_flops(t) for t in gpus}
         fastest = max(speeds.values())
         object.__setattr__(self, "_speeds", {t: v / fastest for t, v in speeds.items()})
@@ -125,7 +131,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         cost = cls(full, plan.resolve_model(), plan.seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles,
                    dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration,
                    attention_mode=str(plan.extra.get("attention", "auto")),
-                   optimizer_holders=len(plan.pipelines) if plan.shard_optimizer else 1)
+                   optimizer_holders=len(plan.pipelines) if plan.shard_optimizer else 1,
+                   grad_reduce=str(plan.extra.get("grad_reduce", "fp32")))
         # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
         return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
 
@@ -141,7 +148,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         profiles = {t: p for t, p in (self.profiles or {}).items() if t in cluster.gpu_types}
         return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
                          dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode,
-                         optimizer_holders=self.optimizer_holders)
+                         optimizer_holders=self.optimizer_holders, grad_reduce=self.grad_reduce)
 
     # -- device facts ------------------------------------------------------------------
 

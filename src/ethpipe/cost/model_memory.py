@@ -38,8 +38,9 @@ class MemoryPricing:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes of one gradient element as the block sync all-reduces it (fp32 under every precision)."""
-        return memory.GRAD_BYTES_PER_PARAM
+        """Bytes of one gradient element as the block sync all-reduces it: fp32 under every precision, bf16 with
+        ``grad_reduce`` bf16 (``memory.GRAD_REDUCE_BYTES``)."""
+        return memory.GRAD_REDUCE_BYTES[self.grad_reduce]  # type: ignore[attr-defined]
 
     def grad_sync_bytes(self, num_layers: int, *, first: bool, last: bool) -> int:
         """Gradient bytes the block sync moves for ``num_layers`` layers, plus the embedding / norm+head at the

@@ -59,7 +59,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
               dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
               robust: bool = False, attention: str = "auto", shard_optimizer: bool = True,
-              schedules: Sequence[str] | None = None) -> Plan:
+              schedules: Sequence[str] | None = None, grad_reduce: str = "fp32") -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -83,6 +83,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     for eth and 1F1B for the baselines (their published method). Each pipeline gets the fastest one its memory
     allows (``planner/layers/schedules.py``; interleaving: ``planner/layers/interleave.py``, a pipeline that
     cannot interleave keeps 1F1B); the plan records it per pipeline.
+    ``grad_reduce``: what the block sync sums gradients in (``fp32``, or ``bf16``: half the sync's bytes, priced,
+    with one bf16 copy per synced parameter in memory, and a rounding docs/runtime.md bounds); ``bf16`` plans
+    unsharded (a sharded optimizer reduces in fp32). Recorded as ``extra["grad_reduce"]``.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -107,7 +110,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     check_one_world((d.gpu for d in cluster.devices))
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
-                     tf32=tf32, calibration=calibration, attention_mode=attention)
+                     tf32=tf32, calibration=calibration, attention_mode=attention, grad_reduce=grad_reduce)
+    shard_optimizer = shard_optimizer and grad_reduce == "fp32"
     # eth interleaves its final plan (``layers/interleave.py``; robust: per candidate, by worst case): interleaving
     # inside the search would change which devices go idle and the sharding rounds compare under it.
     searched = chosen if robust else (tuple(x for x in chosen if x != "interleaved") or (DEFAULT_SCHEDULE,))
@@ -174,13 +178,13 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         # (same 16-bit peak, same 2-byte elements).
         dtype = "bf16"
     plan = dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "dtype_requested": requested_dtype,
-                                            "tf32": tf32, "attention": attention,
+                                            "tf32": tf32, "attention": attention, "grad_reduce": grad_reduce,
                                             "compute_model": compute_model_record(cost)})
     if robust:  # the robust search ranks its own candidates; the nominal plan may still hold the lower worst case
         nominal = make_plan(cluster, model, global_batch_size, seq_len, method, max_tp=max_tp, profiles=profiles,
                             recompute=recompute, time_budget_s=time_budget_s, options=options, dtype=requested_dtype,
                             tf32=tf32, calibration=calibration, attention=attention,
-                            shard_optimizer=shard_optimizer, schedules=schedules)
+                            shard_optimizer=shard_optimizer, schedules=schedules, grad_reduce=grad_reduce)
         from ethpipe.planner.robust import robust_record
 
         record = robust_record(nominal, CostModel.for_plan(nominal))

@@ -21,6 +21,12 @@ them, the tied matrix last; so each group sees its all-reduces in the same order
 and overlapping groups cannot deadlock (``ethpipe.comm.replay``). ``flush`` fires what no hook reached
 (a parameter without a gradient), ``wait`` waits for all of them. Buckets with one holder skip the
 collective.
+
+``reduce_dtype`` (a plan's ``grad_reduce: bf16``, off by default): each bucket tensor is cast to that dtype, summed
+in it and cast back when waited: half the bytes on the wire for fp32 gradients, at the cost of the reduction's
+rounding (docs/runtime.md, "16-bit gradient reduction": each element ends within ``(P + 1) u`` of the sum of its
+P holders' absolute values, u = 2^-8 for bf16). The low-precision copies live from the issue to the wait: at most
+2 bytes per synced parameter, which the memory model counts (``memory.reduce_copy_bytes``).
 """
 
 from __future__ import annotations
@@ -74,8 +80,10 @@ class GradBuckets:
 
     def __init__(self, params: Mapping[str, nn.Parameter], units: Sequence[SyncUnit],
                  groups: Mapping[tuple[int, ...], dist.ProcessGroup],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None) -> None:
         self.params, self.groups = params, groups
+        self.reduce_dtype = reduce_dtype
+        self._low: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # by id(bucket): (low copy, tensor)
         self._names = {id(p): n for n, p in params.items()}
         uses: dict[str, int] = {}
         for unit in units:
@@ -180,11 +188,17 @@ class GradBuckets:
         """Sum the bucket's tensors over its holders: one all-reduce each (``zero.ShardedBuckets``: one
         reduce-scatter each)."""
         group = self.groups[bucket.holders]
+        if self.reduce_dtype is not None:
+            pairs = [(t.to(self.reduce_dtype), t) for t in tensors]
+            self._low[id(bucket)] = pairs
+            tensors = [low for low, _ in pairs]
         return [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
 
     def _finish(self, bucket: _Bucket) -> None:
         """After the bucket's collectives are waited, before copied slices are copied back (sharded: the summed
-        shard into place)."""
+        shard into place): sums made in ``reduce_dtype`` back into the gradients."""
+        for low, t in self._low.pop(id(bucket), []):
+            t.copy_(low)
 
     def wait(self, on_done: Callable[[str], None] | None = None) -> None:
         """Wait in issue order and copy split parameters back; ``on_done(label)`` after each (tracing)."""

@@ -70,6 +70,11 @@ def _shard_stats(buckets: ShardedBuckets, device: torch.device) -> Any:
     return parts
 
 
+def reduce_dtype_of(plan: Plan) -> torch.dtype | None:
+    """The dtype a plan's gradient sync sums in (``extra.grad_reduce``: ``bf16``), None for the gradients' own."""
+    return torch.bfloat16 if plan.extra.get("grad_reduce", "fp32") == "bf16" else None
+
+
 def build_stage_optimizer(plan: Plan, config: TrainConfig, rank: int, module: nn.Module, full_shapes: Mapping[str, tuple[int, ...]],
                           tied: bool, groups: RankGroups, device: torch.device, states: States | None) -> StageOptimizer:
     """The stage's buckets and optimizer, with the AdamW ``states`` of a checkpoint (by parameter name) if any.
@@ -85,7 +90,7 @@ def build_stage_optimizer(plan: Plan, config: TrainConfig, rank: int, module: nn
                 state = dict(states[name])
                 state["step"] = state["step"].to(param.device if fused else "cpu")
                 optimizer.state[param] = state
-        buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes)
+        buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes, reduce_dtype_of(plan))
         return StageOptimizer(buckets, optimizer, GradStats(params, owned, device))
     weights = dict(enumerate(plan.shard_weights)) if plan.shard_weights else {}
     sharded = ShardedBuckets(params, units, groups.block_groups, rank, weights, config.bucket_bytes)
