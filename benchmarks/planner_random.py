@@ -4,7 +4,8 @@
 
 Draws ``--clusters`` clusters (seeded): 512-4096 GPUs, 3-5 GPU types drawn from the catalog's NVIDIA GPUs, each
 type on a random number of nodes of 4 or 8 GPUs with a random NIC (50-3200 Gbit/s per node). Plans five models at
-two global batches each (one and four samples per GPU) with eth, and reports the worst and median
+two global batches each (one and four samples per GPU) with eth, and once more at one sample per GPU with the
+gradient sync summed in bf16 (``--grad-reduce bf16``, planned unsharded: the lever's ablation), and reports the worst and median
 planning time (one run per case after a warm-up, wall clock, in this process) and balance efficiency with its
 factors (``planner/efficiency.py``). A pure-Python reference loop is timed before and after, so the times can be
 read against this machine's speed at the moment. Writes planner_random.json and planner_random.md.
@@ -35,9 +36,15 @@ from planner_scale import reference_loop_s  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {"gpt3-1.3b": 2048, "llama2-7b": 4096, "llama3-8b": 4096, "llama2-13b": 4096, "qwen2.5-14b": 4096}
 SAMPLES_PER_GPU = (1, 4)  # a 4M-token batch is one 4096-token sample per GPU at 1024 GPUs, a quarter at 4096
+BF16_SYNC = "1/GPU, bf16 sync"  # the ablation of `--grad-reduce bf16` (off by default): 1 sample per GPU again
 SIZES = (512, 1024, 2048, 4096)
 NICS_GBIT = (50, 100, 200, 400, 800, 1600, 3200)
 TARGET_WORST_S, TARGET_MEDIAN_S, TARGET_EFFICIENCY = 1.0, 0.5, 0.6  # issue 45's bar
+
+
+def cases_of(num_gpus: int) -> list[tuple[str, int, str]]:
+    """(label, global batch, grad_reduce) of each case of one cluster and model."""
+    return [(f"{n}/GPU", n * num_gpus, "fp32") for n in SAMPLES_PER_GPU] + [(BF16_SYNC, num_gpus, "bf16")]
 
 
 def gpu_pool() -> list[str]:
@@ -64,18 +71,19 @@ def random_cluster(rng: random.Random, pool: list[str]) -> tuple[str, Cluster, l
     return name, cluster_from_dict({"nodes": nodes}), nodes
 
 
-def plan_case(cluster: Cluster, model: str, seq: int, batch: int) -> dict:
+def plan_case(cluster: Cluster, model: str, seq: int, batch: int, grad_reduce: str = "fp32") -> dict:
     spec = load_model_spec(model)
     start = time.perf_counter()
     try:
-        plan = make_plan(cluster, spec, batch, seq)
+        plan = make_plan(cluster, spec, batch, seq, grad_reduce=grad_reduce)
     except UserError as err:
         return {"error": str(err), "planning_s": time.perf_counter() - start}
     planning_s = time.perf_counter() - start
     p = plan.predicted
     return {"planning_s": planning_s, "iteration_s": p["iteration_time_s"], "balance_efficiency": p["balance_efficiency"],
             "factors": {k: p["efficiency_factors"][k] for k in FACTORS if k in p["efficiency_factors"]},
-            "num_pipelines": len(plan.pipelines), "idle_devices": len(plan.idle_devices)}
+            "num_pipelines": len(plan.pipelines), "idle_devices": len(plan.idle_devices),
+            "shard_optimizer": plan.shard_optimizer}
 
 
 def run(seed: int, num_clusters: int, show: bool = True) -> dict:
@@ -86,10 +94,10 @@ def run(seed: int, num_clusters: int, show: bool = True) -> dict:
     rows = []
     for name, cluster, nodes in clusters:
         for model, seq in MODELS.items():
-            for label, batch in ((f"{n}/GPU", n * cluster.num_devices) for n in SAMPLES_PER_GPU):
+            for label, batch, reduce in cases_of(cluster.num_devices):
                 row = {"cluster": name, "gpus": cluster.num_devices, "types": len(nodes), "nodes": nodes,
                        "model": model, "seq_len": seq, "batch": label, "global_batch": batch,
-                       **plan_case(cluster, model, seq, batch)}
+                       **plan_case(cluster, model, seq, batch, reduce)}
                 rows.append(row)
                 if show:
                     eff = f"eff {row['balance_efficiency']:.2f}" if "error" not in row else "no plan"
@@ -100,10 +108,10 @@ def run(seed: int, num_clusters: int, show: bool = True) -> dict:
 
 def summary(data: dict) -> dict:
     rows = [r for r in data["rows"] if "error" not in r]
-    times = [r["planning_s"] for r in data["rows"]]
-    out = {"num_cases": len(data["rows"]), "num_planned": len(rows),
+    times = [r["planning_s"] for r in data["rows"] if r["batch"] != BF16_SYNC]  # the default planner's cases
+    out = {"num_cases": len(times), "num_planned": sum(1 for r in rows if r["batch"] != BF16_SYNC),
            "planning_s": {"median": statistics.median(times), "worst": max(times)}, "by_batch": {}}
-    for label in (f"{n}/GPU" for n in SAMPLES_PER_GPU):
+    for label in [f"{n}/GPU" for n in SAMPLES_PER_GPU] + [BF16_SYNC]:
         mine = [r for r in rows if r["batch"] == label]
         if not mine:
             continue
@@ -113,6 +121,12 @@ def summary(data: dict) -> dict:
             "worst_efficiency": worst["balance_efficiency"], "worst_case": f"{worst['model']} on {worst['cluster']}",
             "median_factors": {k: statistics.median(r["factors"][k] for r in mine if k in r["factors"]) for k in FACTORS},
             "worst_factors": {k: min(r["factors"][k] for r in mine if k in r["factors"]) for k in FACTORS}}
+    one = {(r["cluster"], r["model"]): r for r in rows if r["batch"] == "1/GPU"}
+    gains = [r["balance_efficiency"] / one[(r["cluster"], r["model"])]["balance_efficiency"]
+             for r in rows if r["batch"] == BF16_SYNC and (r["cluster"], r["model"]) in one]
+    if gains:  # the same case planned with a bf16 sync over its default plan: the lever's ablation
+        out["bf16_sync_gain"] = {"median": statistics.median(gains), "min": min(gains), "max": max(gains),
+                                 "num_cases": len(gains)}
     return out
 
 
@@ -125,7 +139,8 @@ def write_report(data: dict, command: str, out_dir: Path) -> None:
              "machine's speed at the moment).", "",
              f"{data['num_clusters']} clusters of 512-4096 GPUs, 3-5 GPU types drawn from the catalog, random node "
              f"sizes (4 or 8 GPUs) and NICs (50-3200 Gbit/s per node); {len(MODELS)} models "
-             f"({', '.join(MODELS)}); two global batches (1 and 4 samples per GPU). Each case is "
+             f"({', '.join(MODELS)}); two global batches (1 and 4 samples per GPU), and 1 sample per GPU again "
+             "with `--grad-reduce bf16` (the gradient sync summed in bf16: the lever's ablation). Each case is "
              "planned once by `make_plan` after one warm-up, in this process; times are wall clock.", "",
              f"- Planning time over {s['num_cases']} cases: median **{s['planning_s']['median']:.2f} s**, worst "
              f"**{s['planning_s']['worst']:.2f} s** (target: median < {TARGET_MEDIAN_S} s, worst < "
@@ -136,6 +151,12 @@ def write_report(data: dict, command: str, out_dir: Path) -> None:
         lines.append(f"- Balance efficiency at {label}: median **{b['median_efficiency']:.2f}**, worst "
                      f"{b['worst_efficiency']:.2f} ({b['worst_case']})"
                      + (f" (target: median >= {TARGET_EFFICIENCY})" if label == "1/GPU" else "") + ".")
+    gain = s.get("bf16_sync_gain")
+    if gain:
+        lines.append(f"- `--grad-reduce bf16` (the gradient sync summed in bf16, planned unsharded; off by default), "
+                     f"the same {gain['num_cases']} cases at 1/GPU: efficiency x{gain['median']:.3f} median over the "
+                     f"default plan (min x{gain['min']:.3f}, max x{gain['max']:.3f}; a bf16 plan is unsharded, so it "
+                     "loses where the default plan needs the sharded optimizer's memory).")
     lines += ["", "Efficiency factors (each in (0, 1]; their product is the balance efficiency; "
               "`docs/cost-model.md`, \"Efficiency factors\"): median and worst over the cases.", "",
               "| batch | " + " | ".join(FACTORS) + " |", "|---|" + "---|" * len(FACTORS)]

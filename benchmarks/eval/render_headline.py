@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from eval import fmt
+from eval.throughput import BASELINES
 
 METHOD_NAMES = {"eth": "eth", "eth-robust": "eth --robust", "eth-1f1b": "eth 1F1B only",
                 "layer-balanced": "layer-balanced", "uniform": "uniform",
@@ -15,7 +16,6 @@ BASELINE_CAN = {
     "layer-balanced": "replicates one pipeline shape holding an equal share of every GPU type, with equal data",
     "uniform": "uses equal layers per stage and equal data on replicas taken in rank order",
 }
-BASELINES = ("layer-balanced", "uniform", "layer-balanced-best-type", "uniform-best-type")
 
 
 def method_name(m: str) -> str:

@@ -6,7 +6,8 @@ Seven methods, every plan made with the nominal cost model: eth (every schedule 
 ``robust=True`` (the best worst case under per-type speed perturbations among eth's best candidates),
 eth with 1F1B only, layer-balanced and uniform (both 1F1B, their published schedule) on every device, and the
 same two on the best homogeneous subset (each GPU type alone, the fastest kept: what a Megatron user would run;
-``planner/baselines/homogeneous.py``). ``best baseline`` is, per case and condition, the fastest of the four. Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
+``planner/baselines/homogeneous.py``). ``best baseline`` is, per case and condition, the fastest of the four.
+Every method's plan gets the same rebalancing; what it can do depends on its pipelines.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A plan's ``grad_reduce: bf16`` sums each gradient bucket in bf16 (``runtime/sync/buckets.py``), within the stated bound.
 
-Three gloo ranks hold the same parameters (one block, whole-parameter slices, small buckets so several all-reduces
-run) and fill their gradients with seeded values of very different magnitudes. After the sync every rank must hold,
+Three gloo ranks hold the same parameters and fill their gradients with seeded values of very different magnitudes.
+The units cover the bucket modes: whole parameters (views of a bucket), a parameter cut along dim 1 over two units
+(copied into its buckets and back after the sum), and a replicated-style unit that divides by 2 first (its sum is
+of the halves); small buckets, so several all-reduces run. After the sync every rank must hold,
 per element, the exact sum S of the three ranks' values to within ``(P + 1) u sum_i |g_i|`` (P = 3 terms,
 u = 2^-8, bf16's unit roundoff: each input is rounded once and each of the P - 1 additions once, and (P + 1) u
 covers their u^2 terms), and values a bf16 sum produced (each exactly a bf16 number). A runtime that ignores
@@ -24,7 +26,8 @@ from .harness import run_ranks
 pytestmark = pytest.mark.dist
 
 UNIT_ROUNDOFF_BF16 = 2.0 ** -8
-SHAPES = {"w1": (64, 48), "w2": (48,), "w3": (32, 40)}
+SHAPES = {"w1": (64, 48), "w2": (48,), "w3": (32, 40), "w4": (16, 24)}
+HALVED = "w2"  # its unit divides by 2 before the sum
 
 
 def _grads(rank: int) -> dict[str, torch.Tensor]:
@@ -40,10 +43,14 @@ def _grads(rank: int) -> dict[str, torch.Tensor]:
 def _sync(rank: int, world: int, reduce_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     params = {n: nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
     holders = tuple(range(world))
-    unit = SyncUnit(0, holders, tuple(SyncSlice(n, None, 0, 0) for n in SHAPES))
+    units = [SyncUnit(1, holders, (SyncSlice("w1", None, 0, 0), SyncSlice("w3", None, 0, 0))),
+             SyncUnit(1, holders, (SyncSlice(HALVED, None, 0, 0),), divide_by=2),
+             SyncUnit(0, holders, (SyncSlice("w4", 1, 0, 12),)), SyncUnit(0, holders, (SyncSlice("w4", 1, 12, 12),))]
     groups = {holders: torch.distributed.group.WORLD}
-    buckets = GradBuckets(params, [unit], groups, bucket_bytes=8 * 1024, reduce_dtype=reduce_dtype)
-    assert len(buckets.buckets) > 1  # several all-reduces, each cast and cast back
+    buckets = GradBuckets(params, units, groups, bucket_bytes=8 * 1024, reduce_dtype=reduce_dtype)
+    assert len(buckets.buckets) > 3  # several all-reduces, each cast and cast back
+    assert "copy" in {m for b in buckets.buckets for m in b.modes} and "view" in {m for b in buckets.buckets
+                                                                                for m in b.modes}
     for name, g in _grads(rank).items():
         buckets.grads[name].copy_(g)
     buckets.flush()
@@ -52,8 +59,9 @@ def _sync(rank: int, world: int, reduce_dtype: torch.dtype | None) -> dict[str, 
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    exact = {n: sum(_grads(r)[n].double() for r in range(world)) for n in SHAPES}
-    magnitude = {n: sum(_grads(r)[n].double().abs() for r in range(world)) for n in SHAPES}
+    div = {n: 2.0 if n == HALVED else 1.0 for n in SHAPES}
+    exact = {n: sum(_grads(r)[n].double() / div[n] for r in range(world)) for n in SHAPES}
+    magnitude = {n: sum(_grads(r)[n].double().abs() / div[n] for r in range(world)) for n in SHAPES}
     bound = (world + 1) * UNIT_ROUNDOFF_BF16
     low, full = _sync(rank, world, torch.bfloat16), _sync(rank, world, None)
     for n in SHAPES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -63,14 +64,23 @@ def test_the_plan_file_checks_grad_reduce() -> None:
         Plan.from_dict({**copy.deepcopy(data), "shard_optimizer": True})
 
 
-def test_plan_cli_takes_grad_reduce_and_refuses_a_bad_one(tmp_path) -> None:
+def test_plan_cli_takes_grad_reduce_and_refuses_a_bad_one(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("nodes:\n  - {gpu: a100_80gb_sxm, num_nodes: 2, gpus_per_node: 2, nic_gbit_s: 25}\n")
     args = ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "gpt3-125m", "--global-batch", "16",
             "--seq-len", "512", "--max-tp", "1"]
     res = CliRunner().invoke(app, [*args, "--grad-reduce", "bf16", "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
     assert "--grad-reduce bf16" in res.output
+    assert "bf16 gradient sums over 2 pipelines: each within 3 x 2^-8" in res.output
     assert Plan.load(tmp_path / "p.json").extra["grad_reduce"] == "bf16"
     bad = CliRunner().invoke(app, [*args, "--grad-reduce", "fp8"])
     assert bad.exit_code != 0 and "--grad-reduce must be one of fp32, bf16" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_a_replan_keeps_the_plans_grad_reduce() -> None:
+    from ethpipe.cli.replanning import replan
+
+    old = make_plan(cluster_from_dict(SLOW_NIC), SPEC, 16, 512, max_tp=1, grad_reduce="bf16")
+    one_node = cluster_from_dict({"nodes": [{**SLOW_NIC["nodes"][0], "num_nodes": 1}]})
+    assert replan(old, one_node).extra["grad_reduce"] == "bf16"

@@ -103,7 +103,7 @@ def test_profile_errors_exit_2(tmp_path: Path, args: tuple[str, ...], message: s
 
 def test_the_nodes_line_groups_alike_consecutive_nodes() -> None:
     """At 1024 GPUs the line listed 128 nodes one by one; alike consecutive nodes are one entry."""
-    from ethpipe.cli.plan_cmds import nodes_line
+    from ethpipe.cli.plan_lines import nodes_line
     from ethpipe.cluster import cluster_from_dict
     from ethpipe.model_load import load_model_spec
     from ethpipe.planner import make_plan

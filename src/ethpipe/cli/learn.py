@@ -146,7 +146,8 @@ def same_execution(a: Plan, b: Plan) -> bool:
     da, db = a.to_dict(), b.to_dict()
     keys = ("pipelines", "blocks", "global_batch_size")
     return ([da.get(k) for k in keys] == [db.get(k) for k in keys]
-            and (a.shard_optimizer, tuple(a.shard_weights)) == (b.shard_optimizer, tuple(b.shard_weights)))
+            and (a.shard_optimizer, tuple(a.shard_weights)) == (b.shard_optimizer, tuple(b.shard_weights))
+            and a.extra.get("grad_reduce", "fp32") == b.extra.get("grad_reduce", "fp32"))
 
 
 def fitted_speeds(plan: Plan, calibration: Calibration) -> dict[str, float]:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
+from ethpipe.cli.plan_lines import idle_lines, nodes_line, sharding_line
 from ethpipe.cli.run_config import config_option
 from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.errors import UserError
@@ -92,45 +93,6 @@ def _summary(plan: Any) -> Table:
     return table
 
 
-def idle_lines(plan: Any) -> list[str]:
-    """Which nodes / devices the plan leaves idle (no rank, no process), and where to start ethpipe."""
-    if not plan.idle_devices:
-        return []
-    from ethpipe.cluster import cluster_from_dict
-
-    full = cluster_from_dict(plan.cluster)
-    group_of: list[tuple[int, int]] = []  # global node -> (node group, node within it)
-    for g, group in enumerate(full.source["nodes"]):
-        group_of += [(g, k) for k in range(int(group["num_nodes"]))]
-    by_node: dict[int, list[Any]] = {}
-    for d in sorted(plan.idle_devices, key=lambda d: d.device_index):
-        by_node.setdefault(full.devices[d.device_index].node, []).append(d)
-    # One line per run of alike nodes (same cluster-file entry, same idle share, same reason), not one per node.
-    runs: list[tuple[list[int], list[int], str, bool]] = []  # (nodes, device indices, reason, whole)
-    for node, idle in sorted(by_node.items()):
-        indices = [d.device_index for d in idle]
-        whole = len(indices) == sum(1 for d in full.devices if d.node == node)
-        last = runs[-1] if runs else None
-        if (last is not None and last[0][-1] == node - 1 and group_of[last[0][-1]][0] == group_of[node][0]
-                and last[2] == idle[0].reason and last[3] == whole and len(last[1]) % len(indices) == 0):
-            last[0].append(node)
-            last[1].extend(indices)
-        else:
-            runs.append(([node], indices, idle[0].reason, whole))
-    lines = []
-    for nodes, indices, reason, whole in runs:
-        g, k = group_of[nodes[0]]
-        per = len(indices) // len(nodes)
-        what = ("whole node" if whole else f"{per} devices of node") + ("s" if len(nodes) > 1 else "")
-        each = " each" if len(nodes) > 1 else ""
-        lines.append(f"idle: {what} {index_ranges(nodes)} (cluster nodes[{g}] from node {k}: {per} x "
-                     f"{full.devices[indices[0]].gpu.id}{each}, devices {index_ranges(indices)}): no rank, start no "
-                     f"process there ({reason})")
-    lines.append(f"start ethpipe on the other {plan.world_size} of {full.num_devices} devices only (world size "
-                 f"{plan.world_size}; ranks number them in cluster order)")
-    return lines
-
-
 def _metrics_line(plan: Any) -> str:
     p = plan.predicted
     return (f"iteration {p['iteration_time_s']:.3f} s  |  {p['tokens_per_s']:,.0f} tokens/s  |  balance efficiency "
@@ -150,43 +112,6 @@ def partly_profiled_line(cluster: Any, profiles: dict[str, Any] | None) -> str |
             f"their speeds are compared across two yardsticks; profile {'it' if len(rest) == 1 else 'each'} on its "
             f"device (`ethpipe profile --device cuda ...`) and pass --profile FILE --profile-as "
             f"{rest[0]}{' (one pair per type)' if len(rest) > 1 else ''}")
-
-
-def nodes_line(plan: Plan) -> str:
-    """Which ranks each node of the cluster file hosts (what `ethpipe launch` starts where)."""
-    from ethpipe.cluster_launch import node_ranks
-
-    runs: list[list[Any]] = []  # consecutive nodes alike (GPU, ranks per node) in one entry: 80 nodes, a few runs
-    for n in node_ranks(plan):
-        last = runs[-1][-1] if runs else None
-        if last is not None and (last.gpu, last.num_ranks, last.cluster_node + 1, last.ranks.stop) == (
-                n.gpu, n.num_ranks, n.cluster_node, n.ranks.start):
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    parts = []
-    for run in runs:
-        first, last = run[0], run[-1]
-        nodes = f"node {first.cluster_node}" if len(run) == 1 else f"nodes {first.cluster_node}-{last.cluster_node}"
-        each = " each" if len(run) > 1 else ""
-        parts.append(f"{nodes} ({first.num_ranks} x {first.gpu}{each}): ranks {first.ranks.start}-{last.ranks.stop - 1}")
-    return "nodes: " + "; ".join(parts)
-
-
-def sharding_line(plan: Plan) -> str:
-    """Whether the plan shards the optimizer state, and what the planner compared."""
-    record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
-    if plan.extra.get("grad_reduce", "fp32") != "fp32":
-        return (f"optimizer state: whole on every rank (--grad-reduce {plan.extra['grad_reduce']}: gradients summed "
-                "in bf16, which a sharded optimizer does not do)")
-    if plan.shard_optimizer:
-        head = f"optimizer state: AdamW moments sharded over the {len(plan.pipelines)} pipelines (ZeRO-1)"
-        other = record.get("unsharded_iteration_s")
-        return head + (f"; unsharded {other:.3f} s" if other else "; unsharded: does not fit")
-    sharded = record.get("sharded_iteration_s")
-    if not record:
-        return "optimizer state: whole on every rank (--no-shard-optimizer)"
-    return "optimizer state: whole on every rank" + (f" (sharded: {sharded:.3f} s, slower)" if sharded else "")
 
 
 @app.command()
@@ -260,7 +185,7 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
 def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_len: SeqOpt, max_tp: TpOpt = 8,
             recompute: RecomputeOpt = "auto", profile: ProfileOpt = None, profile_as: ProfileAsOpt = None,
             dtype: DtypeOpt = "auto", tf32: Tf32Opt = True, catalog: CatalogOpt = None, attention: AttentionOpt = "auto",
-            schedules: SchedulesOpt = None,
+            schedules: SchedulesOpt = None, grad_reduce: GradReduceOpt = "fp32",
             out: Annotated[Optional[Path], typer.Option("--out", help="Write results JSON here.")] = None,
             plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a bar chart (PNG/SVG/PDF).")] = None,
             ) -> None:
@@ -282,7 +207,8 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
     def planned(method: str, **kwargs: Any) -> Plan:
         kwargs.setdefault("schedules", chosen)
         return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                         dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, **kwargs)
+                         dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, grad_reduce=grad_reduce,
+                         **kwargs)
 
     plans = {m: planned(m) for m in METHODS}
     plans = {"eth": plans["eth"], UNSHARDED: planned("eth", shard_optimizer=False),
@@ -292,7 +218,8 @@ def compare(cluster: ClusterOpt, model: ModelOpt, global_batch: BatchOpt, seq_le
         for base in (m for m in METHODS if m != "eth"):
             best = best_homogeneous(clu, lambda sub, base=base: make_plan(
                 sub, spec, global_batch, seq_len, base, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, schedules=chosen), base)
+                dtype=dtype, tf32=tf32, calibration=calibration, attention=attention, schedules=chosen,
+                grad_reduce=grad_reduce), base)
             if best is not None:
                 plans[f"{base} (best type)"] = best
     baselines = {m: p for m, p in plans.items() if m not in ("eth", UNSHARDED, ONE_F_ONE_B)}

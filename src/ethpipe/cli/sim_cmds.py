@@ -91,7 +91,7 @@ def _print_report(plan: object, report: object) -> None:
         console.print(f"{len(plan.idle_devices)} cluster devices idle (no rank, not simulated): "
                       f"{plan.idle_devices[0].reason}", highlight=False)
     if plan.cluster is not None:  # where each rank runs (what `ethpipe launch` starts on which node)
-        from ethpipe.cli.plan_cmds import nodes_line
+        from ethpipe.cli.plan_lines import nodes_line
 
         console.print(nodes_line(plan), highlight=False)
     groups = pipeline_groups(plan.pipelines)

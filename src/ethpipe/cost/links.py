@@ -152,6 +152,7 @@ def collective_intra(gpus: Iterable[GpuSpec], num_gpus: int, num_bytes: float) -
     all-reduces, ``allreduce_gbps``), else (None, the slowest measured curve or None for the flat figure)."""
     gpus = tuple(gpus)
     staged = [g for g in gpus if not g.pcie_p2p]
-    if staged and num_gpus >= 2:
-        return min(allreduce_gbps(g, num_gpus, num_bytes) for g in staged), None
+    if staged and num_gpus >= 2:  # the slowest node's ring: a staged one, or another type's curve or flat figure
+        return min([allreduce_gbps(g, num_gpus, num_bytes) for g in staged]
+                   + [intra_gbps(g, num_gpus, num_bytes) for g in gpus if g.pcie_p2p]), None
     return None, slowest_intra(gpus, num_gpus)[1]

@@ -1,7 +1,8 @@
 """Memory per pipeline stage under 1F1B (reference/formulas.md sections 2 and 3).
 
 Model states: ethpipe's runtime keeps fp32 weights, fp32 gradients (the sync's bucket buffers: the
-gradients are views of them) and fp32 AdamW moments, 4 + 4 + 8 = 16 bytes/param in every precision,
+gradients are views of them) and fp32 AdamW moments, 4 + 4 + 8 = 16 bytes/param in every precision (18 with a
+plan's ``grad_reduce: bf16``: the bf16 copy each bucket is summed in),
 plus under 16-bit autocast one 16-bit copy of the weights per step (``autocast_weight_bytes``). (The
 same 16 as Megatron's 16-bit weights + 16-bit gradients + fp32 master, m, v: ZeRO's K = 12.) Activations per
 decoder block and sample are counted tensor by tensor for a FlashAttention block without
@@ -47,7 +48,9 @@ def state_bytes_per_param(dtype_bytes: int, holders: int = 1, grad_reduce: str =
 
 def reduce_copy_bytes(grad_reduce: str) -> int:
     """Per parameter, the copy a ``grad_reduce`` other than the gradients' own dtype sums in: alive from its bucket's
-    issue in the last backward to the wait, so at the end of the last backward all of a stage's at once."""
+    issue in the last backward to the wait, so at the end of the last backward all of a stage's at once. Counted
+    for every parameter of every stage, also where a block has one holder (whose bucket makes no copy): the stage
+    memory model does not know the holders, so this errs on the safe side."""
     return 0 if grad_reduce == "fp32" else GRAD_REDUCE_BYTES[grad_reduce]
 
 

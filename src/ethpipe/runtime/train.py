@@ -171,7 +171,8 @@ def plan_key(plan: Plan) -> int:
     """A checksum of what execution depends on (not e.g. the planner's timing of itself)."""
     d = plan.to_dict()
     key = json.dumps([d[k] for k in ("model", "global_batch_size", "seq_len", "pipelines", "blocks")] +
-                     [plan.extra.get("device_speeds"), plan.shard_optimizer, list(plan.shard_weights)], sort_keys=True)
+                     [plan.extra.get("device_speeds"), plan.shard_optimizer, list(plan.shard_weights),
+                      plan.extra.get("grad_reduce", "fp32")], sort_keys=True)
     return zlib.crc32(key.encode())
 
 

@@ -24,9 +24,10 @@ collective.
 
 ``reduce_dtype`` (a plan's ``grad_reduce: bf16``, off by default): each bucket tensor is cast to that dtype, summed
 in it and cast back when waited: half the bytes on the wire for fp32 gradients, at the cost of the reduction's
-rounding (docs/runtime.md, "16-bit gradient reduction": each element ends within ``(P + 1) u`` of the sum of its
-P holders' absolute values, u = 2^-8 for bf16). The low-precision copies live from the issue to the wait: at most
-2 bytes per synced parameter, which the memory model counts (``memory.reduce_copy_bytes``).
+rounding (docs/runtime.md, "16-bit gradient reduction": each element ends within ``(P + 1) u`` times the sum of its
+P holders' absolute values, u = 2^-8 for bf16, for P up to 256; void beyond). The low-precision copies live from
+the issue to the wait: at most 2 bytes per synced parameter, which the memory model counts
+(``memory.reduce_copy_bytes``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class GradBuckets:
     def zero_grads(self) -> None:
         """The next step's gradients start at zero, in their persistent memory (re-bound each step, so nothing
         that replaced a ``.grad`` can leave the sync summing a buffer autograd no longer writes)."""
+        self._low.clear()  # a step that ended before its wait leaves its low-precision copies here
         for bucket in self.buckets:
             bucket.flat.zero_()
             bucket.works, bucket.issued = [], False
