@@ -5,7 +5,7 @@
 Draws ``--clusters`` clusters (seeded): 512-4096 GPUs, 3-5 GPU types drawn from the catalog's NVIDIA GPUs, each
 type on a random number of nodes of 4 or 8 GPUs with a random NIC (50-3200 Gbit/s per node). Plans five models at
 two global batches each (one and four samples per GPU) with eth, and once more at one sample per GPU with the
-gradient sync summed in bf16 (``--grad-reduce bf16``, planned unsharded: the lever's ablation), and reports the worst and median
+gradient sync summed in bf16 (``--grad-reduce bf16``: the lever's ablation), and reports the worst and median
 planning time (one run per case after a warm-up, wall clock, in this process) and balance efficiency with its
 factors (``planner/efficiency.py``). A pure-Python reference loop is timed before and after, so the times can be
 read against this machine's speed at the moment. Writes planner_random.json and planner_random.md.
@@ -125,8 +125,13 @@ def summary(data: dict) -> dict:
     gains = [r["balance_efficiency"] / one[(r["cluster"], r["model"])]["balance_efficiency"]
              for r in rows if r["batch"] == BF16_SYNC and (r["cluster"], r["model"]) in one]
     if gains:  # the same case planned with a bf16 sync over its default plan: the lever's ablation
+        pairs = [(r, one[(r["cluster"], r["model"])]) for r in rows
+                 if r["batch"] == BF16_SYNC and (r["cluster"], r["model"]) in one]
+        losses = [(r, d) for r, d in pairs if r["balance_efficiency"] < 0.99 * d["balance_efficiency"]]
         out["bf16_sync_gain"] = {"median": statistics.median(gains), "min": min(gains), "max": max(gains),
-                                 "num_cases": len(gains)}
+                                 "num_cases": len(gains), "num_losses": len(losses),
+                                 "losses_unsharded": sum(1 for r, _ in losses if not r.get("shard_optimizer", False)),
+                                 "losses_default_sharded": sum(1 for _, d in losses if d.get("shard_optimizer", False))}
     return out
 
 
@@ -153,10 +158,12 @@ def write_report(data: dict, command: str, out_dir: Path) -> None:
                      + (f" (target: median >= {TARGET_EFFICIENCY})" if label == "1/GPU" else "") + ".")
     gain = s.get("bf16_sync_gain")
     if gain:
-        lines.append(f"- `--grad-reduce bf16` (the gradient sync summed in bf16, planned unsharded; off by default), "
-                     f"the same {gain['num_cases']} cases at 1/GPU: efficiency x{gain['median']:.3f} median over the "
-                     f"default plan (min x{gain['min']:.3f}, max x{gain['max']:.3f}; a bf16 plan is unsharded, so it "
-                     "loses where the default plan needs the sharded optimizer's memory).")
+        lines.append(f"- `--grad-reduce bf16` (the gradient sync summed in bf16; off by default), the same "
+                     f"{gain['num_cases']} cases at 1/GPU: efficiency x{gain['median']:.3f} median over the default "
+                     f"plan (min x{gain['min']:.3f}, max x{gain['max']:.3f}); {gain['num_losses']} cases lose more than "
+                     f"1%: in {gain['losses_unsharded']} of them the bf16 plan is unsharded, and in "
+                     f"{gain['losses_default_sharded']} the default plan shards its optimizer (the bf16 copy's 2 bytes "
+                     "per parameter, counted for the whole step, take memory a sharded plan needed).")
     lines += ["", "Efficiency factors (each in (0, 1]; their product is the balance efficiency; "
               "`docs/cost-model.md`, \"Efficiency factors\"): median and worst over the cases.", "",
               "| batch | " + " | ".join(FACTORS) + " |", "|---|" + "---|" * len(FACTORS)]

@@ -259,10 +259,6 @@ def plan_fields(data: Any) -> dict[str, Any]:
     if reduce not in GRAD_REDUCE_CHOICES:
         raise UserError(f"plan field 'grad_reduce' must be one of {', '.join(GRAD_REDUCE_CHOICES)}, got {reduce!r}: "
                         "re-make the plan with `ethpipe plan --grad-reduce ...`")
-    if reduce != "fp32" and shard:
-        raise UserError(f"plan field 'grad_reduce' is {reduce!r} with 'shard_optimizer': true: a sharded optimizer "
-                        "reduces in fp32 (its all-gather moves fp32 weights); re-make the plan with `ethpipe plan "
-                        "--grad-reduce bf16` (which plans unsharded) or drop --grad-reduce")
     return {"method": str(data["method"]) if "method" in data else "custom", "model": model,
             "global_batch_size": batch, "seq_len": seq_len, "pipelines": pipes, "blocks": blocks, "model_spec": spec,
             "cluster": cluster, "predicted": predicted, "extra": extra, "version": version, "idle_devices": idle,

@@ -3,7 +3,8 @@
 Three gloo ranks hold the same parameters and fill their gradients with seeded values of very different magnitudes.
 The units cover the bucket modes: whole parameters (views of a bucket), a parameter cut along dim 1 over two units
 (copied into its buckets and back after the sum), and a replicated-style unit that divides by 2 first (its sum is
-of the halves); small buckets, so several all-reduces run. After the sync every rank must hold,
+of the halves); small buckets, so several all-reduces run. The same units are then reduce-scattered under ZeRO-1
+(``zero.ShardedBuckets``, unequal shard weights): every rank's shard within the same bound, each a bf16 sum. After the sync every rank must hold,
 per element, the exact sum S of the three ranks' values to within ``(P + 1) u sum_i |g_i|`` (P = 3 terms,
 u = 2^-8, bf16's unit roundoff: each input is rounded once and each of the P - 1 additions once, and (P + 1) u
 covers their u^2 terms), and values a bf16 sum produced (each exactly a bf16 number). A runtime that ignores
@@ -18,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from ethpipe.runtime.sync.buckets import GradBuckets
+from ethpipe.runtime.sync.buckets import GradBuckets, _region
 from ethpipe.runtime.sync.layout import SyncSlice, SyncUnit
+from ethpipe.runtime.sync.zero import ShardedBuckets
 
 from .harness import run_ranks
 
@@ -40,14 +42,17 @@ def _grads(rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _units(world: int) -> list[SyncUnit]:
+    holders = tuple(range(world))
+    return [SyncUnit(1, holders, (SyncSlice("w1", None, 0, 0), SyncSlice("w3", None, 0, 0))),
+            SyncUnit(1, holders, (SyncSlice(HALVED, None, 0, 0),), divide_by=2),
+            SyncUnit(0, holders, (SyncSlice("w4", 1, 0, 12),)), SyncUnit(0, holders, (SyncSlice("w4", 1, 12, 12),))]
+
+
 def _sync(rank: int, world: int, reduce_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     params = {n: nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
-    holders = tuple(range(world))
-    units = [SyncUnit(1, holders, (SyncSlice("w1", None, 0, 0), SyncSlice("w3", None, 0, 0))),
-             SyncUnit(1, holders, (SyncSlice(HALVED, None, 0, 0),), divide_by=2),
-             SyncUnit(0, holders, (SyncSlice("w4", 1, 0, 12),)), SyncUnit(0, holders, (SyncSlice("w4", 1, 12, 12),))]
-    groups = {holders: torch.distributed.group.WORLD}
-    buckets = GradBuckets(params, units, groups, bucket_bytes=8 * 1024, reduce_dtype=reduce_dtype)
+    groups = {tuple(range(world)): torch.distributed.group.WORLD}
+    buckets = GradBuckets(params, _units(world), groups, bucket_bytes=8 * 1024, reduce_dtype=reduce_dtype)
     assert len(buckets.buckets) > 3  # several all-reduces, each cast and cast back
     assert "copy" in {m for b in buckets.buckets for m in b.modes} and "view" in {m for b in buckets.buckets
                                                                                 for m in b.modes}
@@ -73,6 +78,22 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         assert bool(((full[n].double() - exact[n]).abs() <= 4 * 2.0 ** -24 * magnitude[n]).all())
         assert not torch.equal(full[n], full[n].to(torch.bfloat16).float())
         assert float((low[n].double() - exact[n]).abs().max()) > 0.0  # the bf16 sum did round
+    # ZeRO-1: the reduce-scatter sums in bf16, each rank's shard of every bucket within the same bound
+    params = {n: nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
+    groups = {tuple(range(world)): torch.distributed.group.WORLD}
+    sharded = ShardedBuckets(params, _units(world), groups, rank, {0: 3.0, 1: 1.0, 2: 2.0}, 8 * 1024, torch.bfloat16)
+    for name, g in _grads(rank).items():
+        sharded.grads[name].copy_(g)
+    sharded.flush()
+    sharded.wait()
+    assert sharded.pieces
+    for piece in sharded.pieces:
+        a, b = piece.span
+        want = _region(exact[piece.name], piece.sl).reshape(-1)[a:b]
+        scale = _region(magnitude[piece.name], piece.sl).reshape(-1)[a:b]
+        got = piece.grad.double()
+        assert bool(((got - want).abs() <= bound * scale).all()), piece.name
+        assert torch.equal(piece.grad, piece.grad.to(torch.bfloat16).float()), f"{piece.name}: not a bf16 sum"
     Path(out_dir, f"ok-{rank}").write_text("ok")
 
 

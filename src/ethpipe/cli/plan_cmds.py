@@ -43,7 +43,7 @@ AttentionOpt = Annotated[str, typer.Option("--attention", help="auto (the fused 
 GradReduceOpt = Annotated[str, typer.Option(
     "--grad-reduce", help="What the block gradient sync sums in: fp32 (default) | bf16 (half the sync's bytes, one "
                           "bf16 copy of each synced gradient in memory, each sum within (P + 1) 2^-8 of its P "
-                          "terms' absolute sum; plans unsharded: docs/runtime.md).")]
+                          "terms' absolute sum: docs/runtime.md).")]
 SchedulesOpt = Annotated[Optional[str], typer.Option(
     "--schedules", help="Pipeline schedules each pipeline may run, comma-separated: 1f1b, zb-h1 (zero-bubble H1: "
                         "weight gradients deferred into the bubble), interleaved (2 model chunks per stage; a "

@@ -81,11 +81,15 @@ def reduce_bound_line(plan: Plan) -> str:
 
 
 def sharding_line(plan: Plan) -> str:
-    """Whether the plan shards the optimizer state, and what the planner compared."""
-    record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
+    """Whether the plan shards the optimizer state, and what the planner compared (and with a bf16 gradient sum,
+    its bound at this plan's pipeline count)."""
     if plan.extra.get("grad_reduce", "fp32") != "fp32":
-        return (f"optimizer state: whole on every rank (--grad-reduce {plan.extra['grad_reduce']}: gradients summed "
-                "in bf16, which a sharded optimizer does not do)\n" + reduce_bound_line(plan))
+        return _sharding_line(plan) + "\n" + reduce_bound_line(plan)
+    return _sharding_line(plan)
+
+
+def _sharding_line(plan: Plan) -> str:
+    record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
     if plan.shard_optimizer:
         head = f"optimizer state: AdamW moments sharded over the {len(plan.pipelines)} pipelines (ZeRO-1)"
         other = record.get("unsharded_iteration_s")

@@ -9,9 +9,10 @@ methods, so what a plan is priced at is what it is replayed at.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ethpipe.cluster import Cluster
-from ethpipe.cost import comm, links
+from ethpipe.cost import comm, links, memory
 from ethpipe.cost.p2p import P2pFlows
 from ethpipe.cost.sync import SyncShape, block_sync_shapes, distinct_gpus, sync_shape_s, tied_sync_shape
 from ethpipe.plan import Plan
@@ -49,10 +50,10 @@ class CommPricing:
         """Send one micro-batch's activation (or its gradient) between two ranks (memoised: the planner asks
         for the same links for every template and micro-batch size)."""
         key = (src_rank, dst_rank, micro_batch)
-        memo = self._p2p  # type: ignore[attr-defined]
+        memo = self._p2p
         hit = memo.get(key)  # one hash per call: read for every slot of every template
         if hit is None:
-            num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
+            num_bytes = micro_batch * self._act_bytes
             hit = memo[key] = comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
                                          self.cluster.link_latency_s(src_rank, dst_rank))
         return hit  # type: ignore[no-any-return]
@@ -85,18 +86,36 @@ class CommPricing:
 
     def sync_s(self, shape: SyncShape | None) -> float:
         """Seconds of one block's gradient sync of this shape (``cost/sync.py``): its all-reduce, or sharded
-        (``optimizer_holders`` > 1) the reduce-scatter, which the all-gather after the optimizer repeats."""
+        (``optimizer_holders`` > 1) the reduce-scatter, which the all-gather after the optimizer repeats over the
+        fp32 weights (``gather_s``)."""
         if shape is None:
             return 0.0
         return sync_shape_s(shape, self.cluster) * (sharded_phase_fraction(shape.num_ranks)
                                                     if self.optimizer_holders > 1 else 1.0)
 
+    def gather_s(self, shape: SyncShape | None) -> float:
+        """Seconds of the all-gather of the updated shards after the optimizer, for a block's sync ``shape`` (0.0
+        unsharded): the reduce-scatter's phase over the weights, which move in fp32 whatever ``grad_reduce`` the
+        gradients were summed in (so a bf16 reduce's gather moves twice its bytes)."""
+        if shape is None or self.optimizer_holders <= 1:
+            return 0.0
+        ratio = memory.GRAD_BYTES_PER_PARAM / self.grad_bytes
+        if ratio != 1.0:
+            shape = replace(shape, num_bytes=shape.num_bytes * ratio)
+        return self.sync_s(shape)
+
     def block_gather_s(self, plan: Plan) -> list[float]:
         """Seconds of each block's all-gather of the updated shards after the optimizer (0.0 unsharded)."""
-        return self.block_sync_s(plan) if self.optimizer_holders > 1 else [0.0] * len(plan.blocks)
+        if self.optimizer_holders <= 1:
+            return [0.0] * len(plan.blocks)
+        shapes = block_sync_shapes(plan, self.cluster, lambda b, first, last: self.block_grad_bytes(
+            b, first=first, last=last))
+        return [self.gather_s(shape) for shape in shapes]
 
     def tied_gather_s(self, plan: Plan) -> float:
-        return self.tied_sync_s(plan) if self.optimizer_holders > 1 else 0.0
+        if self.optimizer_holders <= 1 or not self.tied_grad_bytes():
+            return 0.0
+        return self.gather_s(tied_sync_shape(plan, self.cluster, self.tied_grad_bytes()))
 
     def tied_sync_s(self, plan: Plan) -> float:
         """Seconds of the tied embedding matrix's all-reduce among its copies (0 for an untied model)."""

@@ -84,8 +84,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     allows (``planner/layers/schedules.py``; interleaving: ``planner/layers/interleave.py``, a pipeline that
     cannot interleave keeps 1F1B); the plan records it per pipeline.
     ``grad_reduce``: what the block sync sums gradients in (``fp32``, or ``bf16``: half the sync's bytes, priced,
-    with one bf16 copy per synced parameter in memory, and a rounding docs/runtime.md bounds); ``bf16`` plans
-    unsharded (a sharded optimizer reduces in fp32). Recorded as ``extra["grad_reduce"]``.
+    with one bf16 copy per synced parameter in memory, and a rounding docs/runtime.md bounds; sharded, the
+    reduce-scatter sums in bf16 and the all-gather after the optimizer still moves fp32 weights). Recorded as
+    ``extra["grad_reduce"]``.
     """
     if method not in METHODS:
         raise UserError(f"unknown method '{method}': use one of {', '.join(METHODS)}")
@@ -111,7 +112,6 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
                      tf32=tf32, calibration=calibration, attention_mode=attention, grad_reduce=grad_reduce)
-    shard_optimizer = shard_optimizer and grad_reduce == "fp32"
     # eth interleaves its final plan (``layers/interleave.py``; robust: per candidate, by worst case): interleaving
     # inside the search would change which devices go idle and the sharding rounds compare under it.
     searched = chosen if robust else (tuple(x for x in chosen if x != "interleaved") or (DEFAULT_SCHEDULE,))

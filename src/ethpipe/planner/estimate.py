@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ethpipe.cost.compute import model_train_flops
+from ethpipe.cost.memory import GRAD_BYTES_PER_PARAM
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.cost.sync import block_sync_order
@@ -190,10 +191,12 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             for r in stage.ranks:
                 busy[r] = work
                 memory[r] = mem
-    # Sharded: the all-gathers of the updated shards repeat the reduce phases (``CostModel.block_gather_s``).
-    sharded = cost.optimizer_holders > 1
-    iteration = _after_gathers(plan, free, blocks, durations if sharded else [0.0] * len(durations),
-                               tied_holders, tied_s if sharded else 0.0)
+    # Sharded: the all-gathers of the updated shards repeat the reduce phases over the fp32 weights
+    # (``CostModel.block_gather_s``: the reduce's own durations unless the gradients were summed in bf16).
+    sharded, same = cost.optimizer_holders > 1, cost.grad_bytes == GRAD_BYTES_PER_PARAM
+    gathers = (durations if same else cost.block_gather_s(plan)) if sharded else [0.0] * len(durations)
+    tied_gather = (tied_s if same else cost.tied_gather_s(plan)) if sharded else 0.0
+    iteration = _after_gathers(plan, free, blocks, gathers, tied_holders, tied_gather)
     return Estimate(iteration, makespan, times, max(sync_end - makespan, 0.0), opt_max, busy, memory, no_sync)
 
 

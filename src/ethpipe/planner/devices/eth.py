@@ -269,7 +269,6 @@ def _after_flush_s(cost: CostModel, groups: Sequence[Group]) -> list[float]:
     """Per group, what its pipelines' first stage does after its flush: it syncs its blocks one after another,
     steps its optimizer and, sharded, gathers those blocks again (``grouping.group_iteration_s``, the
     estimator's arithmetic), whatever the samples and the schedule."""
-    phases = 2 if cost.optimizer_holders > 1 else 1  # sharded: the reduce, then the gather after the optimizer
     after_s = []
     for g in groups:
         tpl = g.template
@@ -278,8 +277,8 @@ def _after_flush_s(cost: CostModel, groups: Sequence[Group]) -> list[float]:
         after_s.append(cost.optimizer_s(stage, first=True, last=tpl.depth == 1))
     for holders, shape in sync_shapes(cost, groups):
         for g, stage_index in enumerate(holders):
-            if stage_index == 0:
-                after_s[g] += phases * cost.sync_s(shape)
+            if stage_index == 0:  # sharded: the reduce, then the gather after the optimizer
+                after_s[g] += cost.sync_s(shape) + cost.gather_s(shape)
     return after_s
 
 

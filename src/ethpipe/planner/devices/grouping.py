@@ -261,7 +261,7 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
     end = {k: max(free[k], finish[k]) + opts[k] for k in finish}
     if cost.optimizer_holders > 1:  # sharded: the gathers after the optimizer, in the sync's reversed order
         for keys, shape in reversed(syncs):
-            duration = cost.sync_s(shape)
+            duration = cost.gather_s(shape)
             if duration > 0.0:
                 start = max(end[k] for k in keys)
                 for k in keys:

@@ -93,7 +93,8 @@ def build_stage_optimizer(plan: Plan, config: TrainConfig, rank: int, module: nn
         buckets = GradBuckets(params, units, groups.block_groups, config.bucket_bytes, reduce_dtype_of(plan))
         return StageOptimizer(buckets, optimizer, GradStats(params, owned, device))
     weights = dict(enumerate(plan.shard_weights)) if plan.shard_weights else {}
-    sharded = ShardedBuckets(params, units, groups.block_groups, rank, weights, config.bucket_bytes)
+    sharded = ShardedBuckets(params, units, groups.block_groups, rank, weights, config.bucket_bytes,
+                             reduce_dtype_of(plan))
     sharded_optimizer = ShardedAdamW(sharded, config.lr, config.weight_decay, config.adam_betas, config.adam_eps)
     if states is not None:
         sharded_optimizer.load_full(states)

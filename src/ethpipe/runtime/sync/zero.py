@@ -69,10 +69,10 @@ class ShardedBuckets(GradBuckets):
 
     def __init__(self, params: Mapping[str, nn.Parameter], units: Sequence[SyncUnit],
                  groups: Mapping[tuple[int, ...], dist.ProcessGroup], rank: int, weights: Mapping[int, float],
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, reduce_dtype: torch.dtype | None = None) -> None:
         self.rank, self.weights = rank, weights
         self._chunk_memo: dict[tuple[int, int], tuple[list[tuple[int, int]], list[int], int, bool]] = {}
-        super().__init__(params, units, groups, bucket_bytes)
+        super().__init__(params, units, groups, bucket_bytes, reduce_dtype)
         # Bucket tensors in order, each with its parameter twin and the parameter segments it holds.
         self.tensors: list[tuple[_Bucket, torch.Tensor, torch.Tensor, list[Segment]]] = []
         self._param_flats: dict[int, torch.Tensor] = {}  # each bucket's flat parameter buffer, by id(bucket)
@@ -155,13 +155,14 @@ class ShardedBuckets(GradBuckets):
         for t in tensors:
             flat = t.reshape(-1)  # a contiguous buffer or region: a view
             bounds, slots, length, direct = self._chunks(bucket, flat.numel())
+            dtype = self.reduce_dtype or flat.dtype  # a plan's grad_reduce: the sum in bf16, the shard kept in fp32
             if direct:
-                source = flat
+                source = flat if dtype == flat.dtype else flat.to(dtype)
             else:
-                source = flat.new_zeros(len(bounds) * length)
+                source = flat.new_zeros(len(bounds) * length, dtype=dtype)
                 for (a, b), slot in zip(bounds, slots):
                     source[slot * length:slot * length + b - a].copy_(flat[a:b])
-            out = flat.new_empty(length)
+            out = source.new_empty(length)
             works.append(dist.reduce_scatter_single(out, source, op=dist.ReduceOp.SUM, group=group, async_op=True))
             a, b = bounds[me]
             self._scattered[id(bucket)].append((out[:b - a], flat[a:b]))
