@@ -86,7 +86,12 @@ def test_plan_cli_takes_grad_reduce_and_refuses_a_bad_one(tmp_path: Path) -> Non
     res = CliRunner().invoke(app, [*args, "--grad-reduce", "bf16", "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
     assert "bf16 gradient sums over 2 pipelines: each within 3 x 2^-8" in res.output
-    assert Plan.load(tmp_path / "p.json").extra["grad_reduce"] == "bf16"
+    saved = Plan.load(tmp_path / "p.json")
+    assert saved.extra["grad_reduce"] == "bf16"
+    # the opt-in lever says whether it pays: the same plan request with an fp32 sync, priced beside it
+    fp32_s = saved.extra["search"]["grad_reduce"]["fp32_iteration_s"]
+    assert fp32_s > saved.predicted["iteration_time_s"]  # a slow NIC: the halved sync pays
+    assert f"with the sync in fp32 the plan takes {fp32_s:.4g} s" in res.output and "(faster)" in res.output
     bad = CliRunner().invoke(app, [*args, "--grad-reduce", "fp8"])
     assert bad.exit_code != 0 and "--grad-reduce must be one of fp32, bf16" in bad.output
     assert "Traceback" not in bad.output

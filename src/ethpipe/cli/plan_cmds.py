@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -140,10 +141,18 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     from ethpipe.planner import PlannerOptions, make_plan
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
-    result = make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles, recompute=recompute,
-                       dtype=dtype, tf32=tf32, calibration=load_calibration(catalog), robust=robust,
-                       attention=attention, shard_optimizer=shard_optimizer, schedules=parse_schedules(schedules),
-                       options=PlannerOptions(allow_idle=not no_idle), grad_reduce=grad_reduce)
+    def planned(reduce: str) -> Plan:
+        return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles,
+                         recompute=recompute, dtype=dtype, tf32=tf32, calibration=load_calibration(catalog),
+                         robust=robust, attention=attention, shard_optimizer=shard_optimizer,
+                         schedules=parse_schedules(schedules), options=PlannerOptions(allow_idle=not no_idle),
+                         grad_reduce=reduce)
+
+    result = planned(grad_reduce)
+    if grad_reduce != "fp32":  # an opt-in lever: say whether it pays here (the fp32 plan, planned the same way)
+        fp32_s = planned("fp32").predicted["iteration_time_s"]
+        search = {**(result.extra.get("search") or {}), "grad_reduce": {"fp32_iteration_s": fp32_s}}
+        result = dataclasses.replace(result, extra={**result.extra, "search": search})
     if out is not None:
         result.save(out)
     if as_json:

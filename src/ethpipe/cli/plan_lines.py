@@ -76,8 +76,14 @@ def reduce_bound_line(plan: Plan) -> str:
     if holders > 256:
         return (f"bf16 gradient sums over {holders} pipelines: no error bound holds past 256 terms (a partial sum "
                 "256 times a term loses it); use --grad-reduce fp32")
-    return (f"bf16 gradient sums over {holders} pipelines: each within {holders + 1} x 2^-8 = "
+    line = (f"bf16 gradient sums over {holders} pipelines: each within {holders + 1} x 2^-8 = "
             f"{(holders + 1) / 256:.1%} of its terms' absolute sum")
+    fp32_s = ((plan.extra.get("search") or {}).get("grad_reduce") or {}).get("fp32_iteration_s")
+    if fp32_s:
+        own = float(plan.predicted["iteration_time_s"])
+        verdict = "faster" if own < fp32_s else "not faster"
+        line += f"; with the sync in fp32 the plan takes {fp32_s:.4g} s, this one {own:.4g} s ({verdict})"
+    return line
 
 
 def sharding_line(plan: Plan) -> str:
