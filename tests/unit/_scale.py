@@ -29,6 +29,7 @@ from ethpipe.runtime.model.tensor_parallel import TPGroup
 from ethpipe.runtime.observe.metrics import DEVICE_FIELDS, HOST_FIELDS, gather_stats
 from ethpipe.runtime.sync.buckets import GradBuckets
 from ethpipe.runtime.sync.grads import stage_sync_units
+from ethpipe.runtime.sync.stage_optim import reduce_dtype_of
 from ethpipe.runtime.sync.zero import ShardedBuckets
 from ethpipe.schedule import actions_of
 
@@ -135,8 +136,9 @@ def count_rank(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), tied)
             params = dict(module.named_parameters())
             weights = dict(enumerate(plan.shard_weights)) if plan.shard_weights else {}
-            buckets = (ShardedBuckets(params, units, groups.block_groups, rank, weights, bucket_bytes)
-                       if plan.shard_optimizer else GradBuckets(params, units, groups.block_groups, bucket_bytes))
+            reduce = reduce_dtype_of(plan)  # as ``stage_optim.build_stage_optimizer`` builds them
+            buckets = (ShardedBuckets(params, units, groups.block_groups, rank, weights, bucket_bytes, reduce)
+                       if plan.shard_optimizer else GradBuckets(params, units, groups.block_groups, bucket_bytes, reduce))
             buckets.remove_hooks()
             counts.num_bucket_tensors = len(buckets.posts())
             counts.max_holders = max((len(h) for _, h in buckets.posts()), default=1)

@@ -17,6 +17,7 @@ import dataclasses
 from functools import lru_cache
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ethpipe.cluster import Cluster, cluster_from_dict
@@ -133,3 +134,25 @@ def test_eight_pipelines_cost_a_rank_no_more_than_two(split: bool) -> None:
     else:
         assert eight.member_groups == two.member_groups == 2  # its pipeline and its block group
         assert eight.calls[("start", "new_group")] > two.calls[("start", "new_group")]  # the others' no-ops
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_bf16_gradient_sum_issues_what_the_fp32_one_does(sharded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grad_reduce: bf16`` casts each bucket tensor and sums it in bf16: at 4096 ranks a rank issues exactly the
+    collectives, groups and world-wide calls of the fp32 plan, and every gradient collective carries bf16."""
+    base = dataclasses.replace(planned("4096 scaling", "gpt3-1.3b", "1/GPU"), shard_optimizer=sharded)
+    low = dataclasses.replace(base, extra={**base.extra, "grad_reduce": "bf16"})
+    seen: list[torch.dtype] = []
+    for name, arg in (("all_reduce", 0), ("reduce_scatter_single", 1)):
+        original = getattr(dist, name)
+
+        def recording(*args, _original=original, _arg=arg, **kwargs):  # type: ignore[no-untyped-def]
+            seen.append(args[_arg].dtype)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(dist, name, recording)
+    full = count_rank(base, 0)
+    fp32_dtypes, seen[:] = list(seen), []
+    half = count_rank(low, 0)
+    assert half.num_bucket_tensors == full.num_bucket_tensors >= 50
+    assert (half.calls, half.world_calls, half.member_groups) == (full.calls, full.world_calls, full.member_groups)
+    assert seen and set(seen) == {torch.bfloat16} and set(fp32_dtypes) == {torch.float32}

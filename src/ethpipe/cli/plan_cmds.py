@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
-from ethpipe.cli.plan_lines import idle_lines, nodes_line, sharding_line
+from ethpipe.cli.plan_lines import idle_lines, nodes_line, reduce_bound_line, sharding_line
 from ethpipe.cli.run_config import config_option
 from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.errors import UserError
@@ -141,9 +141,11 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     from ethpipe.planner import PlannerOptions, make_plan
 
     clu, spec, profiles = _inputs(cluster, model, profile, profile_as)
+    calibration = load_calibration(catalog)
+
     def planned(reduce: str) -> Plan:
         return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles,
-                         recompute=recompute, dtype=dtype, tf32=tf32, calibration=load_calibration(catalog),
+                         recompute=recompute, dtype=dtype, tf32=tf32, calibration=calibration,
                          robust=robust, attention=attention, shard_optimizer=shard_optimizer,
                          schedules=parse_schedules(schedules), options=PlannerOptions(allow_idle=not no_idle),
                          grad_reduce=reduce)
@@ -166,6 +168,8 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     for line in idle_lines(result):
         console.print(line, highlight=False)
     console.print(sharding_line(result), highlight=False)
+    if grad_reduce != "fp32":
+        console.print(reduce_bound_line(result), highlight=False)
     console.print(nodes_line(result), highlight=False)
     factors = result.predicted.get("efficiency_factors")
     if factors:

@@ -87,14 +87,7 @@ def reduce_bound_line(plan: Plan) -> str:
 
 
 def sharding_line(plan: Plan) -> str:
-    """Whether the plan shards the optimizer state, and what the planner compared (and with a bf16 gradient sum,
-    its bound at this plan's pipeline count)."""
-    if plan.extra.get("grad_reduce", "fp32") != "fp32":
-        return _sharding_line(plan) + "\n" + reduce_bound_line(plan)
-    return _sharding_line(plan)
-
-
-def _sharding_line(plan: Plan) -> str:
+    """Whether the plan shards the optimizer state, and what the planner compared."""
     record = (plan.extra.get("search") or {}).get("shard_optimizer") or {}
     if plan.shard_optimizer:
         head = f"optimizer state: AdamW moments sharded over the {len(plan.pipelines)} pipelines (ZeRO-1)"

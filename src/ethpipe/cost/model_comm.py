@@ -50,10 +50,10 @@ class CommPricing:
         """Send one micro-batch's activation (or its gradient) between two ranks (memoised: the planner asks
         for the same links for every template and micro-batch size)."""
         key = (src_rank, dst_rank, micro_batch)
-        memo = self._p2p
+        memo = self._p2p  # type: ignore[attr-defined]
         hit = memo.get(key)  # one hash per call: read for every slot of every template
         if hit is None:
-            num_bytes = micro_batch * self._act_bytes
+            num_bytes = micro_batch * self._act_bytes  # type: ignore[attr-defined]
             hit = memo[key] = comm.p2p_s(num_bytes, self.p2p_link_gbps(src_rank, dst_rank, num_bytes),
                                          self.cluster.link_latency_s(src_rank, dst_rank))
         return hit  # type: ignore[no-any-return]

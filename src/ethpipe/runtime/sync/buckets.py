@@ -23,9 +23,10 @@ and overlapping groups cannot deadlock (``ethpipe.comm.replay``). ``flush`` fire
 collective.
 
 ``reduce_dtype`` (a plan's ``grad_reduce: bf16``, off by default): each bucket tensor is cast to that dtype, summed
-in it and cast back when waited (``zero.ShardedBuckets``: reduce-scattered in it, the shard cast back): half the bytes on the wire for fp32 gradients, at the cost of the reduction's
-rounding (docs/runtime.md, "16-bit gradient reduction": each element ends within ``(P + 1) u`` times the sum of its
-P holders' absolute values, u = 2^-8 for bf16, for P up to 256; void beyond). The low-precision copies live from
+in it and cast back when waited (``zero.ShardedBuckets``: reduce-scattered in it, the shard cast back): half the
+bytes on the wire for fp32 gradients, at the cost of the reduction's rounding (docs/runtime.md, "16-bit gradient
+reduction": each element ends within ``(P + 1) u`` times the sum of its P holders' absolute values, u = 2^-8 for
+bf16, for P up to 256; void beyond). The low-precision copies live from
 the issue to the wait: at most 2 bytes per synced parameter, which the memory model counts
 (``memory.reduce_copy_bytes``).
 """
