@@ -152,7 +152,8 @@ def _split_copies(spec: ModelSpec, mbs: int, e: int, backward: bool) -> list[ops
 
 def op_kernels(spec: ModelSpec, op: str, mbs: int, e: int, backward: bool) -> list[ops.Kernel]:
     kind, names, nth = (BACKWARD_OPS if backward else FORWARD_OPS)[op]
-    kernels = _pick(ops.layer_kernels(kind, spec, SEQ_LEN, mbs, 1, e, "materialised", backward), names, nth)
+    kernels = _pick(ops.layer_kernels(kind, spec, SEQ_LEN, mbs, 1, e, "materialised", backward, code="megatron"),
+                    names, nth)
     if op == "enc-attention-qkv":
         kernels += _split_copies(spec, mbs, e, backward)
     return kernels

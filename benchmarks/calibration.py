@@ -384,14 +384,14 @@ def replan_rows(root: Path, calibration: Calibration, global_batch: int) -> list
         clu = cluster_from_dict(_cluster(groups, root))
         profs = {t: measured[t] for t in clu.gpu_types}
         t0 = time.perf_counter()
-        # Priced as the profiled runtime runs (Megatron-DeepSpeed's unfused fp32 attention, no distributed
+        # Priced as the profiled runtime runs (Megatron-DeepSpeed's kernels, its unfused fp32 attention, no distributed
         # optimizer): the plans are then judged under those profiles on equal terms, and what differs between
         # them is the compute model alone (sharding and the schedule are planner choices that would add
         # near-ties to flip; Megatron-DeepSpeed ran 1F1B).
         ours = make_plan(clu, spec, global_batch, 2048, "eth", max_tp=1, dtype="fp32", calibration=calibration,
-                         attention="materialised", shard_optimizer=False, schedules=("1f1b",))
+                         attention="materialised", shard_optimizer=False, schedules=("1f1b",), layer_code="megatron")
         ref = make_plan(clu, spec, global_batch, 2048, "eth", max_tp=1, dtype="fp32", profiles=profs,
-                        attention="materialised", shard_optimizer=False, schedules=("1f1b",))
+                        attention="materialised", shard_optimizer=False, schedules=("1f1b",), layer_code="megatron")
         measured_cost = CostModel.for_plan(ours, profiles=profs)
         ours_meas = simulate(ours, measured_cost).iteration_time_s
         # What `ethpipe train --rebalance` does online: re-split the batch from measured step times.

@@ -106,7 +106,8 @@ def convert(root: Path, model: str, gpu: str) -> list[SailorProfile]:
             seq_len=SEQ_LEN[model], layers=layers,
             optimizer_s_per_param=opt[tp] / params if params and opt[tp] > 0 else 0.0,
             peak_memory_bytes=memory, tp=tp, tf32=(model, gpu) not in NOT_TF32, attention="materialised",
-            grad_accumulation="fused")  # Megatron's contiguous main_grad buffer: accumulation fused or absent
+            grad_accumulation="fused",  # Megatron's contiguous main_grad buffer: accumulation fused or absent
+            layer_code="megatron")
         out.append(SailorProfile(model, gpu, prof))
     return out
 

@@ -105,7 +105,7 @@ def observations(root: Path, min_ideal_s: float = MIN_IDEAL_S) -> tuple[OpObserv
         spec = spec_of(rows[0], MODEL_NAMES[model_dir])
         parallel = spec.activation != "swiglu"
         for (tokens, tp), times in sorted(shapes.items()):
-            kernels = ops.block_kernels(spec, tokens, 1, tp, 2, "flash", False)
+            kernels = ops.block_kernels(spec, tokens, 1, tp, 2, "flash", False, "megatron")  # vLLM: fused kernels
             group = []
             for op, measured in times.items():
                 if parallel and op == "post_attention_layernorm":

@@ -112,7 +112,8 @@ def points(root: Path) -> list[ZorsePoint]:
                                     for b, (f, g) in enumerate(zip(fwd_ms, bwd_ms)) if f > 0 and g > 0}}
                 profile = MeasuredProfile(f"cuda: zorse {key}", "cuda", "fp16", spec.to_dict(), int(seq), layers, 0.0,
                                           attention="materialised" if key in EAGER_ATTENTION else "auto",
-                                          grad_accumulation="autocast")  # plain autocast over fp32 weights
+                                          grad_accumulation="autocast",  # plain autocast over fp32 weights
+                                          layer_code="hf")  # transformers' eager layer, fp32 stream
                 for o in cal.observations(profile, catalog[gpu_id]):
                     o = cal.Observation(o.arch, o.gpu, o.model, o.kind, o.backward, o.micro_batch, o.tp, o.measured_s,
                                         o.terms, o.comm_s, layer_passes=0.0, launch_floor=False)

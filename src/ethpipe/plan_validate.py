@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ethpipe.cost.memory import GRAD_REDUCE_CHOICES
-from ethpipe.cost.ops import ATTENTION_CHOICES
+from ethpipe.cost.ops import ATTENTION_CHOICES, LAYER_CODES
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, interleaved_fits
@@ -254,6 +254,9 @@ def plan_fields(data: Any) -> dict[str, Any]:
     if extra.get("attention", "auto") not in ATTENTION_CHOICES:
         raise UserError(f"plan field 'attention' must be one of {', '.join(ATTENTION_CHOICES)}, got "
                         f"{extra['attention']!r}: re-make the plan with `ethpipe plan --attention ...`")
+    if extra.get("layer_code", "ethpipe") not in LAYER_CODES:
+        raise UserError(f"plan field 'layer_code' must be one of {', '.join(LAYER_CODES)}, got "
+                        f"{extra['layer_code']!r}: remove it to price ethpipe's own runtime")
     shard, weights = _sharding(data, sum(len(p.ranks) for p in pipes))
     reduce = extra.get("grad_reduce", "fp32")
     if reduce not in GRAD_REDUCE_CHOICES:

@@ -24,6 +24,7 @@ from ethpipe.sim import simulate
 SPEC = load_model_spec("gpt3-125m")
 # Two nodes on a slow NIC: the block sync is a large part of the step.
 SLOW_NIC = {"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 2, "nic_gbit_s": 25}]}
+BATCH = 32  # two 2-stage pipelines: each block synced across the NIC
 
 
 def test_bf16_reduce_halves_the_sync_bytes_and_adds_its_copy_to_memory() -> None:
@@ -40,8 +41,8 @@ def test_bf16_reduce_halves_the_sync_bytes_and_adds_its_copy_to_memory() -> None
 
 def test_a_bf16_plan_is_recorded_and_priced_faster_where_the_sync_is_exposed() -> None:
     clu = cluster_from_dict(SLOW_NIC)
-    fp32 = make_plan(clu, SPEC, 16, 512, max_tp=1, shard_optimizer=False)
-    bf16 = make_plan(clu, SPEC, 16, 512, max_tp=1, grad_reduce="bf16", shard_optimizer=False)
+    fp32 = make_plan(clu, SPEC, BATCH, 512, max_tp=1, shard_optimizer=False)
+    bf16 = make_plan(clu, SPEC, BATCH, 512, max_tp=1, grad_reduce="bf16", shard_optimizer=False)
     assert bf16.extra["grad_reduce"] == "bf16" and fp32.extra["grad_reduce"] == "fp32"
     cost = CostModel.for_plan(bf16)
     assert cost.grad_reduce == "bf16"
@@ -55,7 +56,7 @@ def test_a_bf16_plan_is_recorded_and_priced_faster_where_the_sync_is_exposed() -
 
 def test_the_plan_file_checks_grad_reduce() -> None:
     clu = cluster_from_dict(SLOW_NIC)
-    data = make_plan(clu, SPEC, 16, 512, max_tp=1, grad_reduce="bf16").to_dict()
+    data = make_plan(clu, SPEC, BATCH, 512, max_tp=1, grad_reduce="bf16").to_dict()
     assert Plan.from_dict(copy.deepcopy(data)).extra["grad_reduce"] == "bf16"
     with pytest.raises(UserError, match="plan field 'grad_reduce' must be one of fp32, bf16"):
         Plan.from_dict({**copy.deepcopy(data), "grad_reduce": "int8"})
@@ -66,7 +67,7 @@ def test_sharded_a_bf16_reduce_halves_the_reduce_scatter_not_the_fp32_all_gather
     """ZeRO-1 with a bf16 sum: the reduce-scatter moves bf16, the gather after the optimizer fp32 weights; the
     estimate and the simulator price the same, and an fp32 plan's gather still equals its reduce."""
     clu = cluster_from_dict(SLOW_NIC)
-    plan = make_plan(clu, SPEC, 16, 512, max_tp=1, shard_optimizer=False)
+    plan = make_plan(clu, SPEC, BATCH, 512, max_tp=1, shard_optimizer=False)
     for reduce in ("fp32", "bf16"):
         sharded = dataclasses.replace(plan, shard_optimizer=True, extra={**plan.extra, "grad_reduce": reduce})
         cost = CostModel.for_plan(sharded)
@@ -81,7 +82,7 @@ def test_sharded_a_bf16_reduce_halves_the_reduce_scatter_not_the_fp32_all_gather
 
 def test_plan_cli_takes_grad_reduce_and_refuses_a_bad_one(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("nodes:\n  - {gpu: a100_80gb_sxm, num_nodes: 2, gpus_per_node: 2, nic_gbit_s: 25}\n")
-    args = ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "gpt3-125m", "--global-batch", "16",
+    args = ["plan", "--cluster", str(tmp_path / "c.yaml"), "--model", "gpt3-125m", "--global-batch", str(BATCH),
             "--seq-len", "512", "--max-tp", "1"]
     res = CliRunner().invoke(app, [*args, "--grad-reduce", "bf16", "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
@@ -100,6 +101,6 @@ def test_plan_cli_takes_grad_reduce_and_refuses_a_bad_one(tmp_path: Path) -> Non
 def test_a_replan_keeps_the_plans_grad_reduce() -> None:
     from ethpipe.cli.replanning import replan
 
-    old = make_plan(cluster_from_dict(SLOW_NIC), SPEC, 16, 512, max_tp=1, grad_reduce="bf16")
+    old = make_plan(cluster_from_dict(SLOW_NIC), SPEC, BATCH, 512, max_tp=1, grad_reduce="bf16")
     one_node = cluster_from_dict({"nodes": [{**SLOW_NIC["nodes"][0], "num_nodes": 1}]})
     assert replan(old, one_node).extra["grad_reduce"] == "bf16"

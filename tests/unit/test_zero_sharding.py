@@ -94,7 +94,7 @@ A100_V100 = cluster_from_dict({"nodes": [
     {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800}]})
 
 
-@pytest.mark.parametrize("cluster, model, batch, rounds", [(A100_V100, "llama2-7b", 24, [2, 4]),  # 2k taken
+@pytest.mark.parametrize("cluster, model, batch, rounds", [(A100_V100, "llama3-8b", 24, [2, 4]),  # 2k taken
                                                            (V100S, "llama2-13b", 64, [2])])  # 2k not needed
 def test_the_next_sharding_round_searched_ahead_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch, cluster,
                                                                     model: str, batch: int, rounds: list[int]) -> None:

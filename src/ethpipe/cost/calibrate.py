@@ -129,7 +129,7 @@ def profile_dtype_tf32(profile: MeasuredProfile) -> tuple[str, bool]:
 
 def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shipped_link_gbps) -> list[Observation]:
     """Every (kind, pass, micro-batch) of ``profile`` measured on ``gpu`` (zero times are 'not captured'),
-    priced with the attention implementation the profile recorded."""
+    priced with the attention implementation, gradient accumulation and layer code the profile recorded."""
     if not gpu.arch or gpu.memory_bandwidth_gbps <= 0:
         raise UserError(f"GPU '{gpu.id}' has no architecture or memory bandwidth in the catalog: it cannot be calibrated")
     model = spec_from_dict(profile.model)
@@ -144,7 +144,7 @@ def observations(profile: MeasuredProfile, gpu: GpuSpec, link_gbps: LinkFn = shi
                 if measured <= 0:
                     continue
                 kernels = ops.layer_kernels(kind, model, profile.seq_len, b, profile.tp, e, attn, backward,
-                                            profile.grad_accumulation)
+                                            profile.grad_accumulation, profile.layer_code)
                 comm_s = sum(comm.ring_allreduce_s(profile.tp, n, link_gbps(gpu, profile.tp, n), INTRA_NODE_LATENCY_S)
                              for n in ops.tp_allreduce_bytes(kind, model, profile.seq_len, b, e, backward))
                 out.append(Observation(gpu.arch, gpu.id, model.name, kind, backward, b, profile.tp, measured,

@@ -76,6 +76,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
     optimizer_holders: int = 1
     # What the block sync sums gradients in (``memory.GRAD_REDUCE_CHOICES``): fp32, or bf16 (half the bytes, one copy).
     grad_reduce: str = "fp32"
+    layer_code: str = "ethpipe"  # whose elementwise kernels a block runs (cost/elementwise.py): this runtime's
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -111,6 +112,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
         object.__setattr__(self, "_head_flops", compute.head_fwd_flops(m, s))
         object.__setattr__(self, "_act_bytes", float(m.hidden_size * s * self.dtype_bytes))
+        assert self.layer_code in ops.LAYER_CODES, self.layer_code
         if self.grad_reduce not in memory.GRAD_REDUCE_CHOICES:
             raise UserError(f"--grad-reduce must be one of {', '.join(memory.GRAD_REDUCE_CHOICES)}, got "
                             f"{self.grad_reduce!r}")
@@ -132,7 +134,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
                    dtype=dtype, tf32=bool(plan.extra.get("tf32", True)), calibration=calibration,
                    attention_mode=str(plan.extra.get("attention", "auto")),
                    optimizer_holders=len(plan.pipelines) if plan.shard_optimizer else 1,
-                   grad_reduce=str(plan.extra.get("grad_reduce", "fp32")))
+                   grad_reduce=str(plan.extra.get("grad_reduce", "fp32")),
+                   layer_code=str(plan.extra.get("layer_code", "ethpipe")))
         # Ranks are the non-idle devices in cluster order (docs/plan-format.md, "Idle devices").
         return cost.on_cluster(full.without_devices(plan.idle_device_indices)) if plan.idle_devices else cost
 
@@ -148,7 +151,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         profiles = {t: p for t, p in (self.profiles or {}).items() if t in cluster.gpu_types}
         return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
                          dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode,
-                         optimizer_holders=self.optimizer_holders, grad_reduce=self.grad_reduce)
+                         optimizer_holders=self.optimizer_holders, grad_reduce=self.grad_reduce,
+                         layer_code=self.layer_code)
 
     # -- device facts ------------------------------------------------------------------
 
@@ -260,7 +264,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
             hw, attn = self._hw[device_type], self.attention(device_type)  # type: ignore[attr-defined]
 
             def kernels(b: int, backward: bool) -> list[ops.Kernel]:
-                return ops.layer_kernels(kind, self.model, self.seq_len, b, tp, self.dtype_bytes, attn, backward)
+                return ops.layer_kernels(kind, self.model, self.seq_len, b, tp, self.dtype_bytes, attn, backward,
+                                         code=self.layer_code)
             memo[key] = tuple(hw.kernel_lines(kernels(1, bw), kernels(2, bw)) for bw in (False, True))
         return memo[key]
 
@@ -342,8 +347,10 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         if key not in memo:
             fwd, _ = self._compute_s(device_type, "block", micro_batch, tp)
             attn = self.attention(device_type)
-            again = ops.recompute_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn)
-            whole = ops.block_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn, False)
+            again = ops.recompute_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn,
+                                          self.layer_code)
+            whole = ops.block_kernels(self.model, self.seq_len, micro_batch, tp, self.dtype_bytes, attn, False,
+                                      self.layer_code)
             if self._priced_by_kernels(device_type):
                 hw = self._hw[device_type]  # type: ignore[attr-defined]
                 share = hw.layer_s(again) / hw.layer_s(whole)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ethpipe.cost.elementwise import LAYER_CODES, LayerCode, block_elementwise, norm_bytes  # noqa: F401
 from ethpipe.model_spec import ModelSpec
 
 Attention = Literal["flash", "efficient", "materialised"]
@@ -110,29 +111,45 @@ def _linear(name: str, tokens: float, k_in: float, n_out: float, e: int, backwar
 
 
 def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                  attention: Attention, backward: bool) -> list[Kernel]:
-    """Kernels of one decoder block's forward (or backward) on one TP rank."""
+                  attention: Attention, backward: bool, code: str = "ethpipe", stream_bytes: int | None = None
+                  ) -> list[Kernel]:
+    """Kernels of one decoder block's forward (or backward) on one TP rank, as ``code`` runs its elementwise
+    work (``cost/elementwise.py``; ``stream_bytes``: the residual stream's dtype, default the compute dtype)."""
+    if code not in LAYER_CODES:
+        raise ValueError(f"layer code must be one of {', '.join(LAYER_CODES)}, got {code!r}")
     m, s, e, t = model, seq_len, elem_bytes, tp
     tokens = float(micro_batch * s)
     h, q, kv, d = m.hidden_size, m.q_dim / t, m.kv_dim / t, m.head_dim_resolved
     heads = m.num_heads / t
     f = m.ffn_hidden_size / t
     fc1_out = 2 * f if m.activation == "swiglu" else f
+    attn = _attention_kernels(micro_batch, s, heads, d, tokens, q, kv, e, attention, backward)
+    gemms = {name: _linear(name, tokens, k_in, n_out, e, backward)
+             for name, k_in, n_out in (("qkv", h, q + 2 * kv), ("proj", q, h), ("fc1", h, fc1_out), ("fc2", f, h))}
+    if code != "megatron":
+        ew = {k: mem(k.removeprefix("attn_").removeprefix("mlp_") if k.endswith("residual") else k, v)
+              for k, v in block_elementwise(code, m, tokens, t, e, e if stream_bytes is None else stream_bytes,
+                                            backward).items() if v}
+        forward = ["attn_norm", "attn_cast", "qkv", "rope", "attention", "proj", "attn_residual", "mlp_norm",
+                   "mlp_cast", "fc1", "act", "fc2", "mlp_residual"]
+        order = forward if not backward else [
+            "mlp_residual", "fc2", "act", "fc1", "mlp_grad_sum", "mlp_cast", "mlp_norm", "stream_grad_sum",
+            "attn_residual", "proj", "attention", "rope", "qkv", "attn_grad_sum", "attn_cast", "attn_norm",
+            "stream_grad_sum_attn", "bias_grad"]
+        out: list[Kernel] = []
+        for name in order:
+            out += gemms.get(name) or (attn if name == "attention" else [ew[name]] if name in ew else [])
+        return out
     th = tokens * h * e
     norm = mem("norm", (4 if backward else 2) * th)
     residual = mem("residual", 3 * th)
-    ks: list[Kernel] = [norm]
-    ks += _linear("qkv", tokens, h, q + 2 * kv, e, backward)
+    ks: list[Kernel] = [norm, *gemms["qkv"]]
     if m.position == "rope":
         ks.append(mem("rope", 2 * tokens * (q + kv) * e))
-    ks += _attention_kernels(micro_batch, s, heads, d, tokens, q, kv, e, attention, backward)
-    ks += _linear("proj", tokens, q, h, e, backward)
-    ks += [residual, norm]
-    ks += _linear("fc1", tokens, h, fc1_out, e, backward)
+    ks += [*attn, *gemms["proj"], residual, norm, *gemms["fc1"]]
     act_passes = (5 if backward else 3) if m.activation == "swiglu" else (3 if backward else 2)
     ks.append(mem("act", act_passes * tokens * f * e))
-    ks += _linear("fc2", tokens, f, h, e, backward)
-    ks.append(residual)
+    ks += [*gemms["fc2"], residual]
     if backward:
         ks = [Kernel(k.name, k.kind, k.flops, k.num_bytes * BWD_ELEMENTWISE_FACTOR) if k.kind == "mem" else k
               for k in ks]
@@ -162,12 +179,12 @@ def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: f
 
 
 def recompute_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                      attention: Attention) -> list[Kernel]:
+                      attention: Attention, code: str = "ethpipe") -> list[Kernel]:
     """What a recomputing block's backward runs again: torch's non-reentrant checkpoint stops once every tensor
     the backward needs is back, so the block's forward without its last GEMM (fc2: its output only feeds the
     residual add, whose backward needs neither input) and the last residual add; under TP, without the
     all-reduce after fc2 (``RECOMPUTE_TP_ALLREDUCES``). Counted by tests/unit/test_counted_work.py."""
-    ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, False)
+    ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, False, code)
     last_residual = max(i for i, k in enumerate(ks) if k.name == "residual")
     return [k for i, k in enumerate(ks) if k.name != "fc2" and i != last_residual]
 
@@ -188,14 +205,16 @@ def embedding_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int,
 
 
 def head_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                 backward: bool) -> list[Kernel]:
-    """Final norm, LM head GEMM (vocab split over TP) and the fp32 cross-entropy."""
+                 backward: bool, code: str = "ethpipe") -> list[Kernel]:
+    """Final norm (as ``code`` runs a norm: ``elementwise.norm_bytes``), LM head GEMM (vocab split over TP) and
+    the fp32 cross-entropy."""
     tokens = float(micro_batch * seq_len)
     h, vocab = model.hidden_size, model.vocab_size / tp
     th = tokens * h * elem_bytes
     logits = tokens * vocab * LOGITS_BYTES
     ce = mem("cross_entropy", CE_PASSES[1 if backward else 0] * logits)
-    norm = mem("final_norm", (4 if backward else 2) * th)
+    norm = mem("final_norm", (4 if backward else 2) * th if code == "megatron" else
+               tokens * h * norm_bytes(code, elem_bytes, max(4, elem_bytes), backward))
     head = _linear("lm_head", tokens, h, vocab, elem_bytes, backward)
     return [ce, *head, norm] if backward else [norm, *head, ce]
 
@@ -220,13 +239,15 @@ def grad_accumulation_kernels(kind: str, model: ModelSpec, tp: int, elem_bytes: 
 
 
 def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                  attention: Attention, backward: bool, accumulation: str = "cast_add") -> list[Kernel]:
+                  attention: Attention, backward: bool, accumulation: str = "cast_add",
+                  code: str = "ethpipe") -> list[Kernel]:
     """One layer pass's kernels as a runtime runs them (``accumulation``: how its backward puts each new
-    gradient into ``.grad``; ethpipe's runtime by default)."""
+    gradient into ``.grad``, ethpipe's runtime by default; ``code``: whose elementwise kernels,
+    ``cost/elementwise.py``)."""
     if kind == "block":
-        ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward)
+        ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward, code)
     elif kind == "head":
-        ks = head_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward)
+        ks = head_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward, code)
     elif kind == "embedding":
         ks = embedding_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward)
     else:

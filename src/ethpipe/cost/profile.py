@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ethpipe.cost.ops import ACCUMULATIONS, ATTENTION_CHOICES
+from ethpipe.cost.ops import ACCUMULATIONS, ATTENTION_CHOICES, LAYER_CODES
 from ethpipe.errors import UserError
 from ethpipe.atomic import write_text_atomic
 
@@ -48,6 +48,9 @@ class MeasuredProfile:
     # (ethpipe's runtime), "autocast" (plain autocast over fp32 weights; profiles written before ethpipe cast
     # its own weights record ``true``) or "fused" into the weight-gradient GEMM (Megatron; ``false``).
     grad_accumulation: str = "cast_add"
+    # Whose block was timed (``cost/elementwise.py``): "ethpipe" (this runtime: ``ethpipe profile``), "megatron"
+    # (fused norms and RoPE: the Sailor profiles) or "hf" (transformers' eager Llama layer: the Zorse data).
+    layer_code: str = "ethpipe"
 
     def layer_times_s(self, kind: LayerKind, micro_batch: int) -> tuple[float, float]:
         """(forward, backward) seconds of one layer of ``kind`` for one micro-batch."""
@@ -103,6 +106,7 @@ class MeasuredProfile:
             "tf32": self.tf32,
             "attention": self.attention,
             "grad_accumulation": self.grad_accumulation,
+            "layer_code": self.layer_code,
         }
 
     def save(self, path: str | Path) -> None:
@@ -144,6 +148,7 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             tf32=None if data.get("tf32") is None else bool(data["tf32"]),
             attention=_attention(data.get("attention", "auto")),
             grad_accumulation=_accumulation(data.get("grad_accumulation", True)),
+            layer_code=_layer_code(data.get("layer_code", "ethpipe")),
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
@@ -162,6 +167,12 @@ def _accumulation(value: Any) -> str:
         return "autocast" if value else "fused"
     if value not in ACCUMULATIONS:
         raise UserError(f"profile field 'grad_accumulation' must be one of {', '.join(ACCUMULATIONS)}, got {value!r}")
+    return str(value)
+
+
+def _layer_code(value: Any) -> str:
+    if value not in LAYER_CODES:
+        raise UserError(f"profile field 'layer_code' must be one of {', '.join(LAYER_CODES)}, got {value!r}")
     return str(value)
 
 

@@ -59,7 +59,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
               time_budget_s: float | None = None, options: PlannerOptions | None = None,
               dtype: str = "auto", tf32: bool = True, calibration: Calibration | None = None,
               robust: bool = False, attention: str = "auto", shard_optimizer: bool = True,
-              schedules: Sequence[str] | None = None, grad_reduce: str = "fp32") -> Plan:
+              schedules: Sequence[str] | None = None, grad_reduce: str = "fp32", layer_code: str = "ethpipe") -> Plan:
     """Plan one training iteration of ``model`` on ``cluster`` with ``method``.
 
     ``time_budget_s`` only bounds the exhaustive layer-balanced search (its best plan so far is
@@ -71,7 +71,9 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     It is recorded in the plan (``extra["dtype"]``) so the simulator prices the plan the same way.
     ``attention`` (recorded as ``extra["attention"]``): ``auto`` prices the fused kernels PyTorch SDPA
     runs (ethpipe's runtime), ``materialised`` the unfused s x s path of a Megatron-style runtime
-    (the runtime then forces SDPA's math backend on CUDA so memory matches).
+    (the runtime then forces SDPA's math backend on CUDA so memory matches). ``layer_code`` prices another
+    runtime's elementwise kernels (``cost/elementwise.py``: "megatron" for benchmarks that judge plans by a
+    Megatron-style runtime's measured profiles; recorded as ``extra["layer_code"]``).
     ``robust`` (eth only): pick the best worst case under per-type speed perturbations among the
     best few candidates (``planner/robust.py``) and record it in ``predicted`` (``worst_case_time_s``,
     ``worst_scenario``, ``scenario_times_s``); ``robust.robust_record`` prices any plan the same way.
@@ -111,7 +113,8 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
     check_one_world((d.gpu for d in cluster.devices))
     requested_dtype, dtype = dtype, plan_dtype(dtype, cluster)
     cost = CostModel(cluster, model, seq_len, dtype_bytes=dtype_bytes(dtype), profiles=profiles, dtype=dtype,
-                     tf32=tf32, calibration=calibration, attention_mode=attention, grad_reduce=grad_reduce)
+                     tf32=tf32, calibration=calibration, attention_mode=attention, grad_reduce=grad_reduce,
+                     layer_code=layer_code)
     # eth interleaves its final plan (``layers/interleave.py``; robust: per candidate, by worst case): interleaving
     # inside the search would change which devices go idle and the sharding rounds compare under it.
     searched = chosen if robust else (tuple(x for x in chosen if x != "interleaved") or (DEFAULT_SCHEDULE,))
@@ -179,12 +182,14 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
         dtype = "bf16"
     plan = dataclasses.replace(plan, extra={**plan.extra, "dtype": dtype, "dtype_requested": requested_dtype,
                                             "tf32": tf32, "attention": attention, "grad_reduce": grad_reduce,
-                                            "compute_model": compute_model_record(cost)})
+                                            "compute_model": compute_model_record(cost),
+                                            **({"layer_code": layer_code} if layer_code != "ethpipe" else {})})
     if robust:  # the robust search ranks its own candidates; the nominal plan may still hold the lower worst case
         nominal = make_plan(cluster, model, global_batch_size, seq_len, method, max_tp=max_tp, profiles=profiles,
                             recompute=recompute, time_budget_s=time_budget_s, options=options, dtype=requested_dtype,
                             tf32=tf32, calibration=calibration, attention=attention,
-                            shard_optimizer=shard_optimizer, schedules=schedules, grad_reduce=grad_reduce)
+                            shard_optimizer=shard_optimizer, schedules=schedules, grad_reduce=grad_reduce,
+                            layer_code=layer_code)
         from ethpipe.planner.robust import robust_record
 
         record = robust_record(nominal, CostModel.for_plan(nominal))
