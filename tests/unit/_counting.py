@@ -44,15 +44,15 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def elementwise_bytes(self, grads: set[int] = frozenset()) -> float:
-        """Bytes of every op but views, GEMMs and the opaque attention, and but the accumulation into the
+        """Bytes of every op but views, GEMMs, collectives and the opaque attention, and but the accumulation into the
         ``.grad`` tensors at ``grads`` (priced apart: ``ops.grad_accumulation_kernels``): the in-place adds into
         them and the casts that make what they add (plain autocast's fp32 copy of a 16-bit weight gradient)."""
         into = [(name, ins) for name, ins, _, _ in self.ops if name.endswith("add_.Tensor") and ins[0][0] in grads]
         fed = {ptr for _, ins in into for ptr, _ in ins[1:]}
         total = 0.0
         for name, ins, outs, _ in self.ops:
-            if name in NOT_ELEMENTWISE or name.startswith("counting.attention"):
-                continue
+            if name in NOT_ELEMENTWISE or name.startswith(("counting.attention", "c10d")):
+                continue  # communication is priced apart (``CostModel.tp_allreduce_s``)
             if name.endswith("add_.Tensor") and ins[0][0] in grads:
                 continue
             if "_to_copy" in name and outs and all(ptr in fed for ptr, _ in outs):

@@ -45,7 +45,8 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
                     options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
                     calibration=calibration or recorded_calibration(old),
                     attention=str(old.extra.get("attention", "auto")),
-                    schedules=recorded_schedules(old), grad_reduce=str(old.extra.get("grad_reduce", "fp32")))
+                    schedules=recorded_schedules(old), grad_reduce=str(old.extra.get("grad_reduce", "fp32")),
+                    layer_code=str(old.extra.get("layer_code", "ethpipe")))
     emulation = old.extra.get("emulation")
     if emulation is not None and "emulation" not in new.extra:  # the same emulated devices: time scale, profiles
         from ethpipe.runtime.adapt.emulate import pinned_emulation

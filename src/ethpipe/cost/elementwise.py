@@ -85,10 +85,13 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
         out["attn_cast"] = th * casts[0] * _cast(s, e)
         if model.position == "rope":
             out["rope"] = tokens * (q + kv) * rope_bytes(code, e, w, False)
+        # Under tp a row-parallel linear adds its bias after the all-reduce, one more kernel (tp 1: in the GEMM).
+        out["attn_row_bias"] = th * 2 * e * (tp > 1 and model.attention_bias)
         out["attn_residual"] = th * (2 * s + e)  # x (stream) + the projection's output (compute dtype)
         out["mlp_norm"] = th * norm_bytes(code, s, w, False)
         out["mlp_cast"] = th * casts[1] * _cast(s, e)
         out["act"] = tokens * f * activation_bytes(model, e, False)
+        out["mlp_row_bias"] = th * 2 * e * (tp > 1 and model.mlp_bias)
         out["mlp_residual"] = th * (2 * s + e)
         return out
     # Backward, in autograd's order: the MLP sub-block, then attention.

@@ -34,8 +34,9 @@ from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
 from ethpipe.errors import UserError, parse_error_summary
 
-CALIBRATION_VERSION = 4  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores;
-# 4: the runtime's gradient accumulation in every backward, per-GPU compute factors
+CALIBRATION_VERSION = 5  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores;
+# 4: the runtime's gradient accumulation in every backward, per-GPU compute factors; 5: each runtime's own
+# elementwise kernels (cost/elementwise.py), where 4's constants absorbed the runtime's unpriced ones
 CONSTANT_NAMES = ("tensor_eff", "tf32_eff", "simd_eff", "mem_eff", "launch_s", "layer_s")
 UNITS = ("tensor", "tf32", "simd")  # math units, in the order of their efficiencies in CONSTANT_NAMES
 UNIT_LABELS = {"tensor": "16-bit tensor-core", "tf32": "TF32 tensor-core", "simd": "fp32 CUDA-core"}

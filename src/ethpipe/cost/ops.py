@@ -130,8 +130,8 @@ def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, ele
         ew = {k: mem(k.removeprefix("attn_").removeprefix("mlp_") if k.endswith("residual") else k, v)
               for k, v in block_elementwise(code, m, tokens, t, e, e if stream_bytes is None else stream_bytes,
                                             backward).items() if v}
-        forward = ["attn_norm", "attn_cast", "qkv", "rope", "attention", "proj", "attn_residual", "mlp_norm",
-                   "mlp_cast", "fc1", "act", "fc2", "mlp_residual"]
+        forward = ["attn_norm", "attn_cast", "qkv", "rope", "attention", "proj", "attn_row_bias", "attn_residual",
+                   "mlp_norm", "mlp_cast", "fc1", "act", "fc2", "mlp_row_bias", "mlp_residual"]
         order = forward if not backward else [
             "mlp_residual", "fc2", "act", "fc1", "mlp_grad_sum", "mlp_cast", "mlp_norm", "stream_grad_sum",
             "attn_residual", "proj", "attention", "rope", "qkv", "attn_grad_sum", "attn_cast", "attn_norm",

@@ -71,9 +71,17 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
     prefix = [np.cumsum(d, axis=-1) for d in durations]
     ends = [c.copy() for c in prefix]  # no waiting: a lower bound that the sweeps raise to the longest path
     order = list(range(depth)) + list(range(depth - 2, 0, -1))
+    # A stage's ends are a function of its neighbours' alone: re-evaluated only when one of them moved since.
+    version = [0] * depth
+    seen: list[tuple[int, ...] | None] = [None] * depth
+    sources = [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)]
     while True:
         moved_any = False
         for s in order + [0] if depth > 1 else [0]:
+            now = tuple(version[src] for src in sources[s])
+            if seen[s] == now:
+                continue
+            seen[s] = now
             arrive = np.zeros(durations[s].shape)
             for src, mask, deps in structure[s][3]:
                 arrive[..., mask] = ends[src][..., deps]
@@ -81,6 +89,7 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
             new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
             if not np.array_equal(new, ends[s]):
                 ends[s] = new
+                version[s] += 1
                 moved_any = True
         if not moved_any:
             return np.stack([e[..., -1] for e in ends], axis=-1)
