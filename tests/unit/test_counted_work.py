@@ -23,10 +23,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from _counting import OpRecorder
 from ethpipe.cost import ops
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model.decoder import build_stage
@@ -38,22 +37,6 @@ GQA = dataclasses.replace(MHA, name="count-gqa", num_kv_heads=2)
 GPT = dataclasses.replace(MHA, name="count-gpt", activation="gelu", norm="layernorm", position="learned",
                           attention_bias=True, mlp_bias=True)
 LINEAR_GEMMS = ("qkv", "proj", "fc1", "fc2")
-
-
-class OpRecorder(TorchDispatchMode):
-    """Every aten op: (name, input tensors' (ptr, bytes), output tensors' (ptr, bytes))."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, list[tuple[int, int]], list[tuple[int, int]], list[torch.Tensor]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        info = [(t.data_ptr(), t.numel() * t.element_size()) for t in ins]
-        self.ops.append((str(func), info, [(t.data_ptr(), t.numel() * t.element_size()) for t in outs], ins))
-        return out
 
 
 def _stage(spec: ModelSpec, first: bool) -> torch.nn.Module:
