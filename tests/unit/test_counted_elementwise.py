@@ -3,14 +3,15 @@
 The runtime's block (``runtime/model/decoder.py``), and a Hugging Face eager Llama layer (``_hf_llama_layer.py``:
 what the Zorse measurements ran), run on CPU under ``_counting.OpRecorder`` with attention and RMSNorm as the one
 kernel each a GPU runs (``_counting.as_on_gpu``). Every other aten op's bytes (read + written; views and GEMMs
-aside, and the ``.grad`` accumulation, which ``test_counted_work.py`` checks) must be within 10% of the price's
-elementwise kernels, forward and backward: bf16 autocast and fp32, the fp32 residual switch, MHA, GQA and a GPT
-block (LayerNorm, GELU, biases, learned positions). A price that drops a kernel, or a runtime with an extra cast,
-is caught.
+aside, and the ``.grad`` accumulation, which ``test_counted_work.py`` checks) must be within 5% of the price's
+elementwise kernels (the HF layer: 10%), forward and backward: bf16 autocast and fp32, the fp32 residual switch,
+MHA, GQA, a GPT block (LayerNorm, GELU, biases, learned positions) and one rank of a tp-2 stage. A price that
+drops a kernel, or a runtime with an extra cast, is caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -36,7 +37,7 @@ def _count(layer: torch.nn.Module, x: torch.Tensor, low: torch.dtype | None, bac
            step=None) -> float:  # noqa: ANN001
     """Elementwise bytes of the second forward (or backward) of ``layer`` on ``x`` (the first makes ``.grad``)."""
     region = torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None)
-    with _counting.as_on_gpu(*modules), region, (step(low) if step else _null()):
+    with _counting.as_on_gpu(*modules), region, (step(low) if step else contextlib.nullcontext()):
         out = layer(x)
         grad = torch.randn_like(out)
         out.backward(grad)
@@ -50,14 +51,6 @@ def _count(layer: torch.nn.Module, x: torch.Tensor, low: torch.dtype | None, bac
             with rec:
                 layer(x)
     return rec.elementwise_bytes(grads)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def counted_runtime(spec: ModelSpec, autocast: bool, backward: bool, fp32_residual: bool = False, tp=None) -> float:  # noqa: ANN001

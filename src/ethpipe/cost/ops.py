@@ -127,19 +127,17 @@ def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, ele
     gemms = {name: _linear(name, tokens, k_in, n_out, e, backward)
              for name, k_in, n_out in (("qkv", h, q + 2 * kv), ("proj", q, h), ("fc1", h, fc1_out), ("fc2", f, h))}
     if code != "megatron":
-        ew = {k: mem(k.removeprefix("attn_").removeprefix("mlp_") if k.endswith("residual") else k, v)
-              for k, v in block_elementwise(code, m, tokens, t, e, e if stream_bytes is None else stream_bytes,
-                                            backward).items() if v}
+        steps = {**gemms, "attention": attn}  # and each elementwise step, named "residual" where it is one
+        steps.update({k: [mem("residual" if k.endswith("residual") else k, v)]
+                      for k, v in block_elementwise(code, m, tokens, t, e, e if stream_bytes is None else stream_bytes,
+                                                    backward).items() if v})
         forward = ["attn_norm", "attn_cast", "qkv", "rope", "attention", "proj", "attn_row_bias", "attn_residual",
                    "mlp_norm", "mlp_cast", "fc1", "act", "fc2", "mlp_row_bias", "mlp_residual"]
         order = forward if not backward else [
             "mlp_residual", "fc2", "act", "fc1", "mlp_grad_sum", "mlp_cast", "mlp_norm", "stream_grad_sum",
             "attn_residual", "proj", "attention", "rope", "qkv", "attn_grad_sum", "attn_cast", "attn_norm",
             "stream_grad_sum_attn", "bias_grad"]
-        out: list[Kernel] = []
-        for name in order:
-            out += gemms.get(name) or (attn if name == "attention" else [ew[name]] if name in ew else [])
-        return out
+        return [k for name in order for k in steps.get(name, [])]
     th = tokens * h * e
     norm = mem("norm", (4 if backward else 2) * th)
     residual = mem("residual", 3 * th)
