@@ -23,16 +23,25 @@ def _error(p: ZorsePoint, calibration: Calibration) -> float:
 
 
 def per_gpu(points: tuple[ZorsePoint, ...], fit_for: Callable[[ZorsePoint], Calibration]) -> dict[str, dict]:
-    """Per GPU: n, median |error|, the forward and backward median predicted / measured, and micro-batch 1's."""
+    """Per GPU: n, median |error|, the forward and backward median predicted / measured, micro-batch 1's, and the
+    drift: per series (model, sequence, pass) the error at its largest micro-batch less that at micro-batch 1, the
+    median over series. No priced term grows faster than the tokens at one sequence length (launch and per-layer
+    costs grow slower), so a drift far below 0 is time growing faster than work: clocks that fall under a longer
+    load, not a missing kernel."""
     out: dict[str, dict] = {}
     for gpu in sorted({p.gpu for p in points}):
         mine = [(p, _error(p, fit_for(p))) for p in points if p.gpu == gpu]
+        series: dict[tuple, list[tuple[int, float]]] = {}
+        for p, e in mine:
+            series.setdefault((p.model, p.seq_len, p.obs.backward), []).append((p.obs.micro_batch, e))
+        drift = [max(v)[1] - min(v)[1] for v in series.values() if len(v) >= 4]
         fwd = [1 + e for p, e in mine if not p.obs.backward]
         bwd = [1 + e for p, e in mine if p.obs.backward]
         bwd1 = [1 + e for p, e in mine if p.obs.backward and p.obs.micro_batch == 1]
         out[gpu] = {"n": len(mine), "median_abs": statistics.median(abs(e) for _, e in mine),
                     "fwd_ratio": statistics.median(fwd), "bwd_ratio": statistics.median(bwd),
-                    "bwd_mb1_ratio": statistics.median(bwd1) if bwd1 else None}
+                    "bwd_mb1_ratio": statistics.median(bwd1) if bwd1 else None,
+                    "drift": statistics.median(drift) if drift else None}
     return out
 
 
@@ -77,21 +86,28 @@ def section(data: dict) -> list[str]:
              "slower as micro-batch 2 of 1024 tokens than as micro-batch 4 of 512 (L4 and A100-40: within 2%), and",
              "its times grow faster than its work within one sequence length (a 70 W card's clocks under sustained",
              "load, most likely): no price of the work is within 15% of both, which is T4's floor here.",
+             "`drift` (in-sample) says so for every GPU: per series (one model, sequence length and pass) the error at",
+             "its largest micro-batch less the error at micro-batch 1, median over series. No priced term grows",
+             "faster than the tokens at one sequence length (launch and per-layer costs grow slower), so a drift",
+             "well below 0 is a card whose time grows faster than its work. The two ~70 W cards (L4, T4) are",
+             "the ones that drift down: for a sustained training load they run slower than their median price.",
              "",
              "Before (the constants and kernel inventory of commit ffddcb3, the same points): predicted / measured,",
              "median forward / backward / backward at micro-batch 1: A100-40 0.69 / 0.68 / 0.47, A100-80 0.87 / 0.85 /",
              "0.65, RTX A6000 0.77 / 0.73 / 0.43, V100-16 0.98 / 0.89 / 0.69, L4 0.59 / 0.50 / 0.37, T4 0.41 / 0.36 /",
              "0.28, P100 0.40 / 0.42 / 0.36 (A10G, H100 NVL and P40 had no catalog entry).", ""]
     have_before = "before" in data
-    head = "| GPU | n | in-sample \\|error\\| | LOMO \\|error\\| | LOGO \\|error\\| | LOGO fwd / bwd ratio |"
-    rule = "|---|---|---|---|---|---|"
+    head = ("| GPU | n | in-sample \\|error\\| | drift | LOMO \\|error\\| | LOGO \\|error\\| |"
+            " LOGO fwd / bwd ratio |")
+    rule = "|---|---|---|---|---|---|---|"
     if have_before:
         head += " before: fwd / bwd / bwd mb1 ratio |"
         rule += "---|"
     lines += [head, rule]
     for gpu, row in data["in_sample"].items():
         lomo, logo = data["lomo"][gpu], data["logo"][gpu]
-        line = (f"| {gpu} | {row['n']} | {row['median_abs']:.1%} | {lomo['median_abs']:.1%} | "
+        drift = "-" if row["drift"] is None else f"{row['drift']:+.2f}"
+        line = (f"| {gpu} | {row['n']} | {row['median_abs']:.1%} | {drift} | {lomo['median_abs']:.1%} | "
                 f"{logo['median_abs']:.1%} | {_r(logo['fwd_ratio'])} / {_r(logo['bwd_ratio'])} |")
         if have_before:
             b = data["before"][gpu]

@@ -25,7 +25,7 @@ from ethpipe.cost.profile import LAYER_KINDS, LayerTiming, MeasuredProfile
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.runtime.model.kernel_modes import kernel_mode_switches, restore_switches, set_switches
-from ethpipe.runtime.model.decoder import Decoder, build_stage, rope_tables
+from ethpipe.runtime.model.decoder import Decoder, build_stage
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -154,7 +154,7 @@ def _layer_forwards(
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, s), generator=gen).to(device)
     targets = torch.randint(0, spec.vocab_size, (micro_batch, s), generator=gen).to(device)
     hidden = torch.randn(micro_batch, s, h, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
-    rope = rope_tables(spec, s, device) if spec.position == "rope" else None
+    rope = module.rope(s, device) if spec.position == "rope" else None  # as the runtime's (its dtype)
     layer = module.layers[str(module.layer_range[0])]
 
     def embedding() -> torch.Tensor:

@@ -59,7 +59,7 @@ def test_runtime_inventory_is_exact(family: str, autocast: bool) -> None:
     s, b, d = 16, 2, 2 if autocast else 4
     for hidden, head_dim, ffn in ((64, 16, 96), (96, 32, 160)):
         spec = _spec(family, hidden, head_dim, ffn)
-        rope = s * spec.head_dim_resolved * 4 if spec.position == "rope" else 0  # cos/sin tables, once per stage
+        rope = s * spec.head_dim_resolved * d if spec.position == "rope" else 0  # cos/sin tables, once per stage
         copies = 2 * memory.autocast_weight_bytes(spec.params_per_layer() - _norm_and_bias_params(spec), d, 1)
         blocks = 2 * memory.runtime_block_activation_bytes(spec, s, d, 1) * b + rope + copies
         assert _saved_bytes(spec, False, autocast, s, b) == blocks, (hidden, head_dim, ffn)

@@ -10,7 +10,8 @@ layer's time on bandwidth-poor GPUs. Three implementations are priced:
 * ``ethpipe``: this runtime's eager block (``runtime/model/decoder.py``) as a GPU runs it, counted aten op by
   aten op (``tests/unit/test_counted_elementwise.py``): each norm upcasts its input to fp32 around one fused
   kernel (``F.rms_norm`` is ``aten._fused_rms_norm`` on CUDA, ``F.layer_norm`` one kernel everywhere) and casts
-  back; RoPE runs in fp32 on the two halves of each head (four multiplies, a subtract, an add, a ``cat``); q, k
+  back; RoPE runs in the compute dtype on the two halves of each head (four multiplies, a subtract, an add, a
+  ``cat``; its tables rounded to 16-bit once under autocast, as Megatron's unfused path and HF's do); q, k
   and v (gate and up) are separate linears whose input gradients are summed; the residual stream is in the
   compute dtype unless ``--fp32-residual``.
 * ``hf``: Hugging Face ``transformers``' eager Llama layer under plain autocast over an fp32 input (what the
@@ -18,7 +19,7 @@ layer's time on bandwidth-poor GPUs. Three implementations are priced:
   ``mean``, ``rsqrt``, two multiplies), every projection casts its input to 16-bit, RoPE by ``rotate_half``.
 
 Each count is bytes per element of the tensor it runs over (read + written), with ``e`` the compute dtype's
-bytes, ``s`` the residual stream's and ``w`` the norms' and RoPE's wide dtype (fp32, or fp64 in fp64 runs).
+bytes, ``s`` the residual stream's and ``w`` the norms' wide dtype (fp32, or fp64 in fp64 runs).
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ def norm_bytes(code: str, s: int, w: int, backward: bool) -> int:
     return 2 * _cast(s, w) + (3 if backward else 2) * w
 
 
-def rope_bytes(code: str, e: int, w: int, backward: bool) -> int:
-    """RoPE per element of q and k. ``ethpipe``: upcast, x1*cos, x2*sin, x2*cos, x1*sin on halves (4w), a
-    subtract and an add (3w), ``cat`` (2w), downcast; backward the multiplies again, a negate, the halves'
-    sums and their ``cat``: 10w, and the casts. ``hf``: q*cos, ``rotate_half`` (negate a half, ``cat``), *sin,
-    add, all in the compute dtype: 10e; backward 14e (two multiplies, the negate, two slice-backward
-    zero-fills and two adds)."""
+def rope_bytes(code: str, e: int, backward: bool) -> int:
+    """RoPE per element of q and k, in the compute dtype (``ethpipe`` rounds its tables to it under autocast).
+    ``ethpipe``: x1*cos, x2*sin, x2*cos, x1*sin on halves (4e), a subtract and an add (3e), ``cat`` (2e);
+    backward the multiplies again, a negate, the halves' sums and their ``cat``: 10e. ``hf``: q*cos,
+    ``rotate_half`` (negate a half, ``cat``), *sin, add: 10e; backward 14e (two multiplies, the negate, two
+    slice-backward zero-fills and two adds)."""
     if code == "hf":
         return (14 if backward else 10) * e
-    return (10 if backward else 9) * w + 2 * _cast(e, w)
+    return (10 if backward else 9) * e
 
 
 def activation_bytes(model: ModelSpec, e: int, backward: bool) -> int:
@@ -84,7 +85,7 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
         out["attn_norm"] = th * norm_bytes(code, s, w, False)
         out["attn_cast"] = th * casts[0] * _cast(s, e)
         if model.position == "rope":
-            out["rope"] = tokens * (q + kv) * rope_bytes(code, e, w, False)
+            out["rope"] = tokens * (q + kv) * rope_bytes(code, e, False)
         # Under tp a row-parallel linear adds its bias after the all-reduce, one more kernel (tp 1: in the GEMM).
         out["attn_row_bias"] = th * 2 * e * (tp > 1 and model.attention_bias)
         out["attn_residual"] = th * (2 * s + e)  # x (stream) + the projection's output (compute dtype)
@@ -105,7 +106,7 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
     if model.position == "rope":
         # RoPE's output is [b, heads, s, d]-contiguous, the projection's [b, s, heads, d]: its gradient is copied
         # back into the projection's layout (the view's backward).
-        out["rope"] = tokens * (q + kv) * (rope_bytes(code, e, w, True) + 2 * e)
+        out["rope"] = tokens * (q + kv) * (rope_bytes(code, e, True) + 2 * e)
     out["attn_grad_sum"] = th * 2 * 3 * (s if code == "hf" else e)  # q, k and v's input gradients summed
     out["attn_cast"] = th * casts[0] * _cast(e, s)
     out["attn_norm"] = th * norm_bytes(code, s, w, True)

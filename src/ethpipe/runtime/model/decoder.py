@@ -106,7 +106,8 @@ def scale_rope_frequencies(spec: ModelSpec, inv_freq: torch.Tensor) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (first half, second half) of the head dim (Llama/HF convention)."""
+    """Rotate pairs (first half, second half) of the head dim (Llama/HF convention), in the tables' dtype: the
+    compute dtype under autocast (``Decoder.rope``), so a 16-bit q or k is not widened and narrowed again."""
     x1, x2 = x.to(cos.dtype).chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
@@ -252,7 +253,7 @@ class Decoder(nn.Module):
                 h = h + self.pos_emb(torch.arange(seq_len, device=x.device) + self.spec.position_offset)
             x = h
         x = self._stream(x)
-        rope = self._rope(seq_len, x.device) if self.spec.position == "rope" else None
+        rope = self.rope(seq_len, x.device) if self.spec.position == "rope" else None
         lo, hi = self.chunk_ranges[chunk]
         for k in range(lo, hi):
             layer = self.layers[str(k)]
@@ -272,12 +273,17 @@ class Decoder(nn.Module):
             return x.to(torch.float32 if self.fp32_residual else torch.get_autocast_dtype(device))
         return x
 
-    def _rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The RoPE tables, made once per sequence length and device (not state: not in the state dict)."""
-        dtype = compute_dtype(next(self.parameters()).dtype)
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables, made once per sequence length, device and dtype (not state: not in the state dict):
+        computed in the weights' wide dtype, and under autocast rounded once to its dtype, so RoPE runs on the
+        16-bit q and k as Megatron's unfused path and Hugging Face's do (docs/runtime.md: 18 bytes per element
+        instead of 48; q and k carry two more roundings, within the bf16/fp16 tolerance tests)."""
+        wide = compute_dtype(next(self.parameters()).dtype)
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else wide
         key = (seq_len, str(device), dtype)
         if key not in self._rope_cache:
-            self._rope_cache[key] = rope_tables(self.spec, seq_len, device, dtype)
+            cos, sin = rope_tables(self.spec, seq_len, device, wide)
+            self._rope_cache[key] = (cos.to(dtype), sin.to(dtype))
         return self._rope_cache[key]
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
