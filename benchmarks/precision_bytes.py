@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ethpipe.model_load import load_model_spec
-from ethpipe.runtime.model.decoder import build_stage, rope_tables
+from ethpipe.runtime.model.decoder import build_stage
 
 
 class Traffic(TorchDispatchMode):
@@ -80,7 +80,8 @@ def main() -> None:
     layer.weight_cast = stage.weight_cast  # the layer alone, with its stage's cast
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, args.tokens, spec.hidden_size, generator=gen).requires_grad_(True)
-    rope = rope_tables(spec, args.tokens, torch.device("cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rope = stage.rope(args.tokens, torch.device("cpu"))  # the runtime's tables: bf16 under autocast
     params = sum(p.numel() for p in layer.parameters())
     rows = []
     for label, cast in (("before: plain autocast over fp32 weights", False), ("after: weight_cast (fused cast-and-add)", True)):
