@@ -55,12 +55,12 @@ def test_zb_h1_lifts_the_bubble_of_the_128_gpu_case(plans: dict[str, Plan]) -> N
     assert Plan.from_dict(json.loads(zb.to_json())) == Plan.from_dict(zb.to_dict())
 
 
-def test_interleaving_is_tried_on_the_final_plan_where_memory_allows(plans: dict[str, Plan]) -> None:
-    """eth interleaves its final plan's pipelines where that is faster and fits (planner/layers/interleave.py),
-    so allowing it never gives a slower plan. At 4 samples per GPU the 128-GPU llama2-7b plan interleaves (its
-    bubble factor rises and the simulator agrees with the estimate); at one sample per GPU llama3-8b's 2-stage
-    pipelines would hold 2.5 micro-batches of activations on the first stage instead of 2, which does not fit,
-    so the plan stays 1F1B there."""
+def test_interleaving_is_tried_where_memory_allows(plans: dict[str, Plan]) -> None:
+    """Without zb-h1, eth prices interleaving inside its search (every finalist layout) and on its final plan,
+    where that is faster and fits (planner/layers/interleave.py), so allowing it never gives a slower plan. At 4
+    samples per GPU the 128-GPU llama2-7b plan interleaves (its bubble factor rises and the simulator agrees with
+    the estimate); at one sample per GPU llama3-8b's 2-stage pipelines would hold 2.5 micro-batches of
+    activations on the first stage instead of 2, which does not fit, so the plan stays 1F1B there."""
     one = make_plan(CLUSTER, LLAMA3, 128, 4096, schedules=("1f1b",))
     same = make_plan(CLUSTER, LLAMA3, 128, 4096, schedules=("1f1b", "interleaved"))
     assert same.pipelines == one.pipelines and max(p.depth for p in one.pipelines) > 1

@@ -1,8 +1,9 @@
 """Level 2's interleaving: a pipeline whose stages hold v model chunks each, where that is predicted faster.
 
 Applied to eth's final plan (``with_interleaving``: devices, idle and sharding decided, so allowing it never
-gives a slower plan; docs/design.md, "Schedules") and, through ``layers/schedules.choose_schedules``, to a
-baseline told to use it and to each robust candidate. This pass re-cuts a chosen pipeline into ``depth * v`` virtual stages that keep it: stage s's ``n_s`` layers
+gives a slower plan; docs/design.md, "Schedules") and, through ``layers/schedules.choose_schedules``, to each
+finalist layout of eth's search where zb-h1 is not allowed (``planner.make_plan``), to a baseline told to use it
+and to each robust candidate. This pass re-cuts a chosen pipeline into ``depth * v`` virtual stages that keep it: stage s's ``n_s`` layers
 become v chunks of ``n_s // v`` or one more (the larger first), placed Megatron's way (chunk c of stage s
 is virtual stage ``c * depth + s``). So every rank computes what it did, fill and drain shrink to about
 ``1/v`` of 1F1B's, and each chunk boundary is one more message. Its micro-batch count must be at most the
@@ -79,6 +80,8 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
         shapes.setdefault((tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages),
                            pipe.micro_batch_sizes, pipe.schedule), []).append(p)
     for members in shapes.values():
+        if plan.pipelines[members[0]].num_chunks > 1:  # interleaved by the search already
+            continue
         switched = list(plan.pipelines)
         why = None
         for p in members:  # they differ in ranks only, which memory does not depend on: one memory check
