@@ -7,8 +7,8 @@ One forked 6-rank world runs three trainings one after another (fp64, 3 steps ea
   2 stages x 2 chunks of unequal layers with 2 micro-batches (every forward first), and a 1F1B stage, side
   by side: blocks are all-reduced across pipelines whose chunks cut the model differently;
 - tied embeddings with a tp-2 middle stage and a recomputing last stage in an interleaved pipeline of 3
-  micro-batches, next to an interleaved 2-stage pipeline whose first stage recomputes (the tied matrix
-  lives in chunk 0 of the first stage and the last chunk of the last);
+  micro-batches, next to an interleaved 2-stage pipeline of 3 chunks per stage whose first stage recomputes
+  (the tied matrix lives in chunk 0 of the first stage and the last chunk of the last);
 - the first plan with the gradient sync armed at the stage's first backward instead of its last: buckets
   all-reduce before later chunks' gradients are in, and the checks must fail;
 - checkpoints across layouts: 2 steps under the first plan, saved, then resumed for the third under a
@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 TIED = dataclasses.replace(GPT_LIKE, name="test-gpt-tied", tie_embeddings=True)
 THREE_BY_TWO = [((0, 1), (3, 4)), ((1, 2), (4, 5)), ((2, 3), (5, 6))]  # 6 layers in 6 virtual stages
 TWO_BY_TWO = [((0, 2), (3, 5)), ((2, 3), (5, 6))]  # unequal chunks
+TWO_BY_THREE = [((0, 1), (2, 3), (4, 5)), ((1, 2), (3, 4), (5, 6))]  # three chunks per stage (the planner tries 2-4)
 
 StageDef = tuple[tuple[int, ...], tuple[tuple[int, int], ...], bool]  # ranks, chunks (or one range), recompute
 
@@ -60,7 +61,7 @@ MIXED = _plan(LLAMA_LIKE, [
 ])
 TIED_TP = _plan(TIED, [
     ([((0,), THREE_BY_TWO[0], False), ((1, 2), THREE_BY_TWO[1], False), ((3,), THREE_BY_TWO[2], True)], (1, 2, 1)),
-    ([((4,), TWO_BY_TWO[0], True), ((5,), TWO_BY_TWO[1], False)], (2, 1, 1, 2)),
+    ([((4,), TWO_BY_THREE[0], True), ((5,), TWO_BY_THREE[1], False)], (2, 1, 1, 2)),
 ])
 FLAT = _plan(LLAMA_LIKE, [
     ([((r,), ((2 * r, 2 * r + 2),), False) for r in range(3)], (3, 3, 3)),
@@ -97,7 +98,7 @@ def test_interleaved_matches_single_process_adamw_resumes_across_layouts_and_an_
     data = str(tmp_path / "tokens.bin")
     prepare_tokens([" ".join(rng.choice(words, size=4000))], data)
     assert {p.world_size for _, p, _ in RUNS} == {FLAT.world_size} == {6}
-    assert [p.num_chunks for p in MIXED.pipelines] == [2, 2, 1]
+    assert [p.num_chunks for p in MIXED.pipelines] == [2, 2, 1] and [p.num_chunks for p in TIED_TP.pipelines] == [2, 3]
     run_ranks(6, _worker, (data, str(tmp_path)), tmp_path, deadline_s=240.0)
     refs: dict = {}
     for name, plan, arm_at in RUNS + [(name, then, None) for name, _, then in RESUMES]:

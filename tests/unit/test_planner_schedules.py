@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -215,9 +216,28 @@ def test_a_pipeline_that_keeps_1f1b_says_why() -> None:
     assert kept and all(k["schedule"] == "1f1b" and k["reason"] for k in kept)
     assert sorted(p for k in kept for p in k["pipelines"]) == [
         p for p, pipe in enumerate(one.pipelines) if pipe.schedule == "1f1b"]
-    assert {k["reason"].split(":")[0] for k in kept} <= {
-        "one stage", "not faster", "its stages would not fit memory with the interleaved schedule's in-flight chunks"}
+    kinds = r"one stage|not faster|a stage holds|its stages would not fit memory|\d+ samples cannot fill"
+    assert all(re.match(kinds, part) for k in kept for part in k["reason"].split("; "))
     deep = one.pipelines[0]
     shallow = Pipeline((deep.stages[0],), deep.micro_batch_sizes)
     assert why_not_interleaved(shallow) == "one stage: nothing to interleave"
     assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+
+
+def test_three_or_four_chunks_where_they_are_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interleaving tries 2, 3 and 4 chunks per stage and keeps the fastest that fits: at one sample per GPU on the
+    16-GPU A100/V100 cluster (llama2-13b, fp16, 1F1B or interleaved) more chunks shrink the bubble further, and
+    the simulator agrees with the plan's price; restricted to 2 chunks the same search returns a slower plan."""
+    import ethpipe.planner.layers.interleave as interleave
+
+    cluster = load_cluster("examples/clusters/eval_a100_v100_16.yaml")
+    spec = load_model_spec("llama2-13b")
+    plan = make_plan(cluster, spec, 16, 4096, schedules=("1f1b", "interleaved"), dtype="fp16")
+    assert max(p.num_chunks for p in plan.pipelines) in (3, 4)
+    cost = CostModel.for_plan(plan)
+    assert simulate(plan, cost).iteration_time_s == pytest.approx(plan.predicted["iteration_time_s"], rel=1e-9)
+    assert memory_shortfalls(plan, cost) == []
+    monkeypatch.setattr(interleave, "CHUNK_COUNTS", (2,))
+    two = make_plan(cluster, spec, 16, 4096, schedules=("1f1b", "interleaved"), dtype="fp16")
+    assert max(p.num_chunks for p in two.pipelines) <= 2
+    assert plan.predicted["iteration_time_s"] < 0.98 * two.predicted["iteration_time_s"]

@@ -47,7 +47,7 @@ GradReduceOpt = Annotated[str, typer.Option(
                           "terms' absolute sum: docs/runtime.md).")]
 SchedulesOpt = Annotated[Optional[str], typer.Option(
     "--schedules", help="Pipeline schedules each pipeline may run, comma-separated: 1f1b, zb-h1 (zero-bubble H1: "
-                        "weight gradients deferred into the bubble), interleaved (2 model chunks per stage; a "
+                        "weight gradients deferred into the bubble), interleaved (2-4 model chunks per stage, the fastest; a "
                         "pipeline that cannot interleave keeps 1f1b). Default: all for eth, 1f1b for the baselines.")]
 CatalogOpt = Annotated[Optional[Path], typer.Option("--catalog", help="Calibrated constants from `ethpipe calibrate "
                                                                      "--out` (over the shipped ones).")]

@@ -9,8 +9,9 @@ is virtual stage ``c * depth + s``). So every rank computes what it did, fill an
 ``1/v`` of 1F1B's, and each chunk boundary is one more message. Its micro-batch count must be at most the
 depth or a multiple of it (``schedule.interleaved_fits``): where the pipeline's is not, its samples are
 re-split into the next multiple of the depth (smaller micro-batches, as even as they go). Each distinct
-pipeline shape is switched only if the whole plan's predicted iteration (sync included) gets faster and
-every stage still fits its memory with the interleaved schedule's in-flight chunks; what this does not do
+pipeline shape is switched to the v of ``CHUNK_COUNTS`` (2, 3 or 4) that makes the whole plan's predicted
+iteration (sync included) fastest, if any makes it faster and every stage still fits its memory with the
+interleaved schedule's in-flight chunks; what this does not do
 is re-balance the batch for interleaved times (docs/design.md, "Schedules").
 """
 
@@ -27,6 +28,7 @@ from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.schedule import interleaved_fits
 
 NUM_CHUNKS = 2  # Megatron's usual choice: most of the bubble gain, half the extra messages of 3 or 4
+CHUNK_COUNTS = (2, 3, 4)  # tried in turn: more chunks shrink the bubble further for more messages and memory
 
 
 def why_not_interleaved(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> str | None:
@@ -82,28 +84,54 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
     for members in shapes.values():
         if plan.pipelines[members[0]].num_chunks > 1:  # interleaved by the search already
             continue
-        switched = list(plan.pipelines)
-        why = None
-        for p in members:  # they differ in ranks only, which memory does not depend on: one memory check
-            candidate = interleaved_of(plan.pipelines[p])
-            if candidate is None:
-                why = why_not_interleaved(plan.pipelines[p])
-                break
-            if p == members[0] and not fits(cost, candidate, "interleaved"):
-                why = "its stages would not fit memory with the interleaved schedule's in-flight chunks"
-                break
-            switched[p] = candidate
-        else:
-            pipes = tuple(switched)
-            trial = dataclasses.replace(plan, pipelines=pipes, blocks=compute_blocks(pipes), predicted=None)
+        base, memory, slower, other = plan, [], [], []
+        for num_chunks in CHUNK_COUNTS:  # the fastest that fits wins; each count is priced against the best so far
+            switched = _switched(base, cost, members, num_chunks)
+            if switched is None:
+                memory.append(num_chunks)
+                continue
+            if isinstance(switched, str):
+                other.append(switched)
+                continue
+            trial = dataclasses.replace(base, pipelines=switched, blocks=compute_blocks(switched), predicted=None)
             trial_s = estimate_iteration_s(trial, cost, flat_sync=flat_sync)
             if trial_s < plan_s:
                 plan, plan_s = trial, trial_s
             else:
-                why = f"not faster: the plan would take {trial_s:.4g} s, not {plan_s:.4g} s"
-        if why is not None and reasons is not None:
-            reasons.update(dict.fromkeys(members, why))
+                slower.append((num_chunks, trial_s))
+        if plan.pipelines[members[0]].num_chunks == 1 and reasons is not None:
+            reasons.update(dict.fromkeys(members, _why_kept(memory, slower, other, plan_s)))
     return plan, plan_s
+
+
+def _why_kept(memory: list[int], slower: list[tuple[int, float]], other: list[str], plan_s: float) -> str:
+    """Why a pipeline shape kept its schedule, over the chunk counts tried: each kind of reason once."""
+    parts = list(dict.fromkeys(other))
+    if slower:
+        counts = " / ".join(str(v) for v, _ in slower)
+        times = " / ".join(f"{t:.4g}" for _, t in slower)
+        parts.insert(0, f"not faster: with {counts} chunks the plan would take {times} s, not {plan_s:.4g} s")
+    if memory:
+        counts = ", ".join(str(v) for v in memory)
+        parts.append(f"its stages would not fit memory with {counts} interleaved chunks in flight")
+    return "; ".join(parts)
+
+
+def _switched(plan: Plan, cost: CostModel, members: list[int], num_chunks: int) -> tuple[Pipeline, ...] | str | None:
+    """The plan's pipelines with ``members`` (one shape, differing in ranks only) re-cut into ``num_chunks``
+    chunks, why they cannot be, or None where they would not fit memory (one check: memory does not depend on
+    ranks)."""
+    switched = list(plan.pipelines)
+    for p in members:
+        candidate = interleaved_of(plan.pipelines[p], num_chunks)
+        if candidate is None:
+            why = why_not_interleaved(plan.pipelines[p], num_chunks)
+            assert why is not None
+            return why
+        if p == members[0] and not fits(cost, candidate, "interleaved"):
+            return None
+        switched[p] = candidate
+    return tuple(switched)
 
 
 def with_interleaving(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Plan:
