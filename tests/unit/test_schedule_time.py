@@ -147,7 +147,8 @@ class _ChunkTable(_Table):
 
 def test_the_interleaved_replay_is_the_simulators_timeline_on_300_random_shapes() -> None:
     """Chunks of any size (a virtual stage per layer here), allowed micro-batch counts up to 4 groups, ragged
-    last micro-batches; receives in the rows as the estimator builds them (``planner.layers.timing``)."""
+    last micro-batches; receives in the rows as the estimator builds them (``planner.layers.timing``), and given
+    apart too, so that the senders wait for them (the simulator's rendezvous, units of an F and a B included)."""
     rng = random.Random(23)
     table = _ChunkTable([])
     for _ in range(300):
@@ -164,9 +165,11 @@ def test_the_interleaved_replay_is_the_simulators_timeline_on_300_random_shapes(
         exact = np.array([r.flush_s for r in simulate(plan, table).ranks])
         x = np.array(sizes, dtype=float)
         rank = [vs % depth for vs in range(depth * v)]
-        f = np.array([[table.per_sample[vs][0] * n + (table.p2p_s(rank[vs - 1], rank[vs], n) if vs else 0.0)
-                       for n in sizes] for vs in range(depth * v)])
-        bw = np.array([[table.per_sample[vs][1] * n + (table.p2p_s(rank[vs + 1], rank[vs], n) if vs + 1 < depth * v
-                                                       else 0.0) for n in sizes] for vs in range(depth * v)])
-        got = replay_finish_s("interleaved", f, bw, num_chunks=v)
+        act = np.array([[table.p2p_s(rank[vs - 1], rank[vs], n) if vs else 0.0 for n in sizes]
+                        for vs in range(depth * v)])
+        grad = np.array([[table.p2p_s(rank[vs + 1], rank[vs], n) if vs + 1 < depth * v else 0.0 for n in sizes]
+                         for vs in range(depth * v)])
+        f = np.array([[table.per_sample[vs][0] * n for n in sizes] for vs in range(depth * v)]) + act
+        bw = np.array([[table.per_sample[vs][1] * n for n in sizes] for vs in range(depth * v)]) + grad
+        got = replay_finish_s("interleaved", f, bw, num_chunks=v, recv=(act, grad))
         assert x.size == m and got == pytest.approx(exact, rel=1e-12, abs=1e-12), (depth, v, sizes)

@@ -26,20 +26,24 @@ def test_one_stage_runs_forward_backward_back_to_back() -> None:
 
 
 def test_two_stages_three_microbatches_with_p2p() -> None:
-    # Receives are blocking rendezvous: a 0.5 s transfer starts when both the sender has produced
-    # the tensor and the receiver reaches the action, and occupies the receiver.
+    # Transfers are rendezvous: a 0.5 s transfer starts when both the sender has produced the tensor and the
+    # receiver has posted its receive (after its previous action), and occupies the receiver before its action
+    # and the sender before its next one: stage 0's F1 waits until stage 1 has taken F0, and stage 1's flush
+    # until stage 0, done with B1, has taken B2.
     plan = make_plan([([(0, 1), (1, 2)], [1, 1, 1], "fast")])
     report = simulate(plan, FakeCost(p2p_time_s=0.5, optimizer_time_s=0.25))
-    assert _spans(report, 0) == [("F0", 0, 1), ("F1", 1, 2), ("B0", 5, 7), ("F2", 7, 8), ("B1", 8.5, 10.5),
+    assert _spans(report, 0) == [("F0", 0, 1), ("F1", 1.5, 2.5), ("B0", 5, 7), ("F2", 7, 8), ("B1", 8.5, 10.5),
                                  ("B2", 12, 14)]
     assert _spans(report, 1) == [("F0", 1.5, 2.5), ("B0", 2.5, 4.5), ("F1", 5, 6), ("B1", 6, 8),
                                  ("F2", 8.5, 9.5), ("B2", 9.5, 11.5)]
-    recvs = [(e.name, e.stage, e.start_s, e.end_s) for e in report.events if e.kind == "p2p"]
-    assert ("recv B2", 0, 11.5, 12.0) in recvs and ("recv F1", 1, 4.5, 5.0) in recvs and len(recvs) == 6
+    comm = [(e.name, e.stage, e.start_s, e.end_s) for e in report.events if e.kind == "p2p"]
+    assert ("recv B2", 0, 11.5, 12.0) in comm and ("recv F1", 1, 4.5, 5.0) in comm
+    assert sorted(c for c in comm if c[0].startswith("send")) == [("send B2", 1, 11.5, 12.0), ("send F0", 0, 1.0, 1.5)]
+    assert len(comm) == 8
     assert report.iteration_time_s == 14.25
     s0, s1 = report.ranks
     assert (s0.flush_s, s0.recv_s, s0.bubble_s, s0.busy_s) == (14.0, 1.5, 3.5, 9.25)
-    assert (s1.flush_s, s1.recv_s, s1.bubble_s, s1.idle_s) == (11.5, 1.5, 1.0, 14.25 - 9.25)
+    assert (s1.flush_s, s1.recv_s, s1.bubble_s, s1.idle_s) == (12.0, 1.5, 1.5, 14.25 - 9.25)
     assert (s0.peak_memory_bytes, s1.peak_memory_bytes) == (201, 101)  # 1F1B: stage 0 holds 2 micro-batches
     path = [(e.name, e.stage) for e in report.critical_path]
     assert path == [("F0", 0), ("recv F0", 1), ("F0", 1), ("B0", 1), ("recv F1", 1), ("F1", 1), ("B1", 1),

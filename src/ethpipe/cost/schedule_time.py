@@ -2,7 +2,9 @@
 
 A pipeline iteration is a DAG: each stage runs its actions in order, ``F(s, j)`` also waits for
 ``F(s-1, j)`` and ``B(s, j)`` for ``B(s+1, j)``; an action's weight is its receive plus its compute (as
-in the runtime and the simulator). With ``D`` a stage's action durations and ``dep`` the time each
+in the runtime and the simulator). Where transfers take time their senders wait for them too
+(``cost/rendezvous.py``), which ``cost/rendezvous_replay.py`` prices on that graph; with free transfers,
+here: with ``D`` a stage's action durations and ``dep`` the time each
 action's input arrives, its actions end at ``E = C + cummax(dep - C_excl)`` (``C``: the prefix sums of
 ``D``). Starting from no waiting at all and re-evaluating every stage, up and down, until nothing moves
 gives the longest path exactly: each sweep settles one more change of direction of the critical path,
@@ -22,6 +24,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from ethpipe.cost.rendezvous_replay import rendezvous_finish_s
 from ethpipe.schedule import input_source, pipeline_schedule, split_microbatches
 
 _F, _B_WHOLE, _B_INPUT, _W = range(4)
@@ -53,18 +56,29 @@ def _structure(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num
 
 
 def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
-                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1) -> np.ndarray:
-    """End of each stage's last action (its gradients are final there), shape ``(..., depth)``.
+                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1,
+                    recv: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Each stage's flush: its last action and its last sends done (its gradients are final), shape
+    ``(..., depth)``.
 
     ``fwd[..., v, j]`` / ``bwd[..., v, j]``: receive + forward / receive + whole backward of virtual stage v
     (chunk c of stage s is ``c * depth + s``; without chunks, stage s) on micro-batch j; ``moved`` (split
     schedules): the part of ``bwd`` its W takes over (``CostModel.weight_grad_s``); ``unsplit[s]``: stage s
-    never splits (it recomputes). Leading axes are independent variants priced together.
+    never splits (it recomputes); ``recv``: (activation, gradient) seconds of those receives (the part of
+    ``fwd`` / ``bwd`` they are; row v's sends are row v + 1's activation and row v - 1's gradient receives),
+    so that senders wait for their transfers; None or all 0: free transfers (no sender waits). Leading axes are
+    independent variants priced together.
     """
     fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
     moved = np.zeros_like(fwd) if moved is None else np.asarray(moved, dtype=float)
     rows_total, m = fwd.shape[-2:]
     depth = rows_total // num_chunks
+    if recv is not None and (np.any(recv[0]) or np.any(recv[1])):
+        act, grad = (np.asarray(x, dtype=float) for x in recv)
+        table = np.stack([fwd, bwd, bwd - moved, moved, np.zeros_like(fwd)], axis=-3)
+        shape = np.broadcast_shapes(act.shape, grad.shape)
+        transfers = np.stack([np.broadcast_to(act, shape), np.broadcast_to(grad, shape), np.zeros(shape)], axis=-3)
+        return rendezvous_finish_s(schedule, table, transfers, tuple(unsplit), num_chunks)
     table = np.stack([fwd, bwd, bwd - moved, moved], axis=-3)  # (..., 4, depth * chunks, m)
     structure = _structure(schedule, depth, m, tuple(unsplit), num_chunks)
     durations = [table[..., codes, rows, mbs] for codes, rows, mbs, _ in structure]
@@ -96,11 +110,13 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
 
 
 def stage_finish_of(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
-                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1) -> np.ndarray:
-    """Each stage's gradients-final time under ``schedule``: 1F1B's closed form (``cost/pipeline.py``), else
-    the replay. The pipeline's flush is the max over stages."""
+                    unsplit: tuple[bool, ...] = (), num_chunks: int = 1,
+                    recv: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Each stage's flush (gradients final, last sends done) under ``schedule``: 1F1B's closed form
+    (``cost/pipeline.py``), else the replay (arguments as ``replay_finish_s``). The pipeline's flush is the max
+    over stages."""
     if schedule == "1f1b":
         from ethpipe.cost.pipeline import stage_finish_s
 
-        return stage_finish_s(fwd, bwd)
-    return replay_finish_s(schedule, fwd, bwd, moved, unsplit, num_chunks)
+        return stage_finish_s(fwd, bwd, recv)
+    return replay_finish_s(schedule, fwd, bwd, moved, unsplit, num_chunks, recv)

@@ -1,8 +1,8 @@
 """Closed-form iteration time of ANY valid plan, with block-wise gradient sync (docs/design.md §2.2).
 
-Per pipeline: each stage's gradients-final time under its schedule (``cost/schedule_time.stage_finish_of``:
-1F1B's closed form ``cost/pipeline.stage_finish_s``, a split schedule's exact replay; any
-micro-batch sizes). Then every stage all-reduces its blocks in the runtime's one global order
+Per pipeline: each stage's flush under its schedule, the senders' waits for their sends priced
+(``cost/schedule_time.stage_finish_of``: 1F1B's closed form ``cost/pipeline.stage_finish_s``, another
+schedule's exact replay; any micro-batch sizes). Then every stage all-reduces its blocks in the runtime's one global order
 (blocks descending, then the tied matrix: ``cost/sync.block_sync_order``), which keeps overlapping
 groups deadlock-free: a block's all-reduce starts when all
 its holders are free, holders stay busy until it ends, and each stage runs its optimizer step
@@ -24,7 +24,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.schedule_time import stage_finish_of
 from ethpipe.cost.sync import block_sync_order
 from ethpipe.plan import Pipeline, Plan, Stage, layer_owners
-from ethpipe.planner.layers.timing import action_times_s, virtual_stages, weight_times_s
+from ethpipe.planner.layers.timing import action_times_s, recv_times_s, virtual_stages, weight_times_s
 from ethpipe.cost.plan_memory import held_of, stage_bytes
 from ethpipe.schedule import SPLIT_SCHEDULES
 
@@ -98,8 +98,9 @@ def _link(cost: CostModel, a: int, b: int, memo: dict) -> tuple:
 
 
 def _pipeline_finish(pipe: Pipeline, cost: CostModel, key: tuple, cache: dict) -> np.ndarray:
-    """Each stage's last-backward end (identical pipelines, same ``key``, are priced once). An interleaved
-    pipeline is priced per virtual stage (``virtual_stages``): its rows, its receives over the wrap-around too."""
+    """Each stage's flush, its senders' waits priced (identical pipelines, same ``key``, are priced once). An
+    interleaved pipeline is priced per virtual stage (``virtual_stages``): its rows, its receives over the
+    wrap-around too."""
     split = pipe.schedule in SPLIT_SCHEDULES
     if (key, pipe.micro_batch_sizes, pipe.schedule) not in cache:
         slots, layers, rc = virtual_stages(pipe)
@@ -107,12 +108,13 @@ def _pipeline_finish(pipe: Pipeline, cost: CostModel, key: tuple, cache: dict) -
         for x in set(pipe.micro_batch_sizes):
             if (key, x, split) not in cache:
                 cache[(key, x, split)] = action_times_s(cost, slots, layers, rc, x) + (
-                    weight_times_s(cost, slots, layers, rc, x) if split else ())
+                    weight_times_s(cost, slots, layers, rc, x) if split else ()) + recv_times_s(cost, slots, x)
             per_size[x] = cache[(key, x, split)]
         arrays = [np.stack([per_size[x][k] for x in pipe.micro_batch_sizes], axis=1)
                   for k in range(len(per_size[pipe.micro_batch_sizes[0]]))]
         cache[(key, pipe.micro_batch_sizes, pipe.schedule)] = stage_finish_of(
-            pipe.schedule, *arrays, unsplit=tuple(s.recompute for s in pipe.stages), num_chunks=pipe.num_chunks)
+            pipe.schedule, *arrays[:-2], unsplit=tuple(s.recompute for s in pipe.stages), num_chunks=pipe.num_chunks,
+            recv=(arrays[-2], arrays[-1]))
     return cache[(key, pipe.micro_batch_sizes, pipe.schedule)]
 
 

@@ -3,10 +3,14 @@
 Each stage replays exactly the action list the runtime executes (``ethpipe.schedule``, the
 pipeline's own schedule), on one stream: ``F j`` on a non-first stage first receives micro-batch j's
 activation from the previous stage, ``B j`` on a non-last stage the gradient from the next; a split
-``B`` lasts the backward less its weight gradients, ``W`` those (``TimingModel.weight_grad_s``). Receives are blocking
-rendezvous, as in the runtime: the transfer (p2p time on that link) starts once the sender has
-produced the tensor and the receiver has reached the action, and occupies the receiver; sends
-are asynchronous and cost the sender nothing. After a stage's last backward its blocks'
+``B`` lasts the backward less its weight gradients, ``W`` those (``TimingModel.weight_grad_s``). Point-to-point
+is the runtime's (``comm/program.py``; the graph of waits: ``cost/rendezvous.py``, which the planner's replay
+prices too): the sends an action produces and the receives the next action needs are one batch, waited before
+that next action. A transfer (p2p time on that link) is a rendezvous: it starts once the sender has produced
+the tensor and the receiver has posted its receive (after its previous action), and both wait for it: the
+receiver before the consuming action, the sender before its own next action (a send completes only when its
+peer's receive runs; before a ``W``: before the action after it) and before its flush (its last sends). A
+transfer that takes no time costs its sender nothing. After a stage's last backward and sends its blocks'
 gradients are all-reduced on a per-stage communication stream in the runtime's order (blocks descending,
 the tied matrix last), each all-reduce starting once every holder is free; then each stage steps its
 optimizer.
@@ -20,9 +24,10 @@ stage is one stream whose events carry all its ranks.
 from __future__ import annotations
 
 from ethpipe.cost.plan_memory import stage_peak_bytes
+from ethpipe.cost.rendezvous import Node, stage_nodes
 from ethpipe.cost.sync import block_sync_order, holder_stages, tied_holder_stages
 from ethpipe.plan import Plan
-from ethpipe.schedule import input_source, output_dest, pipeline_actions, split_microbatches
+from ethpipe.schedule import pipeline_actions, split_microbatches
 from ethpipe.sim.report import EventKind, RankStats, SimEvent, SimReport
 from ethpipe.sim.timing import TimingModel
 
@@ -52,7 +57,9 @@ class _Recorder:
 def _simulate_pipeline(
     plan: Plan, p: int, cost: TimingModel, rec: _Recorder,
 ) -> tuple[list[float], list[int], list[float], list[float]]:
-    """Replay one pipeline's schedule; per stage: flush time, last event id, compute s, receive s."""
+    """Replay one pipeline's schedule; per stage: flush time (its last sends done), last event id, compute s,
+    receive s. Nodes (``cost/rendezvous.py``) are advanced in alternating sweeps, each as far as what it waits
+    for is known."""
     pipe = plan.pipelines[p]
     stages, sizes = pipe.stages, pipe.micro_batch_sizes
     num_stages, num_chunks = len(stages), pipe.num_chunks
@@ -74,54 +81,88 @@ def _simulate_pipeline(
     def p2p(src: int, dst: int, size: int) -> float:
         key = (src, dst, size)
         if key not in p2p_cache:
-            p2p_cache[key] = cost.p2p_s(src, dst, size)
+            p2p_cache[key] = cost.p2p_s(heads[src], heads[dst], size)
         return p2p_cache[key]
 
-    # ready[(kind, stage, micro-batch, chunk)] = (time, event id) when that action's input is ready at its sender.
-    ready: dict[tuple[str, int, int, int], tuple[float, int]] = {}
-    free = [0.0] * num_stages
-    last_event = [_NO_EVENT] * num_stages
+    nodes = stage_nodes(schedules, num_chunks)
+    # ends[s][n] = (time, event id) when stage s's node n ends: its compute, or, for a wait node, the wait.
+    ends: list[list[tuple[float, int]]] = [[] for _ in range(num_stages)]
     busy = [0.0] * num_stages
     recv = [0.0] * num_stages
-    pos = [0] * num_stages
-    remaining = sum(len(a) for a in schedules)
+
+    def waits(s: int, node: Node, prev: tuple[float, int]
+              ) -> tuple[list[tuple[int, float, float, int]], tuple[float, int]] | None:
+        """The receives ``node`` waits for, (action, start, end, binding event) each, and the latest end of its
+        waited sends' transfers (end, binding event); None while a neighbour has not got that far."""
+        pairs = []  # (action, producer stage, its node, seconds)
+        for r in node.recvs:  # the batch's: this action's, and a free one of a later action of the unit waits there
+            dur = p2p(r.src, s, sizes[schedules[s][r.action].microbatch])
+            if r.action == node.action or dur > 0.0:
+                pairs.append((r.action, r.src, r.node, dur))
+        if node.src is not None and all(r.action != node.action for r in node.recvs):
+            dur = p2p(node.src[0], s, sizes[schedules[s][node.action].microbatch])
+            if dur == 0.0:
+                pairs.append((node.action, *node.src, dur))
+        got = []
+        for k, src, at, dur in pairs:
+            if len(ends[src]) <= at:
+                return None
+            start, pred = ends[src][at] if ends[src][at][0] > prev[0] else prev
+            got.append((k, start, start + dur, pred))
+        out = (-1.0, _NO_EVENT)
+        for send in node.sends:
+            dur = p2p(s, send.dst, sizes[schedules[s][send.action].microbatch])
+            if dur == 0.0:  # free: its sender does not wait
+                continue
+            if send.post >= 0 and len(ends[send.dst]) <= send.post:
+                return None
+            post = ends[send.dst][send.post] if send.post >= 0 else (0.0, _NO_EVENT)
+            start, pred = max(ends[s][send.posted], post, key=lambda x: x[0])
+            if start + dur > out[0]:
+                out = (start + dur, pred)
+        return got, out
+
     ascending = True
-    while remaining:
+    while any(len(ends[s]) < len(nodes[s]) for s in range(num_stages)):
         progressed = False
         order = range(num_stages) if ascending else range(num_stages - 1, -1, -1)
         for s in order:
-            actions = schedules[s]
             ranks = stages[s].ranks
-            while pos[s] < len(actions):
-                action = actions[pos[s]]
-                j, c, kind = action.microbatch, action.chunk, action.kind
-                src, _ = input_source(kind, s, c, num_stages, num_chunks)
-                start, pred = free[s], last_event[s]
-                if src >= 0:
-                    sent = ready.pop((kind, s, j, c), None)
-                    if sent is None:
-                        break
-                    if sent[0] > start:
-                        start, pred = sent
-                    end = start + p2p(heads[src], heads[s], sizes[j])
-                    pred = rec.add(SimEvent(f"recv {action}", "p2p", p, s, ranks, start, end, microbatch=j), pred)
-                    recv[s] += end - start
-                    start = end
-                which = 0 if kind == "F" else 3 if kind == "W" else 2 if j in split[s] else 1
-                dur = durations[(s, c, sizes[j])][which]
-                end = start + dur
-                ev = rec.add(SimEvent(str(action), "compute", p, s, ranks, start, end, microbatch=j), pred)
-                free[s], last_event[s] = end, ev
-                busy[s] += dur
-                dst, dc = output_dest(kind, s, c, num_stages, num_chunks)
-                if dst >= 0:
-                    ready[(kind, dst, j, dc)] = (end, ev)
-                pos[s] += 1
-                remaining -= 1
+            while len(ends[s]) < len(nodes[s]):
+                n = len(ends[s])
+                node = nodes[s][n]
+                prev = ends[s][n - 1] if n else (0.0, _NO_EVENT)
+                found = waits(s, node, prev)
+                if found is None:
+                    break
+                got, out = found
+                start, pred = prev
+                if got:  # one event for the batch's receives (they run at once)
+                    first, last = min(g[1] for g in got), max(got, key=lambda g: g[2])
+                    name = "recv " + " ".join(str(schedules[s][g[0]]) for g in got)
+                    event = SimEvent(name, "p2p", p, s, ranks, first, last[2],
+                                     microbatch=schedules[s][last[0]].microbatch)
+                    start, pred = last[2], rec.add(event, last[3])
+                    recv[s] += last[2] - first
+                if out[0] > start:  # the sender's wait, past its receives
+                    sent = [str(schedules[s][x.action]) for x in node.sends]
+                    event = SimEvent("send " + " ".join(sent), "p2p", p, s, ranks, start, out[0],
+                                     microbatch=schedules[s][node.sends[-1].action].microbatch)
+                    start, pred = out[0], rec.add(event, out[1])
+                if node.action < 0:
+                    ends[s].append((start, pred))
+                else:
+                    action = schedules[s][node.action]
+                    j, c, kind = action.microbatch, action.chunk, action.kind
+                    which = 0 if kind == "F" else 3 if kind == "W" else 2 if j in split[s] else 1
+                    dur = durations[(s, c, sizes[j])][which]
+                    ev = rec.add(SimEvent(str(action), "compute", p, s, ranks, start, start + dur, microbatch=j), pred)
+                    ends[s].append((start + dur, ev))
+                    busy[s] += dur
                 progressed = True
         assert progressed, "the action lists deadlocked: schedule and simulator disagree"
         ascending = not ascending
-    return free, last_event, busy, recv
+    return [e[-1][0] for e in ends], [e[-1][1] for e in ends], busy, recv
 
 
 def _collectives(plan: Plan, rec: _Recorder, kind: EventKind, items: list[tuple[str, int, list[tuple[int, int]], float]],

@@ -37,10 +37,10 @@ class RankStats:
     """Where one rank's iteration went. ``busy + idle = iteration time``.
 
     ``busy_s`` is compute (forward, backward, optimizer); ``idle_s`` everything else. Inside the
-    pipeline phase (up to the rank's last backward) the non-compute time splits into
-    ``recv_s`` (blocking receives) and ``bubble_s`` (waiting on other stages); ``sync_wait_s``
-    is the time from the last backward to the optimizer step, i.e. gradient sync that compute
-    did not hide (own all-reduces plus waiting for other holders).
+    pipeline phase (up to the rank's flush: its last backward and its last sends) the non-compute time
+    splits into ``recv_s`` (blocking receives) and ``bubble_s`` (waiting on other stages, a sender's wait
+    for its transfers included); ``sync_wait_s`` is the time from the flush to the optimizer step, i.e.
+    gradient sync that compute did not hide (own all-reduces plus waiting for other holders).
     """
 
     rank: int
@@ -52,7 +52,7 @@ class RankStats:
     bubble_s: float
     recv_s: float
     sync_wait_s: float
-    flush_s: float  # end of the rank's last backward
+    flush_s: float  # end of the rank's last backward and of its last sends
     peak_memory_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,7 +65,7 @@ class SimReport:
     tokens_per_s: float
     exposed_comm_s: float  # how much longer the iteration is than with free gradient sync
     flat_sync: bool
-    pipeline_flush_s: tuple[float, ...]  # when each pipeline's last backward ends
+    pipeline_flush_s: tuple[float, ...]  # when each pipeline's last backward (and its sends) ends
     ranks: tuple[RankStats, ...]
     critical_path: tuple[SimEvent, ...]
     events: tuple[SimEvent, ...]

@@ -283,7 +283,8 @@ def evaluate_groups(cost: CostModel, groups: Sequence[Group], global_batch: int,
     if equal_data:
         samples = equal_samples(groups, global_batch)
     else:
-        # Each T(n) is at most the flush it bounds (``equal_sizes_makespans``: some of ``stage_finish_s``'s paths),
+        # Each T(n) is at most the flush it bounds (``equal_sizes_makespans``: some of ``stage_finish_s``'s paths,
+        # with free sends: the senders' waits only make the flush later),
         # up to rounding, so a balance whose every split has some T(n) past the cutoff (by more than any
         # rounding) ends in the check below: stop it there.
         found = balance_samples([gr.template.timing for gr in groups], [gr.count for gr in groups], global_batch,

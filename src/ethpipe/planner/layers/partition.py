@@ -190,7 +190,8 @@ def _least_feasible_threshold_s(arrays: tuple[np.ndarray, np.ndarray, np.ndarray
 
 def flush_lower_bound_s(stages: Sequence[Sequence[StageOption]], num_layers: int, num_micro_batches: int,
                         fill: bool = True, prepared: Prepared | None = None) -> float:
-    """A lower bound on the 1F1B flush (``cost.pipeline.stage_finish_s``, stage 0's last backward) of the split
+    """A lower bound on the 1F1B flush (``cost.pipeline.stage_finish_s``, stage 0's last backward; the senders'
+    waits for their sends only make it later, ``cost/rendezvous.py``) of the split
     ``partition_layers`` returns, with ``num_micro_batches`` micro-batches whose stage times the options give:
     stage a's actions all run between micro-batch 0 crossing the stages before it and the last one's gradient
     crossing them back, so T >= S_a + m t_a (S_a: the time of the stages before a; ``fill=False`` drops it,

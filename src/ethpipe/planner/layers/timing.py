@@ -2,7 +2,8 @@
 
 A stage's action on a micro-batch of x samples costs its compute plus its receive (the
 activation from the previous stage for F, the gradient from the next for B): receives occupy
-the receiver, as in the runtime and the simulator. ``PipelineTiming`` answers the data
+the receiver, as in the runtime and the simulator; the finish times also price the senders' waits
+(``cost/rendezvous.py``) from the receive times (``recv_times_s``). ``PipelineTiming`` answers the data
 balancer's questions for one pipeline shape: ``T(n)`` for n samples in micro-batches of
 ``micro_batch`` with a smaller last one, monotone in n by construction (so the bisection is
 sound), and its inverse in closed form; ``finish_s(n)`` gives each stage's gradients-final time for
@@ -118,6 +119,15 @@ def action_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence
     return fwd, bwd
 
 
+def recv_times_s(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage: (activation, gradient) receive seconds of one ``micro_batch``-sample micro-batch, the receives
+    ``action_times_s`` adds to compute: the stage's sends are its neighbours' receives, and the pipeline timing
+    prices the senders' waits from them (``cost/rendezvous.py``)."""
+    depth = len(slots)
+    return (np.array([_recv_fwd_s(cost, slots, i, micro_batch) for i in range(depth)]),
+            np.array([_recv_bwd_s(cost, slots, i, micro_batch) for i in range(depth)]))
+
+
 def weight_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
                    micro_batch: int) -> tuple[np.ndarray]:
     """Per stage: the seconds of a split backward's W (``CostModel.weight_grad_s``; 0 where it recomputes)."""
@@ -154,12 +164,15 @@ class PipelineTiming:
     array, so the balancer's inverse is a binary search. 1F1B is priced in closed form
     (``cost/pipeline.py``); a split-backward schedule (``weight_times``: its W seconds per stage;
     ``unsplit``: the stages that never split) by the exact replay (``cost/schedule_time.py``) up to
-    ``2 depth + 2`` micro-batches, then by its steady-state growth.
+    ``2 depth + 2`` micro-batches, then by its steady-state growth. ``recv_times`` (``recv_times_s``): the
+    receives within the action times, so that the finish times price the senders' waits (``cost/rendezvous.py``);
+    T(n) prices sends free under every schedule, a lower bound of the flush it tabulates (the balancer's model,
+    cheap: a split schedule's rendezvous replay builds a graph per micro-batch count).
     """
 
     def __init__(self, micro_batch: int, action_times: ActionTimes, granularity: int = 1,
                  schedule: str = DEFAULT_SCHEDULE, weight_times: Callable[[int], tuple[np.ndarray]] | None = None,
-                 unsplit: tuple[bool, ...] = ()) -> None:
+                 unsplit: tuple[bool, ...] = (), recv_times: ActionTimes | None = None) -> None:
         assert (schedule in SPLIT_SCHEDULES) == (weight_times is not None), "a split schedule needs its W times"
         self.micro_batch = micro_batch
         self.granularity = granularity
@@ -167,7 +180,9 @@ class PipelineTiming:
         self.unsplit = unsplit
         self._action_times = action_times
         self._weight_times = weight_times
+        self._recv_times = recv_times
         self._weight_rows: dict[int, tuple[np.ndarray]] = {}
+        self._recv_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._finish: dict[int, np.ndarray] = {}
         self._table: np.ndarray | None = None
@@ -184,11 +199,25 @@ class PipelineTiming:
             self._weight_rows[x] = self._weight_times(x)
         return self._weight_rows[x]
 
+    def recv_rows(self, x: int) -> tuple[np.ndarray, np.ndarray]:
+        assert self._recv_times is not None
+        if x not in self._recv_rows:
+            self._recv_rows[x] = self._recv_times(x)
+        return self._recv_rows[x]
+
+    def _arrays(self, sizes: Sequence[int]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, np.ndarray] | None]:
+        """((fwd, bwd[, moved]), (act, grad) receives or None) for ``stage_finish_of`` / ``replay_finish_s``."""
+        matrices = self._matrices(sizes)
+        if self._recv_times is None:
+            return matrices, None
+        return matrices[:-2], (matrices[-2], matrices[-1])
+
     def _matrices(self, sizes: Sequence[int]) -> tuple[np.ndarray, ...]:
-        """(fwd, bwd[, moved]) as (depth, micro-batches) arrays for these micro-batch sizes (each distinct size's
-        rows once: the search asks for thousands of full-then-last splits)."""
+        """(fwd, bwd[, moved][, act, grad]) as (depth, micro-batches) arrays for these micro-batch sizes (each
+        distinct size's rows once: the search asks for thousands of full-then-last splits)."""
         distinct = list(dict.fromkeys(sizes))
-        rows = {x: self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ()) for x in distinct}
+        rows = {x: self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ())
+                + (self.recv_rows(x) if self._recv_times is not None else ()) for x in distinct}
         if len(distinct) == 1:
             return tuple(np.repeat(r[:, None], len(sizes), axis=1) for r in rows[distinct[0]])
         index = np.array([distinct.index(x) for x in sizes]) if len(distinct) > 2 else \
@@ -227,8 +256,8 @@ class PipelineTiming:
         self._m_lines = 2 * depth + 3
         columns = []
         for m in range(1, self._m_lines):
-            arrays = [np.stack([a] * b) for a in self._matrices([b] * m)]  # (last size, depth, m)
-            for k, last in enumerate(self._matrices(list(range(1, b + 1)))):
+            arrays = [np.stack([a] * b) for a in self._arrays([b] * m)[0]]  # (last size, depth, m)
+            for k, last in enumerate(self._arrays(list(range(1, b + 1)))[0]):
                 arrays[k][:, :, -1] = last.T
             columns.append(replay_finish_s(self.schedule, *arrays, unsplit=self.unsplit).max(axis=-1))
         self._table = np.maximum.accumulate(np.concatenate(columns))
@@ -273,8 +302,8 @@ class PipelineTiming:
         """Each stage's gradients-final time for ``num_samples`` (``stage_finish_of``; under 1F1B [0] is the
         pipeline's flush, under any schedule the max)."""
         if num_samples not in self._finish:
-            matrices = self._matrices(split_sizes(num_samples, self.micro_batch))
-            self._finish[num_samples] = stage_finish_of(self.schedule, *matrices, unsplit=self.unsplit)
+            matrices, recv = self._arrays(split_sizes(num_samples, self.micro_batch))
+            self._finish[num_samples] = stage_finish_of(self.schedule, *matrices, unsplit=self.unsplit, recv=recv)
         return self._finish[num_samples]
 
 
@@ -287,4 +316,4 @@ def timing_of_layers(cost: CostModel, slots: Sequence[StageSlot], layers: Sequen
                      micro_batch: int, granularity: int = 1, schedule: str = DEFAULT_SCHEDULE) -> PipelineTiming:
     weights = (lambda x: weight_times_s(cost, slots, layers, recompute, x)) if schedule in SPLIT_SCHEDULES else None
     return PipelineTiming(micro_batch, lambda x: action_times_s(cost, slots, layers, recompute, x), granularity,
-                          schedule, weights, tuple(bool(r) for r in recompute))
+                          schedule, weights, tuple(bool(r) for r in recompute), lambda x: recv_times_s(cost, slots, x))

@@ -1,0 +1,113 @@
+"""The runtime's point-to-point as a graph of waits: one rule for the simulator and the planner's replay.
+
+``comm/program.py``: the sends of one communication unit (an action; in an interleaved steady state an F and
+the B after it) and the receives the next unit needs are ONE batch, posted right after the unit and waited
+before the next unit runs. Under NCCL a send completes only when its peer's receive runs, so a transfer is a
+rendezvous: it starts once the sender has posted the send and the receiver has posted the batch holding its
+receive (after the receiver's previous unit), and both sides wait for it, the receiver before its unit, the
+sender before its own next unit (the same batch) and, for its last sends, before its flush. The batch before a
+``W`` holds sends only and is waited before the next batch is posted (``comm.program.deferred_batches``): the W
+runs at once, and the next receives are posted once those sends are done.
+
+A transfer that takes no time (free communication: the tests' tables) is taken as buffered: its sender does
+not wait for it, and the receiver waits for its data only at the action that consumes it (as every timeline
+did before the rendezvous was priced). Every real link costs more than nothing (``CostModel.p2p_s``).
+
+So a stage's list becomes nodes, each ending when its stage may go on: one per action (a unit's first action
+also waits its batch: the unit's receives and the previous unit's sends), a wait node where deferred sends are
+waited, and a last node, the flush (the last sends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ethpipe.comm.program import deferred_batches, p2p_units
+from ethpipe.schedule import Action, input_source, output_dest
+
+
+class Recv(NamedTuple):
+    """A receive waited at a node: for the stage's action ``action``, produced by node ``node`` of ``src``."""
+
+    action: int
+    src: int
+    node: int
+
+
+class Send(NamedTuple):
+    """A send waited at a node: action ``action``'s output, posted right after this stage's node ``posted``,
+    received by stage ``dst``, which posts that receive right after its node ``post`` (-1: at the start)."""
+
+    action: int
+    posted: int
+    dst: int
+    post: int
+
+
+class Node(NamedTuple):
+    """One step of a stage: an action (-1: a wait node, or the flush) after the waits of its batch."""
+
+    action: int
+    recvs: tuple[Recv, ...]
+    sends: tuple[Send, ...]
+    src: tuple[int, int] | None  # (stage, node) that produces the action's own input (None: it receives none)
+
+
+def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tuple[tuple[Node, ...], ...]:
+    """Each stage's nodes (module docstring); the last one of each stage is its flush."""
+    depth = len(lists)
+    where = [{(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(acts)} for acts in lists]
+    layout = [_layout(acts) for acts in lists]
+    node_of = [[n for n, (k, _, _) in enumerate(nodes) if k >= 0] for nodes in layout]
+    batch_of = [[0] * len(acts) for acts in lists]  # per stage and action: the node whose batch receives it
+    for s, nodes in enumerate(layout):
+        for n, (_, recvs, _) in enumerate(nodes):
+            for k in recvs:
+                batch_of[s][k] = n
+    producer: list[list[tuple[int, int] | None]] = []  # per stage and action: (stage, node) of its input
+    consumer: list[list[tuple[int, int] | None]] = []  # (stage, node after which it posts that receive)
+    for s, acts in enumerate(lists):
+        ins, outs = [], []
+        for a in acts:
+            up, uc = input_source(a.kind, s, a.chunk, depth, num_chunks)
+            ins.append((up, node_of[up][where[up][(a.kind, a.microbatch, uc)]]) if up >= 0 else None)
+            dst, dc = output_dest(a.kind, s, a.chunk, depth, num_chunks)
+            outs.append((dst, batch_of[dst][where[dst][(a.kind, a.microbatch, dc)]] - 1) if dst >= 0 else None)
+        producer.append(ins)
+        consumer.append(outs)
+    out = []
+    for s, nodes in enumerate(layout):
+        ins, outs, built = producer[s], consumer[s], []
+        for k, recvs, sends in nodes:
+            got = tuple(Recv(r, *ins[r]) for r in recvs if ins[r] is not None)  # type: ignore[misc]
+            waited = tuple(Send(i, posted, *outs[i]) for i, posted in sends if outs[i] is not None)  # type: ignore[misc]
+            built.append(Node(k, got, waited, ins[k] if k >= 0 else None))
+        out.append(tuple(built))
+    return tuple(out)
+
+
+def _layout(actions: tuple[Action, ...]) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]]:
+    """Per node: (action or -1, the actions whose receives its batch holds, (sending action, node after which
+    the send was posted) of the sends it waits)."""
+    starts = p2p_units(actions) + (len(actions),)
+    deferred = deferred_batches(actions)
+    nodes: list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]] = []
+    pending: tuple[int, ...] = ()  # the previous unit's actions: their sends go out in the next batch
+    posted: tuple[tuple[int, int], ...] = ()  # sends posted by a deferred batch, not waited yet
+    for lo, hi in zip(starts, starts[1:]):
+        if lo in deferred:  # a W's batch: the pending sends go out, waited before the next batch
+            posted += tuple((k, len(nodes) - 1) for k in pending)
+            pending = ()
+        elif posted:
+            nodes.append((-1, (), posted))
+            posted = ()
+        unit = tuple(range(lo, hi))
+        nodes.append((lo, unit, tuple((k, len(nodes) - 1) for k in pending)))
+        nodes.extend((k, (), ()) for k in unit[1:])
+        pending = unit if lo not in deferred else pending
+    if posted and pending:
+        nodes.append((-1, (), posted))
+        posted = ()
+    nodes.append((-1, (), posted + tuple((k, len(nodes) - 1) for k in pending)))
+    return nodes

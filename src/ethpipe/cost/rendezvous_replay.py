@@ -1,0 +1,190 @@
+"""The replay of ``cost/schedule_time.py`` with transfers that take time: senders wait (``cost/rendezvous.py``).
+
+Node n of a stage's list (an action after its batch's waits, a deferred send's wait, the flush) goes on at
+``max(E(n-1) + w, E(producer) + in, posted(consumer) + out)`` and lasts its compute after that: ``w`` is the
+longest transfer of its batch (a deferred send's less the W compute since it was posted), so the node lasts
+``D = base + w - in_own`` (``base``: receive + compute, what the caller prices) and ends at
+``max(E(n-1), E(producer) + in - w, posted(consumer) + out - w) + D``. A free send (0 s) is not waited for,
+nor a free receive of a later action of its unit, which waits at that action (``cost/rendezvous.py``).
+
+The consumers' posts make the critical path change direction between two neighbours once or twice per
+micro-batch (zb-h1's deferred sends, the warm-up and the drain), where the free replay's sweeps settle one
+change each; so here every node is evaluated once instead, level by level in a topological order of the graph
+(nodes numbered by level, so that a level is a slice): a few numpy operations per level for all the variants
+at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from ethpipe.cost.rendezvous import stage_nodes
+from ethpipe.schedule import Action, output_dest, pipeline_schedule, split_microbatches
+
+_F, _B_WHOLE, _B_INPUT, _W, _NO_COMPUTE = range(5)  # a node's compute (a wait node: none)
+_ACT, _GRAD, _NO_TRANSFER = range(3)  # which transfer a receive or send is
+# What a node waits for: its own input; that input when an earlier batch received it (a free transfer is waited
+# at the action); another receive of its batch; a send of its batch (the consumer's post; a consumer that posts
+# at the start only makes the send last).
+_OWN, _EAGER, _OTHER, _SEND, _SEND_AT_START = range(5)
+Key = tuple[np.ndarray, np.ndarray, np.ndarray]  # (table, row, micro-batch) per node or term
+
+
+class _Graph(NamedTuple):
+    """A pipeline's nodes (N of them, stage after stage) and what they wait for ("terms")."""
+
+    compute: Key  # per node
+    own: Key  # per node: its action's receive
+    term_node: np.ndarray  # per term: the waiting node
+    term_kind: np.ndarray
+    term_key: Key  # the transfer
+    term_posted: np.ndarray  # sends: the first node after the send was posted (its gap's start), else the node
+    need_at: np.ndarray  # per term: its (slot, node) in the table of each batch's transfers
+    arrive: np.ndarray  # the terms that can arrive (all but _SEND_AT_START)
+    # Level order: the nodes renumbered level by level (a level is a slice; index N: none, whose end is 0).
+    order: np.ndarray  # per position: its node
+    arrive_at: np.ndarray  # per arriving term: its (slot, position) in the arrivals table (slot 0: the node before)
+    slots: tuple[int, int]  # (transfer slots, arrival slots)
+    levels: tuple[tuple[int, int, np.ndarray], ...]  # per level: its positions, and the positions waited for
+    flush: np.ndarray  # per stage: its last node's position
+
+
+@lru_cache(maxsize=256)  # a few MB at most: the estimate's and finish times' shapes, not the balancer's
+def _graph(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chunks: int = 1) -> _Graph:
+    """The nodes of a pipeline's lists (``cost/rendezvous.py``) and what each waits for, as index arrays."""
+    lists = pipeline_schedule(depth, m, schedule, unsplit, num_chunks)
+    stages = stage_nodes(lists, num_chunks)
+    first = np.cumsum([0] + [len(nodes) for nodes in stages]).tolist()
+    total = first[-1]
+    compute, own, deps = [], [], []
+    terms = []  # (node, kind, waited node or -1, key, posted)
+    for s, (acts, nodes) in enumerate(zip(lists, stages)):
+        split = split_microbatches(acts)
+        for n, node in enumerate(nodes):
+            g = first[s] + n
+            a = acts[node.action] if node.action >= 0 else None
+            if a is None:
+                compute.append((_NO_COMPUTE, 0, 0))
+            else:
+                code = _F if a.kind == "F" else _W if a.kind == "W" else _B_INPUT if a.microbatch in split else _B_WHOLE
+                compute.append((code, a.chunk * depth + s, a.microbatch))
+            own.append(_received(a, s, depth) if a is not None and node.src is not None else (_NO_TRANSFER, 0, 0))
+            mine = []
+            in_batch = any(r.action == node.action for r in node.recvs)
+            for r in node.recvs:
+                kind = _OWN if r.action == node.action else _OTHER
+                mine.append((g, kind, first[r.src] + r.node, _received(acts[r.action], s, depth), g))
+            if node.src is not None and not in_batch:
+                mine.append((g, _EAGER, first[node.src[0]] + node.src[1], own[-1], g))
+            for send in node.sends:
+                key = _sent(acts[send.action], s, depth, num_chunks)
+                waited = first[send.dst] + send.post if send.post >= 0 else -1
+                mine.append((g, _SEND if waited >= 0 else _SEND_AT_START, waited, key, first[s] + send.posted + 1))
+            terms += mine
+            deps.append(([g - 1] if n else []) + [t[2] for t in mine if t[2] >= 0])
+    level = _levels(deps)
+    order = sorted(range(total), key=lambda g: (level[g], g))
+    at = np.empty(total + 1, dtype=int)
+    at[order] = np.arange(total)
+    at[total] = total
+    node = np.array([t[0] for t in terms], dtype=int)
+    need_slot = _slots(node.tolist())
+    arrive = np.array([k for k, t in enumerate(terms) if t[1] != _SEND_AT_START], dtype=int)
+    arrive_slot = _slots(node[arrive].tolist(), start=1)
+    slots = (max(need_slot, default=0) + 1, max(arrive_slot, default=0) + 1)
+    firsts = set(first)
+    sources = np.full((slots[1], total), total)
+    sources[0] = [at[g - 1] if g not in firsts else total for g in order]
+    for k, slot in zip(arrive.tolist(), arrive_slot):
+        sources[slot, at[terms[k][0]]] = at[terms[k][2]]
+    bounds = np.cumsum([0] + np.bincount(level).tolist()).tolist()
+    return _Graph(_arrays(compute), _arrays(own), node, np.array([t[1] for t in terms], dtype=int),
+                  _arrays([t[3] for t in terms]), np.array([t[4] for t in terms], dtype=int),
+                  np.array(need_slot, dtype=int) * total + node, arrive, np.array(order, dtype=int),
+                  np.array(arrive_slot, dtype=int) * total + at[node[arrive]], slots,
+                  tuple((lo, hi, sources[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])),
+                  at[[f - 1 for f in first[1:]]])
+
+
+def _levels(deps: list[list[int]]) -> list[int]:
+    """Each node's level: one more than the highest of what it waits for (Kahn's order; the graph is acyclic:
+    the runtime's batches cannot wait in a cycle, ``comm.replay``)."""
+    waiting = [len(d) for d in deps]
+    users: list[list[int]] = [[] for _ in deps]
+    for g, d in enumerate(deps):
+        for u in d:
+            users[u].append(g)
+    level = [0] * len(deps)
+    ready = deque(g for g, n in enumerate(waiting) if n == 0)
+    seen = 0
+    while ready:
+        g = ready.popleft()
+        seen += 1
+        for user in users[g]:
+            level[user] = max(level[user], level[g] + 1)
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                ready.append(user)
+    assert seen == len(deps), "the nodes wait in a cycle: schedule and rendezvous disagree"
+    return level
+
+
+def _slots(nodes: list[int], start: int = 0) -> list[int]:
+    """Per entry: how many earlier entries share its node (plus ``start``): its slot in a (slot, node) table."""
+    count: dict[int, int] = {}
+    out = []
+    for n in nodes:
+        out.append(count.get(n, start))
+        count[n] = out[-1] + 1
+    return out
+
+
+def _arrays(keys: list[tuple[int, int, int]]) -> Key:
+    return tuple(np.array(x, dtype=int) for x in zip(*keys)) if keys else (np.zeros(0, int),) * 3  # type: ignore
+
+
+def _received(a: Action, s: int, depth: int) -> tuple[int, int, int]:
+    """The transfer an action on stage ``s`` receives: its row's activation (F) or gradient (B)."""
+    return (_ACT if a.kind == "F" else _GRAD), a.chunk * depth + s, a.microbatch
+
+
+def _sent(a: Action, s: int, depth: int, num_chunks: int) -> tuple[int, int, int]:
+    """The transfer an action sends: the receiving row's activation (F) or gradient (B)."""
+    dst, dc = output_dest(a.kind, s, a.chunk, depth, num_chunks)
+    return (_ACT if a.kind == "F" else _GRAD), dc * depth + dst, a.microbatch
+
+
+def rendezvous_finish_s(schedule: str, table: np.ndarray, transfers: np.ndarray, unsplit: tuple[bool, ...],
+                        num_chunks: int) -> np.ndarray:
+    """Each stage's flush, shape ``(..., depth)``. ``table[..., code, row, j]``: F, whole B, input-only B, W
+    and no compute's seconds (receives included); ``transfers[..., kind, row, j]``: activation, gradient and no
+    receive's seconds (``replay_finish_s``)."""
+    rows, m = table.shape[-2:]
+    graph = _graph(schedule, rows // num_chunks, m, unsplit, num_chunks)
+    lead = np.broadcast_shapes(table.shape[:-3], transfers.shape[:-3])
+    total = graph.order.size
+    base = np.broadcast_to(table[..., graph.compute[0], graph.compute[1], graph.compute[2]], lead + (total,))
+    value = np.broadcast_to(transfers[..., graph.term_key[0], graph.term_key[1], graph.term_key[2]],
+                            lead + graph.term_kind.shape)
+    padded = np.concatenate([np.zeros(lead + (1,)), base.cumsum(-1)], axis=-1)
+    gap = padded[..., graph.term_node] - padded[..., graph.term_posted]  # a deferred send's W since it was posted
+    need = np.where(graph.term_kind >= _SEND, value - gap, np.where(graph.term_kind == _EAGER, 0.0, value))
+    batch = np.zeros(lead + (graph.slots[0] * total,))
+    batch[..., graph.need_at] = need
+    w = batch.reshape(lead + graph.slots[:1] + (total,)).max(-2)
+    durations = (base + (w - transfers[..., graph.own[0], graph.own[1], graph.own[2]]))[..., graph.order]
+    got = value[..., graph.arrive]
+    offset = got - w[..., graph.term_node[graph.arrive]]
+    free = np.isin(graph.term_kind[graph.arrive], (_OTHER, _SEND)) & (got <= 0.0)  # not waited (or not here)
+    arrivals = np.full(lead + (graph.slots[1] * total,), -np.inf)
+    arrivals[..., :total] = 0.0  # slot 0: the node before (none: index N, whose end is 0)
+    arrivals[..., graph.arrive_at] = np.where(free, -np.inf, offset)
+    arrivals = arrivals.reshape(lead + graph.slots[1:] + (total,))
+    ends = np.zeros(lead + (total + 1,))
+    for lo, hi, waited in graph.levels:
+        ends[..., lo:hi] = (ends[..., waited] + arrivals[..., lo:hi]).max(-2) + durations[..., lo:hi]
+    return ends[..., graph.flush]

@@ -1,0 +1,162 @@
+"""The sender's wait (cost/rendezvous.py): priced alike by the simulator, the replay and 1F1B's closed form.
+
+A transfer starts once the sender has produced the tensor and the receiver has posted its receive (after its
+previous action); the receiver waits for it before its action, the sender before its next action and its flush.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ethpipe.cost.pipeline import stage_finish_s
+from ethpipe.cost.rendezvous import stage_nodes
+from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
+from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
+from ethpipe.schedule import pipeline_schedule
+from ethpipe.sim import simulate
+
+from _sim_fakes import FakeCost, make_plan
+
+
+def test_two_stages_slow_link_the_senders_wait_moves_the_flush() -> None:
+    """Stage 0 (4 layers: F 4 s, B 8 s) before a light stage 1 (F 1 s, B 2 s), 1 s links, 3 micro-batches.
+    Stage 0 is the bottleneck and runs F0, F1, B0, F2, B1, B2; its F1 waits until stage 1 has taken F0 (1 s:
+    a receive stage 1 posted at the start), every later batch of it holds a 1 s receive (its send to stage 1
+    goes at the same time), so it flushes at 3 (F + B) + 4 p = 40 s, not the 39 s of free sends. Stage 1's last
+    send (B2's gradient) completes when stage 0, done with B1 at 3 F + 2 B + 3 p = 31 s, has taken it: 32 s."""
+    f0, b0, p, m = 4.0, 8.0, 1.0, 3
+    plan = make_plan([([(0, 4), (4, 5)], [1] * m, "fast")])
+    report = simulate(plan, FakeCost(p2p_time_s=p))
+    hand = [m * (f0 + b0) + (m + 1) * p, m * f0 + (m - 1) * b0 + (m + 1) * p]
+    assert [r.flush_s for r in report.ranks] == hand == [40.0, 32.0]
+    assert ("send F0", 0, 4.0, 5.0) in [(e.name, e.stage, e.start_s, e.end_s) for e in report.events]
+    fwd = np.array([[f0] * m, [1.0] * m])
+    bwd = np.array([[b0] * m, [2.0] * m])
+    act, grad = np.array([[0.0] * m, [p] * m]), np.array([[p] * m, [0.0] * m])
+    assert replay_finish_s("1f1b", fwd + act, bwd + grad, recv=(act, grad)) == pytest.approx(hand, rel=1e-12)
+    assert stage_finish_s(fwd + act, bwd + grad, (act, grad)) == pytest.approx(hand, rel=1e-12)
+    assert stage_finish_s(fwd + act, bwd + grad)[0] == m * (f0 + b0) + m * p  # free sends: 39 s
+
+
+class _Links:
+    """Per-sample stage times by layer (a virtual stage per layer) and per-direction link seconds by rank pair
+    (0 for some: a free transfer keeps the old timeline)."""
+
+    def __init__(self, per_sample: list[tuple[float, float, float]], links: dict[tuple[int, int], float]) -> None:
+        self.per_sample, self.links = per_sample, links
+
+    def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
+        f, b, _ = self.per_sample[stage.layers[0]]
+        return f * micro_batch, b * micro_batch
+
+    def weight_grad_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> float:
+        return 0.0 if stage.recompute else self.per_sample[stage.layers[0]][2] * micro_batch
+
+    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
+        return self.links[(src_rank, dst_rank)] * micro_batch
+
+    def block_sync_s(self, plan: Plan) -> list[float]:
+        return [0.0] * len(plan.blocks)
+
+    block_gather_s = block_sync_s
+
+    def tied_sync_s(self, plan: Plan) -> float:
+        return 0.0
+
+    tied_gather_s = tied_sync_s
+
+    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
+        return 0.0
+
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
+        return 0
+
+
+def _case(rng: random.Random, schedule: str) -> tuple[Plan, _Links, tuple[np.ndarray, ...], tuple[bool, ...], int]:
+    v = rng.randint(2, 3) if schedule == "interleaved" else 1
+    depth = rng.randint(2, 5) if v > 1 else rng.randint(1, 6)
+    m = rng.choice([n for n in range(1, 3 * depth + 1) if n <= depth or n % depth == 0]) if v > 1 else rng.randint(1, 12)
+    b = rng.randint(1, 3)
+    sizes = tuple([b] * (m - 1) + [rng.randint(1, b)])
+    per = []
+    for _ in range(depth * v):
+        f = rng.uniform(0.3, 3.0)
+        bw = f * rng.uniform(1.5, 3.0)
+        per.append((f, bw, bw * rng.uniform(0.2, 0.6)))
+    links = {(a, c): rng.choice([0.0, rng.uniform(0.05, 2.0), rng.uniform(0.05, 2.0)])
+             for a in range(depth) for c in range(depth)}
+    unsplit = tuple(rng.random() < 0.15 for _ in range(depth)) if schedule == "zb-h1" else ()
+    stages = tuple(Stage((s,), "x", (s, s + 1), 1, bool(unsplit and unsplit[s]),
+                         tuple((c * depth + s, c * depth + s + 1) for c in range(v)) if v > 1 else None)
+                   for s in range(depth))
+    pipe = Pipeline(stages, sizes, schedule)
+    plan = Plan(method="eth", model="tiny", global_batch_size=sum(sizes), seq_len=16, pipelines=(pipe,),
+                blocks=compute_blocks([pipe]))
+    rows = depth * v
+    rank = [r % depth for r in range(rows)]
+    act = np.array([[links[(rank[r - 1], rank[r])] * n if r else 0.0 for n in sizes] for r in range(rows)])
+    grad = np.array([[links[(rank[r + 1], rank[r])] * n if r + 1 < rows else 0.0 for n in sizes] for r in range(rows)])
+    fwd = np.array([[per[r][0] * n for n in sizes] for r in range(rows)]) + act
+    bwd = np.array([[per[r][1] * n for n in sizes] for r in range(rows)]) + grad
+    moved = np.array([[0.0 if unsplit and unsplit[r % depth] else per[r][2] * n for n in sizes] for r in range(rows)])
+    return plan, _Links(per, links), (fwd, bwd, moved, act, grad), unsplit, v
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_the_replay_is_the_simulators_rendezvous_on_random_plans(schedule: str) -> None:
+    """Unequal stages, ragged micro-batches, direction-dependent and some free links; zb-h1's deferred sends
+    (waited after the W), recomputing stages that never split, interleaved units and the ring's wrap-around.
+    1F1B's closed form stays a lower bound, and with every link free everything is what it was, bit for bit."""
+    rng = random.Random({"1f1b": 41, "zb-h1": 42, "interleaved": 43}[schedule])
+    moved_somewhere = 0
+    for _ in range(80):
+        plan, table, (fwd, bwd, moved, act, grad), unsplit, v = _case(rng, schedule)
+        exact = np.array([r.flush_s for r in simulate(plan, table).ranks])
+        w = moved if schedule == "zb-h1" else None
+        got = replay_finish_s(schedule, fwd, bwd, w, unsplit, v, (act, grad))
+        assert got == pytest.approx(exact, rel=1e-12, abs=1e-12), (plan.pipelines[0], table.links)
+        free = replay_finish_s(schedule, fwd - act, bwd - grad, w, unsplit, v)
+        zeros = replay_finish_s(schedule, fwd - act, bwd - grad, w, unsplit, v, (0 * act, 0 * grad))
+        assert np.array_equal(free, zeros)
+        moved_somewhere += bool(np.any(got > replay_finish_s(schedule, fwd, bwd, w, unsplit, v) * (1 + 1e-9)))
+        if schedule == "1f1b":
+            assert np.all(stage_finish_of("1f1b", fwd, bwd, recv=(act, grad)) <= exact * (1 + 1e-12))
+            assert np.array_equal(stage_finish_s(fwd - act, bwd - grad, (0 * act, 0 * grad)),
+                                  stage_finish_s(fwd - act, bwd - grad))
+    assert moved_somewhere > 20  # the senders' waits did change most timelines
+
+
+def test_1f1b_closed_form_is_exact_on_equal_stages_with_slow_links() -> None:
+    """Equal stages and links (any speed): the closed form's paths price the rendezvous exactly."""
+    for depth, m, f, b, p in [(2, 3, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (6, 4, 2.0, 3.0, 0.3), (8, 16, 1.0, 2.0, 4.0)]:
+        act = np.full((depth, m), p)
+        act[0] = 0.0
+        grad = np.full((depth, m), p)
+        grad[-1] = 0.0
+        fwd, bwd = np.full((depth, m), f) + act, np.full((depth, m), b) + grad
+        exact = replay_finish_s("1f1b", fwd, bwd, recv=(act, grad))
+        assert stage_finish_s(fwd, bwd, (act, grad)) == pytest.approx(exact, rel=1e-12)
+
+
+def test_the_nodes_follow_the_runtimes_batches() -> None:
+    """zb-h1's stage 1 waits its B's deferred send after the W, before posting the next receive; an interleaved
+    steady-state unit's F waits both its own and its B's receives, and the unit's sends go out after the B."""
+    lists = pipeline_schedule(3, 4, "zb-h1", (False,) * 3)
+    acts, nodes = lists[1], stage_nodes(lists)[1]
+    kinds = [str(acts[n.action]) if n.action >= 0 else "wait" for n in nodes]
+    assert kinds == ["F0", "F1", "B0", "F2", "B1", "W0", "wait", "F3", "B2", "W1", "wait", "B3", "W2", "W3", "wait"]
+    wait = nodes[6]
+    assert [str(acts[x.action]) for x in wait.sends] == ["B1"] and wait.sends[0].posted == 4 and not wait.recvs
+    assert nodes[7].sends == () and [str(acts[r.action]) for r in nodes[7].recvs] == ["F3"]
+    lists = pipeline_schedule(2, 4, "interleaved", (False,) * 2, 2)
+    acts, nodes = lists[1], stage_nodes(lists, 2)[1]
+    at = next(k for k, n in enumerate(nodes) if len(n.recvs) == 2)
+    unit, after, following = nodes[at], nodes[at + 1], nodes[at + 2]
+    assert [str(acts[r.action]) for r in unit.recvs] == ["F2", "B0"]
+    assert str(acts[after.action]) == "B0" and after.recvs == () and after.sends == ()
+    assert [(str(acts[x.action]), x.posted) for x in following.sends] == [("F2", at + 1), ("B0", at + 1)]
