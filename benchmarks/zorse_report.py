@@ -18,14 +18,17 @@ from ethpipe.cost.hardware import Calibration
 from zorse_data import ZorsePoint
 
 
+MIN_SERIES = 4  # micro-batches a series needs for its drift: a trend, not two points
+
+
 def _error(p: ZorsePoint, calibration: Calibration) -> float:
     return p.obs.predict_with(calibration) / p.obs.measured_s - 1
 
 
 def per_gpu(points: tuple[ZorsePoint, ...], fit_for: Callable[[ZorsePoint], Calibration]) -> dict[str, dict]:
     """Per GPU: n, median |error|, the forward and backward median predicted / measured, micro-batch 1's, and the
-    drift: per series (model, sequence, pass) the error at its largest micro-batch less that at micro-batch 1, the
-    median over series. No priced term grows faster than the tokens at one sequence length (launch and per-layer
+    drift: per series (Zorse GPU key, model, sequence, pass; ``MIN_SERIES`` micro-batches or more) the error at its
+    largest micro-batch less that at its smallest, the median over series. No priced term grows faster than the tokens at one sequence length (launch and per-layer
     costs grow slower), so a drift far below 0 is time growing faster than work: clocks that fall under a longer
     load, not a missing kernel."""
     out: dict[str, dict] = {}
@@ -33,8 +36,8 @@ def per_gpu(points: tuple[ZorsePoint, ...], fit_for: Callable[[ZorsePoint], Cali
         mine = [(p, _error(p, fit_for(p))) for p in points if p.gpu == gpu]
         series: dict[tuple, list[tuple[int, float]]] = {}
         for p, e in mine:
-            series.setdefault((p.model, p.seq_len, p.obs.backward), []).append((p.obs.micro_batch, e))
-        drift = [max(v)[1] - min(v)[1] for v in series.values() if len(v) >= 4]
+            series.setdefault((p.key, p.model, p.seq_len, p.obs.backward), []).append((p.obs.micro_batch, e))
+        drift = [max(v)[1] - min(v)[1] for v in series.values() if len(v) >= MIN_SERIES]
         fwd = [1 + e for p, e in mine if not p.obs.backward]
         bwd = [1 + e for p, e in mine if p.obs.backward]
         bwd1 = [1 + e for p, e in mine if p.obs.backward and p.obs.micro_batch == 1]
@@ -86,11 +89,11 @@ def section(data: dict) -> list[str]:
              "slower as micro-batch 2 of 1024 tokens than as micro-batch 4 of 512 (L4 and A100-40: within 2%), and",
              "its times grow faster than its work within one sequence length (a 70 W card's clocks under sustained",
              "load, most likely): no price of the work is within 15% of both, which is T4's floor here.",
-             "`drift` (in-sample) says so for every GPU: per series (one model, sequence length and pass) the error at",
-             "its largest micro-batch less the error at micro-batch 1, median over series. No priced term grows",
+             "`drift` (in-sample) says so for every GPU: per series (one model, sequence length and pass, 4 or more",
+             "micro-batches) the error at its largest micro-batch less at its smallest, median. No priced term grows",
              "faster than the tokens at one sequence length (launch and per-layer costs grow slower), so a drift",
-             "well below 0 is a card whose time grows faster than its work. The two ~70 W cards (L4, T4) are",
-             "the ones that drift down: for a sustained training load they run slower than their median price.",
+             "well below 0 is a card whose time grows faster than its work. The two ~70 W cards (L4, T4) drift",
+             "down most (P40 a little): for a sustained training load they run slower than their median price.",
              "",
              "Before (the constants and kernel inventory of commit ffddcb3, the same points): predicted / measured,",
              "median forward / backward / backward at micro-batch 1: A100-40 0.69 / 0.68 / 0.47, A100-80 0.87 / 0.85 /",

@@ -42,8 +42,9 @@ def section(results: dict[str, dict[str, Any]]) -> list[str]:
     labels = labels_of(results)
     lines = ["## Schedules: zb-h1 and interleaved beside 1F1B, per pipeline", "",
              "eth may give each pipeline the fastest schedule its memory allows (docs/design.md §2.4: 1F1B, zb-h1, "
-             "the zero-bubble schedule whose weight-gradient passes fill the drain, or interleaved 1F1B with 2 model "
-             "chunks per stage, tried on eth's final plan where it fits); *eth 1F1B only* is the same "
+             "the zero-bubble schedule whose weight-gradient passes fill the drain, or interleaved 1F1B with 2-4 model "
+             "chunks per stage, tried on eth's final plan where it fits, and inside its search where zb-h1 is not "
+             "allowed); *eth 1F1B only* is the same "
              "planner told `--schedules 1f1b`; the baselines run 1F1B, their published schedule. Each cell: simulated "
              "k tokens/s at nominal speeds (the planner's bubble factor in brackets: the flush with compute only over "
              "the slowest stage's compute, capacity-weighted over pipelines; 1.00 = no bubble).", ""]

@@ -72,3 +72,25 @@ def test_profile_records_the_kernel_modes_it_ran_with(tiny_profile) -> None:  # 
     asked = profile_model(load_model_spec("tiny"), ProfileSettings(seq_len=32, micro_batch_sizes=(1,), repeats=1,
                                                                     warmup=0, attention="materialised"))
     assert asked.attention == "auto"
+
+
+def test_a_profile_from_before_16_bit_rope_is_priced_as_the_runtime_it_measured(tiny_profile) -> None:  # noqa: ANN001
+    """A profile written before RoPE rotated in the compute dtype (no ``rope`` field) measured the runtime that
+    widened q and k to fp32: it is read as ``ethpipe_fp32_rope``, whose 16-bit RoPE moves 48 / 56 bytes per element
+    forward / backward (the backward with its layout copy) against this runtime's 18 / 24, the rest of the block
+    the same; a new profile round-trips as ``ethpipe``."""
+    from ethpipe.cost.elementwise import block_elementwise
+    from ethpipe.cost.profile import profile_from_dict
+
+    data = tiny_profile.to_dict()
+    assert profile_from_dict(data).layer_code == "ethpipe"
+    del data["rope"]
+    assert profile_from_dict(data).layer_code == "ethpipe_fp32_rope"
+    spec = load_model_spec("llama2-7b")
+    for backward, (old, new) in ((False, (48, 18)), (True, (56, 24))):
+        per_elem = {code: block_elementwise(code, spec, 1, 1, 2, 2, backward)["rope"] / (spec.q_dim + spec.kv_dim)
+                    for code in ("ethpipe_fp32_rope", "ethpipe")}
+        assert per_elem == {"ethpipe_fp32_rope": old, "ethpipe": new}
+        rest = {code: {k: v for k, v in block_elementwise(code, spec, 1, 1, 2, 2, backward).items() if k != "rope"}
+                for code in ("ethpipe_fp32_rope", "ethpipe")}
+        assert rest["ethpipe_fp32_rope"] == rest["ethpipe"]

@@ -160,3 +160,27 @@ def test_the_nodes_follow_the_runtimes_batches() -> None:
     assert [str(acts[r.action]) for r in unit.recvs] == ["F2", "B0"]
     assert str(acts[after.action]) == "B0" and after.recvs == () and after.sends == ()
     assert [(str(acts[x.action]), x.posted) for x in following.sends] == [("F2", at + 1), ("B0", at + 1)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_a_receive_starts_where_its_send_is_posted(schedule: str) -> None:
+    """Every timed receive waits for the node after which its producer posts the send, the same node the sender's
+    side of that transfer starts from: an interleaved F's output goes out with its unit's B (``p2p_units``), so
+    a receiver cannot have it at the end of the F (a review found the two sides disagreeing there)."""
+    for depth, m, chunks in [(2, 4, 2), (3, 6, 2), (4, 8, 2), (3, 6, 3), (4, 4, 1), (3, 7, 1)]:
+        if (schedule == "interleaved") != (chunks > 1):
+            continue
+        lists = pipeline_schedule(depth, m, schedule, (False,) * depth, chunks)
+        nodes = stage_nodes(lists, chunks)
+        posted = {(s, send.dst, lists[s][send.action].microbatch, send.action): send.posted
+                  for s, stage in enumerate(nodes) for node in stage for send in node.sends}
+        checked = 0
+        for s, stage in enumerate(nodes):
+            for node in stage:
+                for r in node.recvs:
+                    a = lists[s][r.action]
+                    sends = [at for (src, dst, j, k), at in posted.items()
+                             if src == r.src and dst == s and j == a.microbatch and lists[src][k].kind == a.kind]
+                    assert r.node in sends, (schedule, depth, m, chunks, s, a, r, sends)
+                    checked += 1
+        assert checked > 0

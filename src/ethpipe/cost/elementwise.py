@@ -28,8 +28,10 @@ from typing import Literal
 
 from ethpipe.model_spec import ModelSpec
 
-LayerCode = Literal["megatron", "ethpipe", "hf"]
-LAYER_CODES: tuple[str, ...] = ("megatron", "ethpipe", "hf")
+LayerCode = Literal["megatron", "ethpipe", "hf", "ethpipe_fp32_rope"]
+# ``ethpipe_fp32_rope``: this runtime before RoPE rotated in the compute dtype (it widened q and k to fp32 and back):
+# what profiles measured by earlier releases ran (``cost/profile.py`` reads them so).
+LAYER_CODES: tuple[str, ...] = ("megatron", "ethpipe", "hf", "ethpipe_fp32_rope")
 
 
 def _cast(a: int, b: int) -> int:
@@ -46,14 +48,17 @@ def norm_bytes(code: str, s: int, w: int, backward: bool) -> int:
     return 2 * _cast(s, w) + (3 if backward else 2) * w
 
 
-def rope_bytes(code: str, e: int, backward: bool) -> int:
+def rope_bytes(code: str, e: int, backward: bool, w: int = 4) -> int:
     """RoPE per element of q and k, in the compute dtype (``ethpipe`` rounds its tables to it under autocast).
     ``ethpipe``: x1*cos, x2*sin, x2*cos, x1*sin on halves (4e), a subtract and an add (3e), ``cat`` (2e);
     backward the multiplies again, a negate, the halves' sums and their ``cat``: 10e. ``hf``: q*cos,
     ``rotate_half`` (negate a half, ``cat``), *sin, add: 10e; backward 14e (two multiplies, the negate, two
-    slice-backward zero-fills and two adds)."""
+    slice-backward zero-fills and two adds). ``ethpipe_fp32_rope``: the same passes in the wide dtype ``w``, and
+    the casts to it and back."""
     if code == "hf":
         return (14 if backward else 10) * e
+    if code == "ethpipe_fp32_rope":
+        return (10 if backward else 9) * w + 2 * _cast(e, w)
     return (10 if backward else 9) * e
 
 
@@ -69,8 +74,9 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
                       backward: bool) -> dict[str, float]:
     """Bytes of each elementwise step of one block pass on one TP rank (``ethpipe`` or ``hf``), by name, in
     the order the block runs them (the caller interleaves the GEMMs). ``s``: the residual stream's bytes."""
-    assert code in ("ethpipe", "hf"), code
+    assert code in ("ethpipe", "hf", "ethpipe_fp32_rope"), code
     w = max(4, e)
+    rope_code, code = code, "ethpipe" if code == "ethpipe_fp32_rope" else code  # only its RoPE differs
     if code == "hf":
         s = w  # its stream is the fp32 input autocast leaves alone
     h = model.hidden_size
@@ -85,7 +91,7 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
         out["attn_norm"] = th * norm_bytes(code, s, w, False)
         out["attn_cast"] = th * casts[0] * _cast(s, e)
         if model.position == "rope":
-            out["rope"] = tokens * (q + kv) * rope_bytes(code, e, False)
+            out["rope"] = tokens * (q + kv) * rope_bytes(rope_code, e, False, w)
         # Under tp a row-parallel linear adds its bias after the all-reduce, one more kernel (tp 1: in the GEMM).
         out["attn_row_bias"] = th * 2 * e * (tp > 1 and model.attention_bias)
         out["attn_residual"] = th * (2 * s + e)  # x (stream) + the projection's output (compute dtype)
@@ -106,7 +112,7 @@ def block_elementwise(code: str, model: ModelSpec, tokens: float, tp: int, e: in
     if model.position == "rope":
         # RoPE's output is [b, heads, s, d]-contiguous, the projection's [b, s, heads, d]: its gradient is copied
         # back into the projection's layout (the view's backward).
-        out["rope"] = tokens * (q + kv) * (rope_bytes(code, e, True) + 2 * e)
+        out["rope"] = tokens * (q + kv) * (rope_bytes(rope_code, e, True, w) + 2 * e)
     out["attn_grad_sum"] = th * 2 * 3 * (s if code == "hf" else e)  # q, k and v's input gradients summed
     out["attn_cast"] = th * casts[0] * _cast(e, s)
     out["attn_norm"] = th * norm_bytes(code, s, w, True)

@@ -107,6 +107,7 @@ class MeasuredProfile:
             "attention": self.attention,
             "grad_accumulation": self.grad_accumulation,
             "layer_code": self.layer_code,
+            "rope": "compute_dtype",  # RoPE rotated in the compute dtype (profiles without it: ethpipe_fp32_rope)
         }
 
     def save(self, path: str | Path) -> None:
@@ -148,7 +149,7 @@ def profile_from_dict(data: Any) -> MeasuredProfile:
             tf32=None if data.get("tf32") is None else bool(data["tf32"]),
             attention=_attention(data.get("attention", "auto")),
             grad_accumulation=_accumulation(data.get("grad_accumulation", True)),
-            layer_code=_layer_code(data.get("layer_code", "ethpipe")),
+            layer_code=_layer_code(data.get("layer_code", "ethpipe"), data.get("rope")),
         )
     except (KeyError, TypeError, AttributeError) as err:
         raise UserError(f"profile is missing or has a malformed field {err}: re-run `ethpipe profile`") from None
@@ -170,7 +171,11 @@ def _accumulation(value: Any) -> str:
     return str(value)
 
 
-def _layer_code(value: Any) -> str:
+def _layer_code(value: Any, rope: Any = None) -> str:
+    """A profile's ``layer_code``; an ``ethpipe`` profile written before RoPE rotated in the compute dtype (no
+    ``rope`` field) measured the runtime that rotated in fp32, and is priced as that one."""
+    if value == "ethpipe" and rope is None:
+        return "ethpipe_fp32_rope"
     if value not in LAYER_CODES:
         raise UserError(f"profile field 'layer_code' must be one of {', '.join(LAYER_CODES)}, got {value!r}")
     return str(value)

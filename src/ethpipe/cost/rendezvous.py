@@ -28,7 +28,8 @@ from ethpipe.schedule import Action, input_source, output_dest
 
 
 class Recv(NamedTuple):
-    """A receive waited at a node: for the stage's action ``action``, produced by node ``node`` of ``src``."""
+    """A receive waited at a node: for the stage's action ``action``, whose producer on stage ``src`` posts the
+    send right after its node ``node`` (its action's, or its unit's last: ``comm.program.p2p_batches``)."""
 
     action: int
     src: int
@@ -61,17 +62,19 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
     layout = [_layout(acts) for acts in lists]
     node_of = [[n for n, (k, _, _) in enumerate(nodes) if k >= 0] for nodes in layout]
     batch_of = [[0] * len(acts) for acts in lists]  # per stage and action: the node whose batch receives it
+    sent_after: list[dict[int, int]] = [{} for _ in lists]  # per stage and action: the node after which it sends
     for s, nodes in enumerate(layout):
-        for n, (_, recvs, _) in enumerate(nodes):
+        for n, (_, recvs, sends) in enumerate(nodes):
             for k in recvs:
                 batch_of[s][k] = n
-    producer: list[list[tuple[int, int] | None]] = []  # per stage and action: (stage, node) of its input
+            sent_after[s].update(sends)
+    producer: list[list[tuple[int, int] | None]] = []  # per stage and action: (stage, action) of its input
     consumer: list[list[tuple[int, int] | None]] = []  # (stage, node after which it posts that receive)
     for s, acts in enumerate(lists):
         ins, outs = [], []
         for a in acts:
             up, uc = input_source(a.kind, s, a.chunk, depth, num_chunks)
-            ins.append((up, node_of[up][where[up][(a.kind, a.microbatch, uc)]]) if up >= 0 else None)
+            ins.append((up, where[up][(a.kind, a.microbatch, uc)]) if up >= 0 else None)
             dst, dc = output_dest(a.kind, s, a.chunk, depth, num_chunks)
             outs.append((dst, batch_of[dst][where[dst][(a.kind, a.microbatch, dc)]] - 1) if dst >= 0 else None)
         producer.append(ins)
@@ -80,9 +83,13 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
     for s, nodes in enumerate(layout):
         ins, outs, built = producer[s], consumer[s], []
         for k, recvs, sends in nodes:
-            got = tuple(Recv(r, *ins[r]) for r in recvs if ins[r] is not None)  # type: ignore[misc]
+            # A timed transfer starts once its producer has posted the send: after the producer's action, or after
+            # the last action of its unit (an interleaved F's send goes out with its unit's B's). A free one is
+            # buffered: it is there once the producer's action ends (``src``).
+            got = tuple(Recv(r, ins[r][0], sent_after[ins[r][0]][ins[r][1]]) for r in recvs if ins[r] is not None)
             waited = tuple(Send(i, posted, *outs[i]) for i, posted in sends if outs[i] is not None)  # type: ignore[misc]
-            built.append(Node(k, got, waited, ins[k] if k >= 0 else None))
+            own = ins[k] if k >= 0 else None
+            built.append(Node(k, got, waited, (own[0], node_of[own[0]][own[1]]) if own is not None else None))
         out.append(tuple(built))
     return tuple(out)
 
@@ -106,8 +113,6 @@ def _layout(actions: tuple[Action, ...]) -> list[tuple[int, tuple[int, ...], tup
         nodes.append((lo, unit, tuple((k, len(nodes) - 1) for k in pending)))
         nodes.extend((k, (), ()) for k in unit[1:])
         pending = unit if lo not in deferred else pending
-    if posted and pending:
-        nodes.append((-1, (), posted))
-        posted = ()
+    assert not (posted and pending), "a deferred batch leaves no unit pending, and a unit after it waits the posted"
     nodes.append((-1, (), posted + tuple((k, len(nodes) - 1) for k in pending)))
     return nodes

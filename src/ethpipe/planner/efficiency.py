@@ -15,7 +15,7 @@ devices the plan leaves idle); per pipeline p:
 * ``F'_p`` its flush with compute only (no p2p receives), ``F_p`` its flush as priced.
 
 ``M`` = slowest flush, ``T_nosync`` = the iteration if gradient sync were free (each stage's
-last backward plus its optimizer step), ``T`` = the iteration. Why a chain, not independent
+flush, its last sends included, plus its optimizer step), ``T`` = the iteration. Why a chain, not independent
 ratios: independent ratios do not multiply to the efficiency, so they cannot say which cause
 dominates.
 """

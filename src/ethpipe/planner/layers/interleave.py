@@ -27,7 +27,7 @@ from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.schedule import interleaved_fits
 
-NUM_CHUNKS = 2  # Megatron's usual choice: most of the bubble gain, half the extra messages of 3 or 4
+NUM_CHUNKS = 2  # the default of ``interleaved_of`` / ``why_not_interleaved`` (Megatron's usual choice)
 CHUNK_COUNTS = (2, 3, 4)  # tried in turn: more chunks shrink the bubble further for more messages and memory
 
 
@@ -106,7 +106,9 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
 
 def _why_kept(memory: list[int], slower: list[tuple[int, float]], other: list[str], plan_s: float) -> str:
     """Why a pipeline shape kept its schedule, over the chunk counts tried: each kind of reason once."""
-    parts = list(dict.fromkeys(other))
+    parts = list(dict.fromkeys(w for w in other if not w.startswith("a stage holds")))
+    fewer = [w for w in other if w.startswith("a stage holds")]
+    parts += fewer[:1]  # too few layers for the smallest count says it for the larger ones
     if slower:
         counts = " / ".join(str(v) for v, _ in slower)
         times = " / ".join(f"{t:.4g}" for _, t in slower)

@@ -105,8 +105,9 @@ def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
                      flat_sync: bool = False, timings: dict | None = None) -> tuple[Plan, float]:
     """``plan`` (priced or not) with each pipeline's fastest allowed schedule and the batch re-split for them,
     if that is predicted faster, else ``plan``; and the kept plan's predicted iteration seconds. Interleaving
-    (where allowed) is tried last, on the pipelines so chosen (``layers/interleave.py``); eth's search asks
-    without it and interleaves its final plan (``planner.make_plan``). ``timings``: ``pipeline_timings``'s memo."""
+    (where allowed) is tried last, on the pipelines so chosen (``layers/interleave.py``); eth's search asks for it
+    only where zb-h1 is not allowed, and interleaves its final plan (``planner.make_plan``). ``timings``:
+    ``pipeline_timings``'s memo."""
     assert schedules and all(s in SCHEDULES for s in schedules)
     layout = plan_layout(plan, cost)  # shared by the re-split's estimate: same stages
     own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync, layout=layout)

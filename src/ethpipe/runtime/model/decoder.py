@@ -40,7 +40,8 @@ PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.float32, "fp16": torch.floa
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Norms and RoPE run in at least fp32 (as in Llama), and in fp64 when the model is fp64."""
+    """Norms run in at least fp32 (as in Llama), and in fp64 when the model is fp64; RoPE's tables are built in it
+    (under autocast then rounded to the compute dtype: ``Decoder.rope``)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
