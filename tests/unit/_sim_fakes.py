@@ -8,6 +8,32 @@ from dataclasses import dataclass, field
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 
 
+class FreeSyncTiming:
+    """The parts of a timing model that pipeline-timing tests leave free: no gradient sync or gather, no optimizer
+    step, no memory, no transfers; a test's table subclasses it with its own stage (and link) times."""
+
+    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
+        return 0.0
+
+    def block_sync_s(self, plan: Plan) -> list[float]:
+        return [0.0] * len(plan.blocks)
+
+    block_gather_s = block_sync_s
+
+    def tied_sync_s(self, plan: Plan) -> float:
+        return 0.0
+
+    tied_gather_s = tied_sync_s
+
+    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
+        return 0.0
+
+    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
+                           pending_weights: int = 0, stashed_inputs: int | None = None,
+                           live_heads: int | None = None) -> int:
+        return 0
+
+
 @dataclass
 class FakeCost:
     """fwd = per-layer time of the device x layers x micro-batch; bwd = 2 x fwd."""

@@ -11,8 +11,10 @@ from ethpipe.cost.pipeline import equal_sizes_makespans, stage_finish_s, steady_
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.sim import simulate
 
+from _sim_fakes import FreeSyncTiming
 
-class _Table:
+
+class _Table(FreeSyncTiming):
     """Timing model whose stage times come from explicit (fwd, bwd) per stage and size."""
 
     def __init__(self, fwd: dict, bwd: dict) -> None:
@@ -22,28 +24,6 @@ class _Table:
         s = stage.ranks[0]
         return self.fwd[(s, micro_batch)], self.bwd[(s, micro_batch)]
 
-    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
-        return 0.0
-
-    def block_sync_s(self, plan: Plan) -> list[float]:
-        return [0.0] * len(plan.blocks)
-
-    def block_gather_s(self, plan: Plan) -> list[float]:
-        return [0.0] * len(plan.blocks)
-
-    def tied_gather_s(self, plan: Plan) -> float:
-        return 0.0
-
-    def tied_sync_s(self, plan: Plan) -> float:
-        return 0.0
-
-    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        return 0.0
-
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None,
-                           live_heads: int | None = None) -> int:
-        return 0
 
 
 def _simulated_flush(fwd: np.ndarray, bwd: np.ndarray, sizes: list[int]) -> list[float]:

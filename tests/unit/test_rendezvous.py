@@ -18,7 +18,7 @@ from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.schedule import pipeline_schedule
 from ethpipe.sim import simulate
 
-from _sim_fakes import FakeCost, make_plan
+from _sim_fakes import FakeCost, FreeSyncTiming, make_plan
 
 
 def test_two_stages_slow_link_the_senders_wait_moves_the_flush() -> None:
@@ -41,7 +41,7 @@ def test_two_stages_slow_link_the_senders_wait_moves_the_flush() -> None:
     assert stage_finish_s(fwd + act, bwd + grad)[0] == m * (f0 + b0) + m * p  # free sends: 39 s
 
 
-class _Links:
+class _Links(FreeSyncTiming):
     """Per-sample stage times by layer (a virtual stage per layer) and per-direction link seconds by rank pair
     (0 for some: a free transfer keeps the old timeline)."""
 
@@ -58,23 +58,6 @@ class _Links:
     def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
         return self.links[(src_rank, dst_rank)] * micro_batch
 
-    def block_sync_s(self, plan: Plan) -> list[float]:
-        return [0.0] * len(plan.blocks)
-
-    block_gather_s = block_sync_s
-
-    def tied_sync_s(self, plan: Plan) -> float:
-        return 0.0
-
-    tied_gather_s = tied_sync_s
-
-    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        return 0.0
-
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None,
-                           live_heads: int | None = None) -> int:
-        return 0
 
 
 def _case(rng: random.Random, schedule: str) -> tuple[Plan, _Links, tuple[np.ndarray, ...], tuple[bool, ...], int]:

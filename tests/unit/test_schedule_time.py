@@ -19,8 +19,10 @@ from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.layers.timing import PipelineTiming, split_sizes
 from ethpipe.sim import simulate
 
+from _sim_fakes import FreeSyncTiming
 
-class _Table:
+
+class _Table(FreeSyncTiming):
     """Per-stage (fwd, bwd, W) seconds per micro-batch sample, times the micro-batch size."""
 
     def __init__(self, per_sample: list[tuple[float, float, float]]) -> None:
@@ -33,26 +35,6 @@ class _Table:
     def weight_grad_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> float:
         return 0.0 if stage.recompute else self.per_sample[stage.ranks[0]][2] * micro_batch
 
-    def p2p_s(self, src_rank: int, dst_rank: int, micro_batch: int) -> float:
-        return 0.0
-
-    def block_sync_s(self, plan: Plan) -> list[float]:
-        return [0.0] * len(plan.blocks)
-
-    block_gather_s = block_sync_s
-
-    def tied_sync_s(self, plan: Plan) -> float:
-        return 0.0
-
-    tied_gather_s = tied_sync_s
-
-    def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
-        return 0.0
-
-    def stage_memory_bytes(self, stage: Stage, micro_batch: int, in_flight: float, *, first: bool, last: bool,
-                           pending_weights: int = 0, stashed_inputs: int | None = None,
-                           live_heads: int | None = None) -> int:
-        return 0
 
 
 def _shape(rng: random.Random) -> tuple[list[tuple[float, float, float]], tuple[bool, ...]]:
