@@ -85,6 +85,7 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
         if plan.pipelines[members[0]].num_chunks > 1:  # interleaved by the search already
             continue
         base, memory, slower, other = plan, [], [], []
+        fewest = min(s.num_layers for s in plan.pipelines[members[0]].stages)
         for num_chunks in CHUNK_COUNTS:  # the fastest that fits wins; each count is priced against the best so far
             switched = _switched(base, cost, members, num_chunks)
             if switched is None:
@@ -92,6 +93,8 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
                 continue
             if isinstance(switched, str):
                 other.append(switched)
+                if fewest < num_chunks:  # too few layers for this count, and so for every larger one
+                    break
                 continue
             trial = dataclasses.replace(base, pipelines=switched, blocks=compute_blocks(switched), predicted=None)
             trial_s = estimate_iteration_s(trial, cost, flat_sync=flat_sync)
@@ -106,9 +109,7 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
 
 def _why_kept(memory: list[int], slower: list[tuple[int, float]], other: list[str], plan_s: float) -> str:
     """Why a pipeline shape kept its schedule, over the chunk counts tried: each kind of reason once."""
-    parts = list(dict.fromkeys(w for w in other if not w.startswith("a stage holds")))
-    fewer = [w for w in other if w.startswith("a stage holds")]
-    parts += fewer[:1]  # too few layers for the smallest count says it for the larger ones
+    parts = list(dict.fromkeys(other))
     if slower:
         counts = " / ".join(str(v) for v, _ in slower)
         times = " / ".join(f"{t:.4g}" for _, t in slower)

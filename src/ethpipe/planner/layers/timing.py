@@ -207,17 +207,19 @@ class PipelineTiming:
 
     def _arrays(self, sizes: Sequence[int]) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, np.ndarray] | None]:
         """((fwd, bwd[, moved]), (act, grad) receives or None) for ``stage_finish_of`` / ``replay_finish_s``."""
-        matrices = self._matrices(sizes)
+        matrices = self._matrices(sizes, with_recv=True)
         if self._recv_times is None:
             return matrices, None
         return matrices[:-2], (matrices[-2], matrices[-1])
 
-    def _matrices(self, sizes: Sequence[int]) -> tuple[np.ndarray, ...]:
+    def _matrices(self, sizes: Sequence[int], with_recv: bool = False) -> tuple[np.ndarray, ...]:
         """(fwd, bwd[, moved][, act, grad]) as (depth, micro-batches) arrays for these micro-batch sizes (each
-        distinct size's rows once: the search asks for thousands of full-then-last splits)."""
+        distinct size's rows once: the search asks for thousands of full-then-last splits); the receives only
+        ``with_recv`` (T(n) prices sends free and does not read them)."""
         distinct = list(dict.fromkeys(sizes))
+        recv = with_recv and self._recv_times is not None
         rows = {x: self.rows(x) + (self.weight_rows(x) if self._weight_times is not None else ())
-                + (self.recv_rows(x) if self._recv_times is not None else ()) for x in distinct}
+                + (self.recv_rows(x) if recv else ()) for x in distinct}
         if len(distinct) == 1:
             return tuple(np.repeat(r[:, None], len(sizes), axis=1) for r in rows[distinct[0]])
         index = np.array([distinct.index(x) for x in sizes]) if len(distinct) > 2 else \
@@ -256,8 +258,8 @@ class PipelineTiming:
         self._m_lines = 2 * depth + 3
         columns = []
         for m in range(1, self._m_lines):
-            arrays = [np.stack([a] * b) for a in self._arrays([b] * m)[0]]  # (last size, depth, m)
-            for k, last in enumerate(self._arrays(list(range(1, b + 1)))[0]):
+            arrays = [np.stack([a] * b) for a in self._matrices([b] * m)]  # (last size, depth, m)
+            for k, last in enumerate(self._matrices(list(range(1, b + 1)))):
                 arrays[k][:, :, -1] = last.T
             columns.append(replay_finish_s(self.schedule, *arrays, unsplit=self.unsplit).max(axis=-1))
         self._table = np.maximum.accumulate(np.concatenate(columns))
