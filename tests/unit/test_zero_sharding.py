@@ -89,6 +89,31 @@ def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
     assert any(e.kind == "allgather" for e in report.events)  # the gather phase after the optimizer
 
 
+A100_L4 = cluster_from_dict({"nodes": [
+    {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100},
+    {"gpu": "l4", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100}]})
+
+
+def test_sharding_can_put_devices_the_unsharded_plan_left_idle_back_to_work() -> None:
+    """llama2-7b, 16 samples, on 8 A100-80 + 8 L4: unsharded, the L4s are idle (their stages cannot hold enough of
+    the model to pay); the memory sharding frees makes them pay. The sharding rounds search every device as well
+    as the unsharded plan's (``sharding._Rounds``): the plan runs all 16 devices, sharded, faster than the best
+    sharded plan on the A100s alone, which is what searching the unsharded plan's devices only gave (2.17 s)."""
+    spec = load_model_spec("llama2-7b")
+    unsharded = make_plan(A100_L4, spec, 16, 4096, shard_optimizer=False)
+    assert {d.device for d in unsharded.idle_devices} == {"l4"}
+    plan = make_plan(A100_L4, spec, 16, 4096)
+    a100s = cluster_from_dict({"nodes": [A100_L4.source["nodes"][0]]})
+    alone = make_plan(a100s, spec, 16, 4096)
+    assert plan.shard_optimizer and not plan.idle_devices
+    assert "sharded_uses_every_device" in plan.extra["search"]["idle"]
+    assert plan.predicted["iteration_time_s"] < alone.predicted["iteration_time_s"] < unsharded.predicted[
+        "iteration_time_s"]
+    loaded = Plan.from_dict(plan.to_dict())
+    assert estimate_iteration_s(loaded, CostModel.for_plan(loaded)) == pytest.approx(
+        plan.predicted["iteration_time_s"], rel=1e-9)
+
+
 A100_V100 = cluster_from_dict({"nodes": [
     {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 1600},
     {"gpu": "v100_32gb_sxm2", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 800}]})

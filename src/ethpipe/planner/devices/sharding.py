@@ -38,9 +38,10 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
     ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans.
     ``refine_fn(cost, incumbent_s)``: one search on ``cost``'s devices that returns None unless it beats
-    ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose (its idle
-    choice stands) and prune against its time, which keeps planning time near one search where sharding
-    does not pay. Without it (or where nothing fits unsharded) each round is a whole ``plan_fn``.
+    ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose and, where it
+    leaves some idle, every device too (``_Rounds``), pruning against its time, which keeps planning time near
+    one search where sharding does not pay. Without it (or where nothing fits unsharded) each round is a whole
+    ``plan_fn``.
     Every refined round prunes against the unsharded plan, so a round depends on the ones before it only
     through its k: with ``ahead`` (default: from ``AHEAD_MIN_DEVICES`` devices, where ``can_run_ahead()``)
     the round at 2k, the fixpoint's usual next step, is searched in a second process while this one
@@ -55,7 +56,11 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     k = max(len(plain[0].pipelines), 2) if plain is not None else 2
     if ahead is None:
         ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
-    rounds = _Rounds(plain, refine_fn, robust, ahead and can_run_ahead()) if plain is not None and refine_fn else None
+    # Where the unsharded plan leaves devices idle, the rounds also search every device: the memory sharding frees
+    # can make a type pay that did not unsharded (the idle choice was made under unsharded prices).
+    full = cost if plain is not None and plain[0].idle_devices else None
+    rounds = (_Rounds(plain, refine_fn, robust, ahead and can_run_ahead(), full)
+              if plain is not None and refine_fn else None)
     tried: list[int] = []
     best: tuple[Plan, CostModel] | None = None
     try:
@@ -65,10 +70,10 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
             tried.append(k)
             try:
                 if rounds is not None:
-                    found_plan = rounds.search(k, ahead_k=2 * k if 2 * k <= cost.cluster.num_devices else None)
-                    if found_plan is None:
+                    found = rounds.search(k, ahead_k=2 * k if 2 * k <= cost.cluster.num_devices else None)
+                    if found is None:
                         break  # nothing sharded beats the unsharded plan at this k
-                    plan, on = found_plan, rounds.cost_at(k)
+                    plan, on = found[0], rounds.cost_at(k, every_device=found[1])
                 else:
                     plan, on = plan_fn(cost.with_optimizer_holders(k))
             except Infeasible:
@@ -105,22 +110,35 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
 
 
 class _Rounds:
-    """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time), each
-    searched once, the next one possibly ahead in a second process (``with_sharding``)."""
+    """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time; and on
+    ``full``, every device, where that plan leaves some idle), each searched once, the next one possibly ahead
+    in a second process (``with_sharding``). A round's result: its plan, and whether it runs on every device."""
 
-    def __init__(self, plain: tuple[Plan, CostModel], refine_fn: RefineFn, robust: bool, ahead: bool) -> None:
-        self.plain, self.refine_fn, self.ahead = plain, refine_fn, ahead
+    def __init__(self, plain: tuple[Plan, CostModel], refine_fn: RefineFn, robust: bool, ahead: bool,
+                 full: CostModel | None = None) -> None:
+        self.plain, self.refine_fn, self.ahead, self.robust, self.full = plain, refine_fn, ahead, robust, full
         self.bar_s = math.inf if robust else incumbent_bar_s(plain[0], _score(plain[0], robust))
         self.pending: tuple[int, Ahead] | None = None
 
-    def cost_at(self, k: int) -> CostModel:
-        return self.plain[1].with_optimizer_holders(k)
+    def cost_at(self, k: int, every_device: bool = False) -> CostModel:
+        on = self.full if every_device and self.full is not None else self.plain[1]
+        return on.with_optimizer_holders(k)
 
-    def _run(self, k: int) -> Plan | None:
+    def _run(self, k: int) -> tuple[Plan, bool] | None:
         found = self.refine_fn(self.cost_at(k), self.bar_s)
-        return None if found is None else _with_idle_record(found, self.plain[0])
+        out = None if found is None else (_with_idle_record(found, self.plain[0]), False)
+        if self.full is None:
+            return out
+        # Every device, pruned against the better of the unsharded plan and the round on its devices; kept only if
+        # faster (robust: no pruning, the lower worst case; ties keep the unsharded plan's devices).
+        bar_s = self.bar_s if found is None or self.robust else min(
+            self.bar_s, incumbent_bar_s(found, _score(found, self.robust)))
+        wide = self.refine_fn(self.cost_at(k, every_device=True), bar_s)
+        if wide is not None and (found is None or _score(wide, self.robust) < _score(found, self.robust)):
+            out = (_on_every_device(wide, self.plain[0]), True)
+        return out
 
-    def search(self, k: int, ahead_k: int | None) -> Plan | None:
+    def search(self, k: int, ahead_k: int | None) -> tuple[Plan, bool] | None:
         """The round at k (raises ``Infeasible`` as ``refine_fn`` does); the round at ``ahead_k`` starts alongside."""
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] != k:
@@ -145,6 +163,15 @@ def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
         return plan
     search = {**plan.extra.get("search", {}), **({"idle": record} if record is not None else {})}
     return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
+
+
+def _on_every_device(plan: Plan, plain: Plan) -> Plan:
+    """A sharded plan on every device where the unsharded one left some idle: the idle search's record, and why
+    those devices run after all."""
+    record = {**(plain.extra.get("search", {}).get("idle") or {}),
+              "sharded_uses_every_device": "sharded, the devices the unsharded plan left idle pay: "
+                                           f"{len(plain.idle_devices)} devices run"}
+    return dataclasses.replace(plan, extra={**plan.extra, "search": {**plan.extra.get("search", {}), "idle": record}})
 
 
 def _repriced(plan: Plan, cost: CostModel, flat_sync: bool, robust: bool) -> tuple[Plan, CostModel]:
