@@ -28,6 +28,10 @@ from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.search.incumbent import incumbent_bar_s
 
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
+# The rounds search every device too where the unsharded plan on every device was at most this much slower than
+# the one with devices idle (or did not fit): sharding's freed memory moved such plans by 1-15% on the measured
+# cases (docs/runtime.md, "ZeRO-1"), and the search costs as much as a round again.
+EVERY_DEVICE_WITHIN = 1.25
 
 PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
 RefineFn = Callable[[CostModel, float], "Plan | None"]
@@ -56,9 +60,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     k = max(len(plain[0].pipelines), 2) if plain is not None else 2
     if ahead is None:
         ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
-    # Where the unsharded plan leaves devices idle, the rounds also search every device: the memory sharding frees
-    # can make a type pay that did not unsharded (the idle choice was made under unsharded prices).
-    full = cost if plain is not None and plain[0].idle_devices else None
+    full = cost if plain is not None and _idle_may_pay_sharded(plain[0]) else None
     rounds = (_Rounds(plain, refine_fn, robust, ahead and can_run_ahead(), full)
               if plain is not None and refine_fn else None)
     tried: list[int] = []
@@ -163,6 +165,16 @@ def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
         return plan
     search = {**plan.extra.get("search", {}), **({"idle": record} if record is not None else {})}
     return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
+
+
+def _idle_may_pay_sharded(plain: Plan) -> bool:
+    """Whether the sharding rounds also search every device (``_Rounds``): the unsharded plan leaves devices idle
+    (a choice made under unsharded memory) and the plan on every device did not fit or was within
+    ``EVERY_DEVICE_WITHIN`` of it."""
+    if not plain.idle_devices:
+        return False
+    every_s = (plain.extra.get("search", {}).get("idle") or {}).get("full_cluster_iteration_time_s")
+    return every_s is None or every_s <= EVERY_DEVICE_WITHIN * _time_s(plain)
 
 
 def _on_every_device(plan: Plan, plain: Plan) -> Plan:
