@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -171,7 +170,6 @@ def check_schedule(name: str, where: str = "schedule") -> str:
     return name
 
 
-@lru_cache(maxsize=16384)  # immutable lists; the planner's replays and memory checks ask for each shape many times
 def stage_actions(schedule: str, num_stages: int, stage: int, num_microbatches: int,
                   split: bool = True, num_chunks: int = 1) -> tuple[Action, ...]:
     """One stage's action list under ``schedule`` (one of ``SCHEDULES``); ``split=False``: never split its

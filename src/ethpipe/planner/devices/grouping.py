@@ -45,9 +45,6 @@ class Group:
     instances: Sequence[tuple[StageSlot, ...]]  # a tuple, or ``RankRows`` (built when a plan is assembled)
     stages: tuple[StageNodes, ...]
     ranks_per_node: tuple[tuple[int, int], ...]  # (node, ranks of this group on it)
-    # ``stages``' heads as arrays, one entry per (stage, node): stage, node, heads, NIC GB/s, one GPU's rail GB/s
-    # (``sync_shapes`` gathers them for every candidate the group is in)
-    heads_table: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def count(self) -> int:
@@ -80,12 +77,10 @@ def make_group(cost: CostModel, template: Template, instances: Sequence[tuple[St
         nodes = node[lo:hi]
         stages.append(StageNodes(tuple(zip(nodes, count[lo:hi], nic[lo:hi])), intra[s], tuple(zip(nodes, flow[lo:hi])),
                                  distinct_gpus(cols.gpus[i] for i in gpu[gpu_at[s]:gpu_at[s + 1]])))
-    table = (np.repeat(np.arange(depth), np.diff(at)), np.array(node, dtype=np.int64), np.array(count, dtype=float),
-             np.array(nic, dtype=float), np.array(flow, dtype=float))
     node, first, count = np.unique(cols.node[ranks], return_index=True, return_counts=True)
     order = np.argsort(first, kind="stable")
     return Group(template, instances if isinstance(instances, RankRows) else tuple(instances), tuple(stages),
-                 tuple(zip(node[order].tolist(), count[order].tolist())), table)
+                 tuple(zip(node[order].tolist(), count[order].tolist())))
 
 
 def _first_seen(values: np.ndarray) -> tuple[list[int], list[int], np.ndarray, list[int]]:
@@ -180,17 +175,20 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
     holders = at.tolist()  # (block, group): the stage holding the block's first layer
     if sum(gr.count for gr in groups) < 2:
         return [(h, None) for h in holders]
-    tables = [gr.heads_table for gr in groups]
-    assert all(t is not None for t in tables), "groups come from make_group"
-    columns, column = np.unique(np.concatenate([t[1] for t in tables]), return_inverse=True)  # type: ignore[index]
+    columns: dict[int, int] = {}
+    for gr in groups:
+        for st in gr.stages:
+            for node, _, _ in st.heads:
+                columns.setdefault(node, len(columns))
     nic, flow = np.zeros(len(columns)), np.zeros(len(columns))  # the node's NIC and one GPU's rail
-    heads, start = [], 0
-    for gr, (stage, _, count, bw, rail) in zip(groups, tables):  # type: ignore[misc]
-        at_node = column[start:start + len(stage)]
-        start += len(stage)
+    heads = []
+    for gr in groups:
         counts = np.zeros((gr.template.depth, len(columns)))
-        counts[stage, at_node] = count
-        nic[at_node], flow[at_node] = bw, rail  # a node's figures, whichever group has it
+        for s, st in enumerate(gr.stages):
+            rails = dict(st.flow_gbps)
+            for node, c, bw in st.heads:
+                counts[s, columns[node]] = c
+                nic[columns[node]], flow[columns[node]] = bw, rails.get(node, bw)
         heads.append(counts)
     here = sum(counts[at[:, g]] for g, counts in enumerate(heads))  # (block, node) heads
     present = here > 0

@@ -154,8 +154,6 @@ def mixed_candidates(cost: CostModel, pools: Sequence[Pool], global_batch: int, 
     nodes = [(i, node) for i in ranked for node in pools[i].nodes]
     bounds = shared_bounds(cost, cache)
     vectors = tp_vectors(cost, pools, max_tp, options.per_type_tp)
-    link_of = {node: tuple((cost.cluster.devices[r].flow_gbps, cost.cluster.devices[r].nic_gbps) for r in node)
-               for _, node in nodes}  # with the node's size, what its slots' links depend on (``link_key``)
     for k in range(1, len(nodes) + 1):
         chunks = [nodes[i:i + k] for i in range(0, len(nodes) - len(nodes) % k, k)]
         if len(nodes) % k:
@@ -167,17 +165,14 @@ def mixed_candidates(cost: CostModel, pools: Sequence[Pool], global_batch: int, 
                 stages[(pools[i].device, tps[i])] += len(node) // tps[i]
             scored.append((prescore_s(bounds, stages, global_batch / len(chunks), recompute), tps))
         found: list[list[Group]] = []
-        signatures = [tuple((i, link_of[node]) for i, node in chunk) for chunk in chunks]  # alike: one template
         for tps, b in itertools.product(_screened(scored, None if every else MIXED_TP_VECTORS),
                                         micro_batches or (MICRO_BATCH_CANDIDATES if every else (1, 2, 4, 8))):
             members: dict[tuple, list] = {}
-            built: dict[tuple, Template | None] = {}
-            for chunk, signature in zip(chunks, signatures):
+            for chunk in chunks:
                 slots = tuple(s for i, node in chunk for s in slots_for([(pools[i].device, r) for r in node], tps[i]))
                 if len(slots) > cost.model.num_layers:
                     break
-                tpl = built[signature] if signature in built else built.setdefault(
-                    signature, build_template(cost, -1, slots, b, recompute, len(chunk), cache, options))
+                tpl = build_template(cost, -1, slots, b, recompute, len(chunk), cache, options)
                 if tpl is None:
                     break
                 members.setdefault((tuple((s.device, s.tp) for s in slots), id(tpl.timing)), [tpl, []])[1].append(slots)

@@ -30,7 +30,7 @@ from ethpipe.planner.search.incumbent import incumbent_bar_s
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
 # The rounds search every device too where the unsharded plan on every device was at most this much slower than
 # the one with devices idle (or did not fit): sharding's freed memory moved such plans by 1-15% on the measured
-# cases (docs/runtime.md, "ZeRO-1"), and the search costs as much as a round again.
+# cases (docs/runtime.md, "Optimizer sharding"), and the search costs as much as a round again.
 EVERY_DEVICE_WITHIN = 1.25
 
 PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
