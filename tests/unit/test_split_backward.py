@@ -95,6 +95,23 @@ def test_split_equals_the_whole_backward_bit_for_bit(spec: ModelSpec, last: bool
         assert torch.equal(ref_weights[name], got_weights[name]), name
 
 
+def test_w_finishes_the_last_layers_weights_first_as_a_whole_backward_does() -> None:
+    """The block sync fires buckets from post-accumulate hooks in one global order, last layers first
+    (``runtime/sync/buckets.py``): a W that finished the first layer's weights first would leave every bucket
+    waiting for its last root. Each W root's hooks fire layer by layer from the stage's top (it failed with
+    the roots in post-order: layer 1, then 2)."""
+    module = _stage(SPEC, last=False)
+    order: list[int] = []
+    for name, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(int(name.split(".")[1])))
+    x = torch.randn(MB, SEQ, SPEC.hidden_size, dtype=torch.float64, requires_grad=True)
+    out = module(x)
+    _, work = backward_input(out, torch.randn_like(out), x, list(module.parameters()))
+    assert not order  # B leaves every weight to W
+    backward_weight(work)
+    assert order == sorted(order, reverse=True) and set(order) == {1, 2}
+
+
 @pytest.mark.parametrize("cast", [False, True], ids=["plain-autocast", "weight-cast"])
 def test_split_under_bf16_autocast_with_its_shared_weight_copies(cast: bool) -> None:
     """Both ways a 16-bit step can hold its weight copies: autocast's cache, or the runtime's ``WeightCast``

@@ -82,7 +82,11 @@ def backward_input(root: torch.Tensor | GradientEdge, grad: torch.Tensor | None,
     to_input = _reaches(root_node, {input_node})
     to_params = _reaches(root_node, set(param_of))
     split: list[tuple[Node, list[torch.Tensor]]] = []
-    for node, on_input_path in to_input.items():
+    # Output side first (``to_input`` is filled in post-order, inputs first): W then finishes the last layers'
+    # weights first, as a whole backward does, so the sync's hook-fired buckets (last layers first) go out
+    # during the W instead of all at its end. Each root is its own autograd call on its own weights: the
+    # order moves no value.
+    for node, on_input_path in reversed(to_input.items()):
         if not on_input_path or node is input_node:
             continue
         weight_only = [c for c, _ in node.next_functions if c is not None and to_params[c] and not to_input[c]]
