@@ -64,8 +64,9 @@ def _inputs(cluster: Path, model: str, profile: list[Path] | None, profile_as: l
         raise UserError(f"--profile given {len(profile)} times but --profile-as {len(profile_as)} times: pair each "
                         "profile with the device type it measures")
     spec, clu = load_model_spec(model), load_cluster(cluster)
-    loaded = {t: load_profile(p) for t, p in zip(profile_as, profile)}
-    for (t, prof), path in zip(loaded.items(), profile):
+    paths = dict(zip(profile_as, profile))  # a type given twice: its last profile, as before
+    loaded = {t: load_profile(path) for t, path in paths.items()}
+    for (t, prof), path in zip(loaded.items(), paths.values()):
         if prof.layer_code == "ethpipe_fp32_rope" and prof.dtype in ("bf16", "fp16"):
             console.print(f"note: profile '{path}' ({t}) was measured before RoPE rotated in the compute dtype: its "
                           "16-bit layer times are slower than this runtime's; re-run `ethpipe profile` for exact prices",
