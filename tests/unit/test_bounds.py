@@ -23,8 +23,8 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.model_load import load_model_spec
 from ethpipe.planner.search.bounds import LowerBounds
 from ethpipe.planner.search.options import PlannerOptions
-from ethpipe.planner.devices.replicated import (_order_bound, _price, _refined_bound, _split_bound, layer_balanced_layouts,
-                                         uniform_layouts)
+from ethpipe.planner.devices.replicated import (_make, _order_bound, _price, _refined_bound, _split_bound,
+                                                aligned_split, layer_balanced_layouts, uniform_layouts)
 from ethpipe.planner.devices.templates import MICRO_BATCH_CANDIDATES, build_template, equal_layers, template_flush_bound_s
 from ethpipe.planner.layers.timing import StageSlot
 
@@ -59,19 +59,25 @@ def models(draw: st.DrawFn) -> ModelSpec:
                      max_seq_len=2048, tie_embeddings=draw(st.booleans()))
 
 
-def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform: bool, global_batch: int,
+def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform: bool, split: str, global_batch: int,
                      recompute: str, options: PlannerOptions, b: int, cache: dict) -> int:
-    """Assert every bound of one (layout, micro-batch) <= its cheapest exact price; returns prices checked."""
+    """Assert every bound of one (layout, layer split, micro-batch) <= its cheapest exact price; returns prices
+    checked. ``uniform``: the layout's replicas are in rank order (the uniform space)."""
     dp, t, kinds, heads, crossing, layout, reps = lazy
     depth = len(next(iter(kinds)))
-    layers = equal_layers(cost.model.num_layers, depth) if uniform else None
+    layers = equal_layers(cost.model.num_layers, depth) if split == "equal" else None
+    if split == "aligned":
+        layers = aligned_split(cost, reps(), b, recompute, cache)
+        if layers is None or list(layers) == equal_layers(cost.model.num_layers, depth):
+            return 0  # the search drops it: none, or the equal split's candidate
     sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
     share = -(-global_batch // dp)
-    found = _price(cost, global_batch, layout, t, 0, b, uniform, recompute, options, cache, {})
+    found = _price(cost, global_batch, layout, t, 0, b, _make(cost, layers, b, recompute, options, cache), options,
+                   cache, {})
     if not found:
         return 0
     price = min(score for score, _, _ in found)
-    where = (dp, t, sorted(kinds.items()), b, uniform, recompute, options)
+    where = (dp, t, sorted(kinds.items()), b, uniform, split, recompute, options)
     named = {
         "enumeration": sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
         "makespan": bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
@@ -90,20 +96,20 @@ def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform:
         cut = _order_bound(bounds, kinds, t, b, share, layers, recompute, enough)
         assert cut == order_s or (cut is not None and enough(cut) and cut <= order_s), (fraction, cut, order_s, where)
     named["order (memory, fill and drain)"] = sync_s + order_s
-    if not uniform and options.balance_layers:
+    if layers is None and options.balance_layers:
         split_s = _split_bound(cost, bounds, 0, reps, heads, crossing, b, global_batch, recompute, options, cache, {})
         assert split_s is not None, ("layer-split bound says infeasible but the candidate priced", where)
         named["layer split (before it is made)"] = split_s
     for cutoff_s in (0.0, math.inf):  # 0: the memory-only shortcut where it applies; inf: the templates
-        refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, b, uniform, global_batch, recompute, options,
+        refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, b, layers, global_batch, recompute, options,
                                  cache, {}, cutoff_s)
         assert refined is not None, ("refined bound says infeasible but the candidate priced", where)
         named[f"refined (cutoff {cutoff_s})"] = refined
-    if not uniform:
-        for kind in kinds:
-            exact_order = bounds.memory_bottleneck_s(kind, t, b, recompute)
+    if split != "equal":  # some pipeline runs >= ceil(B/P) samples: at least the fastest kind's bottleneck each
+        exact_orders = [bounds.memory_bottleneck_s(kind, t, b, recompute) for kind in kinds]
+        for kind, exact_order in zip(kinds, exact_orders):
             assert bounds.relaxed_memory_bottleneck_s(kind, t, b, recompute) <= exact_order * (1 + TOL), where
-            named[f"memory bottleneck {kind}"] = share * exact_order
+        named["memory bottleneck (fastest kind)"] = share * min(exact_orders)
     for name, bound_s in named.items():
         assert bound_s <= price * (1 + TOL), (f"{name} bound {bound_s} > exact price {price}", where)
     return len(found)
@@ -119,15 +125,18 @@ def test_every_bound_is_at_most_the_exact_price(cluster: dict, model: ModelSpec,
     cost = CostModel(cluster_from_dict(cluster), model, min(seq_len, model.max_seq_len))
     options = PlannerOptions(fine_grained=fine_grained, block_sync=block_sync, balance=balance)
     bounds, cache = LowerBounds(cost), {}
-    spaces = [(uniform_layouts(cost, global_batch, 2), True)]
+    spaces = [(uniform_layouts(cost, global_batch, 2), True, ("equal", "aligned") if options.balance_layers else
+               ("equal",))]
     if len(cost.cluster.gpu_types) > 1:
-        spaces.append((layer_balanced_layouts(cost, global_batch, 2), False))
+        spaces.append((layer_balanced_layouts(cost, global_batch, 2), False, ("level2",)))
     priced = 0
-    for layouts, uniform in spaces:
+    for layouts, uniform, splits in spaces:
         for lazy in layouts:
             share = -(-global_batch // lazy[0])
             for b in (x for x in MICRO_BATCH_CANDIDATES if x <= share):
-                priced += _check_candidate(cost, bounds, lazy, uniform, global_batch, recompute, options, b, cache)
+                for split in splits:
+                    priced += _check_candidate(cost, bounds, lazy, uniform, split, global_batch, recompute, options, b,
+                                               cache)
     assume(priced > 0)  # an example where nothing fits checks nothing: count it as invalid, draw another
 
 
@@ -142,7 +151,8 @@ def test_bounds_are_tight_enough_to_prune() -> None:
         dp, t, kinds, heads, crossing, layout, _ = lazy
         bound_s = bounds.first_stage_sync_s(heads, t, len(next(iter(kinds))), crossing) + bounds.makespan_s(
             kinds, t, 2, 32, None, "auto")
-        found = _price(cost, 32, layout, t, 0, 2, False, "auto", PlannerOptions(), {}, {})
+        found = _price(cost, 32, layout, t, 0, 2, _make(cost, None, 2, "auto", PlannerOptions(), {}), PlannerOptions(),
+                       {}, {})
         ratios.append(bound_s / min(score for score, _, _ in found))
     assert ratios and all(0.5 < r <= 1 + TOL for r in ratios), ratios
 
@@ -155,10 +165,12 @@ def test_refined_bound_of_unequal_replicas_counts_their_capacity() -> None:
         {"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400}]}), load_model_spec("gpt3-350m"), 512)
     bounds, ratios = LowerBounds(cost), []
     for dp, t, kinds, heads, crossing, layout, reps in uniform_layouts(cost, 64, 1):
-        found = _price(cost, 64, layout, t, 0, 2, True, "auto", PlannerOptions(), {}, {})
+        layers = equal_layers(cost.model.num_layers, len(next(iter(kinds))))
+        found = _price(cost, 64, layout, t, 0, 2, _make(cost, layers, 2, "auto", PlannerOptions(), {}), PlannerOptions(),
+                       {}, {})
         if found and len(kinds) > 1:
-            refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, 2, True, 64, "auto", PlannerOptions(), {},
-                                     {}, math.inf)
+            refined = _refined_bound(cost, bounds, 0, reps, heads, crossing, 2, layers, 64, "auto", PlannerOptions(),
+                                     {}, {}, math.inf)
             ratios.append(refined / min(score for score, _, _ in found))
     assert len(ratios) == 3 and all(0.75 < r <= 1 + TOL for r in ratios), ratios
 

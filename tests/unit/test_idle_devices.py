@@ -255,6 +255,43 @@ def test_later_idle_candidates_are_told_the_time_to_beat() -> None:
     assert [c["iteration_time_s"] for c in plan.extra["search"]["idle"]["candidates"]] == [2.0, 1.5]
 
 
+@pytest.mark.parametrize("first_s", [3.5, None, 3.2])  # slower than the full plan (3.2: within NEAR), or none
+@pytest.mark.parametrize("fast_nic_gbit_s", [10, 100])
+def test_a_candidate_that_does_not_pay_stops_the_idle_search_unless_near_or_the_next_frees_slow_nics(
+        first_s: float | None, fast_nic_gbit_s: int) -> None:
+    """Idling the slowest type may not pay where idling the two slowest does (the planner_random cases in
+    idle.py's docstring). After a candidate that does not pay, the search goes on only if that candidate came
+    within ``NEAR`` of the best, or to a candidate that raises the slowest per-GPU NIC share of the devices it
+    keeps."""
+    nodes = copy.deepcopy(THREE_TYPES)
+    nodes["nodes"][2]["nic_gbit_s"] = fast_nic_gbit_s  # the slow and mid nodes: 10 Gbit/s
+    cost = CostModel(cluster_from_dict(nodes), TINY, SEQ)
+    full = make_plan(cost.cluster, TINY, 8, SEQ, max_tp=1, options=PlannerOptions(allow_idle=False))
+    times = {6: 3.0, 4: first_s, 2: 1.5}
+    seen: list[tuple[int, float]] = []
+
+    def timed(on: CostModel, incumbent_s: float) -> Plan | None:
+        seen.append((on.cluster.num_devices, incumbent_s))
+        time_s = times[on.cluster.num_devices]
+        if time_s is None or time_s >= incumbent_s:
+            return None
+        return dataclasses.replace(full, predicted={**full.predicted, "iteration_time_s": time_s})
+
+    plan, chosen = plan_with_idle(cost, 8, timed, ahead=False)
+    tried = plan.extra["search"]["idle"]["candidates"]
+    assert tried[0]["skipped"] == "no plan predicted under 3 s" and tried[0].get("near_s") == (
+        first_s if first_s == 3.2 else None)
+    assert 3.2 < idle.NEAR * 3.0 < 3.5
+    if fast_nic_gbit_s == 10 and first_s != 3.2:  # not near, and idling the mid type too frees no slower NIC
+        assert seen == [(6, math.inf), (4, math.inf)] and chosen is cost and len(tried) == 1
+        return
+    assert seen == [(6, math.inf), (4, math.inf), (2, 3.0)]  # the best so far is still the full cluster's
+    assert chosen.cluster.num_devices == 2 and plan.predicted["iteration_time_s"] == 1.5
+    assert tried[1]["iteration_time_s"] == 1.5
+    assert idle.slowest_nic_share_gbps(cost, ("slow",)) == 10 / 8 / 2
+    assert (idle.slowest_nic_share_gbps(cost, ("slow", "mid")) > 10 / 8 / 2) == (fast_nic_gbit_s > 10)
+
+
 def test_the_first_idle_candidate_planned_ahead_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a second (forked) process or in this one: the same plan either way. (Forced on: another test may
     have left a thread alive, which switches it off in real use.)"""

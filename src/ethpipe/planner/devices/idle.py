@@ -7,8 +7,16 @@ slowest, ... while at least one type remains (whole types, so whole nodes: a nod
 or is not started). A candidate is skipped when its compute-only lower bound (model FLOPs over
 the sub-cluster's summed achievable FLOP/s, ``ideal_time_s``) is already no better than the
 best plan so far; as the bound only grows with more types idle, the search stops there. It also
-stops at the first candidate that is not faster than the best so far (each candidate costs a whole
-plan, and a type that is needed, for memory or throughput, stays needed with fewer types). Each
+stops after a candidate that is not faster than the best so far (each candidate costs a whole plan,
+and a type that is needed, for memory or throughput, stays needed with fewer types), unless that
+candidate came within ``NEAR`` of the best or the next one raises the slowest per-GPU NIC share of the
+devices it keeps. Why: a type can cost through its NICs alone (a block's sync runs at its slowest
+holder's share), so idling the slowest type may not pay where idling the two slowest does (gpt3-1.3b,
+one sample per GPU on 624 V100 (8 per 400 Gbit/s node) + 328 A100-40 (8 per 200 Gbit/s) + 1096 H800
+(4 per 3200 Gbit/s): 0.59 s without the V100s, 0.18 s without both, 0.56 s with every type); and a
+candidate that nearly pays leaves types nearly balanced, which the next may tip (llama3-8b at one
+sample per GPU, bf16 sync, on 176 A10 + 192 RTX 4090 + 176 A100-PCIe-80 + 240 L40 + 240 A100-80: 4.37 s
+on every device, 4.45 s without the A10s, 3.42 s without the A10s and the RTX 4090s). Each
 candidate's search prunes against the best time so far (it only matters if it beats it) and
 searches the layer-balanced space but not the uniform baseline's (``plan_eth(sub_cluster=True)``). The
 fastest plan by predicted iteration time wins (ties: the plan with more devices). The idle
@@ -32,6 +40,7 @@ from ethpipe.planner.search.incumbent import incumbent_bar_s
 from ethpipe.planner.estimate import ideal_time_s
 
 AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process
+NEAR = 1.10  # a candidate within this of the best so far does not stop the search (module docstring)
 
 
 def _time_s(plan: Plan) -> float:
@@ -45,6 +54,15 @@ def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
     """The GPU types to leave idle, candidate by candidate: the slowest, the two slowest, ... (>= 1 type kept)."""
     slowest = sorted(cost.cluster.gpu_types, key=cost.device_speed)
     return [tuple(slowest[:k]) for k in range(1, len(slowest))]
+
+
+def slowest_nic_share_gbps(cost: CostModel, idle_types: tuple[str, ...]) -> float:
+    """The least per-GPU share of a node's NIC (GB/s) among the devices not of ``idle_types``."""
+    per_node: dict[int, int] = {}
+    for d in cost.cluster.devices:
+        per_node[d.node] = per_node.get(d.node, 0) + 1
+    return min((d.nic_gbps / per_node[d.node] for d in cost.cluster.devices if d.gpu.id not in idle_types),
+               default=math.inf)
 
 
 def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, robust: bool) -> str:
@@ -90,18 +108,23 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         raise
     full_s = _time_s(best[0]) if best is not None else None
     tried: list[dict[str, Any]] = []
+    go_on = True  # whether the last candidate beat the best so far, came near it (or none was tried)
     for k, idle_types in enumerate(candidates):
+        if not go_on and slowest_nic_share_gbps(cost, idle_types) <= slowest_nic_share_gbps(cost, candidates[k - 1]):
+            break  # idling one more type rarely helps where this one did not, unless it frees the slowest NICs
         sub = _sub_cluster(cost, idle_types)
         record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
         if best is not None and record["lower_bound_s"] >= _time_s(best[0]):
             tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})
             break
+        near_s = None  # the candidate's time where it did not beat the best but came within NEAR
         try:
             if k == 0:
                 plan = first.result() if first is not None else MISSING
                 first = None
                 plan = plan_on(sub, math.inf) if plan is MISSING else plan
                 if plan is not None and best is not None and _time_s(plan) >= _time_s(best[0]):
+                    near_s = _time_s(plan) if _time_s(plan) <= NEAR * _time_s(best[0]) else None
                     plan = None  # as a search told the time to beat would say
             else:
                 plan = plan_on(sub, incumbent_bar_s(best[0], _time_s(best[0])) if best is not None else math.inf)
@@ -109,13 +132,15 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
         if plan is None:
-            tried.append({**record, "skipped": f"no plan predicted under {_time_s(best[0]):.4g} s"})  # type: ignore[index]
-            break
+            tried.append({**record, "skipped": f"no plan predicted under {_time_s(best[0]):.4g} s",  # type: ignore[index]
+                          **({"near_s": near_s} if near_s is not None else {})})
+            go_on = near_s is not None
+            continue
         tried.append({**record, "iteration_time_s": float(plan.predicted["iteration_time_s"]),  # type: ignore[index]
                       **({"worst_case_time_s": _time_s(plan)} if "worst_case_time_s" in plan.predicted else {})})
-        if best is not None and _time_s(plan) >= _time_s(best[0]):
-            break  # idling one more type rarely helps where this one did not; each try is a whole plan
-        best = (plan, sub, idle_types)
+        go_on = best is None or _time_s(plan) < NEAR * _time_s(best[0])
+        if best is None or _time_s(plan) < _time_s(best[0]):
+            best = (plan, sub, idle_types)
     if first is not None:  # the first candidate was skipped by its lower bound
         first.cancel()
     if best is None:

@@ -2,7 +2,8 @@
 
 A layout that replicates one shape (the layer-balanced space: every replica takes an equal
 share of every GPU type, in any type order; the uniform space: replicas in rank order with
-equal layers) is also an ETH layout, and with few samples per GPU it is often the best one:
+equal layers, and with one aligned level-2 split, ``aligned_split``) is also an ETH layout, and with few
+samples per GPU it is often the best one:
 each node then holds ~1/depth of the model and syncs that much through its NIC. ETH searches
 the same (DP degree, TP degree, type order, micro-batch size) space as the exhaustive
 baselines, best-first by a lower bound (``bounds.py``), in steps per candidate, each popped
@@ -46,6 +47,7 @@ from ethpipe.planner.devices.templates import (
     divisors,
     equal_layers,
     fixed_partition,
+    level2_partition,
     pools_of,
     slots_for,
     template_flush_bound_s,
@@ -145,12 +147,13 @@ def _layouts(memo: dict, enumerate_fn: Callable[[CostModel, int, int], Iterator[
     return memo[key]  # type: ignore[no-any-return]
 
 
-def _equal_template(cost: CostModel, slots: tuple[StageSlot, ...], b: int, recompute: str, granularity: int,
-                    cache: dict) -> Template | None:
-    """The uniform baseline's equal-layer split of a shape (memoised like ``build_template``)."""
-    key = ("equal", tuple((s.device, s.tp) for s in slots), link_key(cost, slots), b, recompute, granularity)
+def _fixed_template(cost: CostModel, slots: tuple[StageSlot, ...], counts: tuple[int, ...], b: int,
+                    recompute: str, granularity: int, cache: dict) -> Template | None:
+    """A shape with a given layer split (the uniform baseline's equal layers, or an aligned split), memoised like
+    ``build_template``."""
+    key = ("fixed", tuple((s.device, s.tp) for s in slots), link_key(cost, slots), counts, b, recompute, granularity)
     if key not in cache:
-        part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), b, recompute, cache)
+        part = fixed_partition(cost, slots, counts, b, recompute, cache)
         cache[key] = None if part is None else (part, timing_of_partition(cost, slots, part, b, granularity))
     hit = cache[key]
     return None if hit is None else Template(-1, len(slots), slots[0].tp, b, 1, slots, *hit)
@@ -171,23 +174,28 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     memo = cluster_memo(cache, cost.cluster)  # a layout's replicas depend on the cluster alone: shared by rounds
     structures: dict[tuple, list[tuple[tuple[StageSlot, ...], Group]]] = memo.setdefault("replicated_structures", {})
     representatives: dict[tuple, Structures] = memo.setdefault("replicated_representatives", {})
-    spaces: list[tuple[Iterable[LazyLayout], bool]] = [
-        (_layouts(memo, uniform_layouts, cost, global_batch, max_tp), True)] if uniform_space else []
+    # (layouts, in rank order, splits): the uniform space's rank-order replicas with the baseline's equal layers
+    # and with one aligned split (``aligned_split``; made at stage -2); the layer-balanced space's replicas in
+    # every type order, each structure with level 2's split (stage -1: the memory-aware bound of its multiset).
+    splits = ("equal", "aligned") if options.balance_layers else ("equal",)
+    spaces: list[tuple[Iterable[LazyLayout], bool, tuple[str, ...]]] = [
+        (_layouts(memo, uniform_layouts, cost, global_batch, max_tp), True, splits)] if uniform_space else []
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
-        spaces.append((_layouts(memo, layer_balanced_layouts, cost, global_batch, max_tp), False))
-    for layouts, uniform in spaces:
+        spaces.append((_layouts(memo, layer_balanced_layouts, cost, global_batch, max_tp), False, ("level2",)))
+    first_stage = {"equal": 0, "aligned": -2, "level2": -1}
+    for layouts, in_order, layer_splits in spaces:
         for dp, t, kinds, heads, crossing, layout, reps in layouts:
             share = -(-global_batch // dp)
-            key = (uniform, dp, t, tuple(kinds.items()))  # the layout (its devices' order): its memo key
+            key = (in_order, dp, t, tuple(kinds.items()))  # the layout (its devices' order): its memo key
             depth = len(next(iter(kinds)))
-            layers = equal_layers(cost.model.num_layers, depth) if uniform else None
-            sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
-            for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:  # any order: once per shape
-                # Without memory first (stage -1): the memory-aware bound of the type multiset, shared by its
-                # orders, is computed only for multisets that reach the top of the heap.
-                bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, None, any_order=not uniform)
-                heapq.heappush(heap, (bound, next(counter), 0 if uniform else -1,
-                                      (key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s))))
+            for split in layer_splits:
+                layers = equal_layers(cost.model.num_layers, depth) if split == "equal" else None
+                sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
+                for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:  # once per shape
+                    bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, None, any_order=not in_order)
+                    heapq.heappush(heap, (bound, next(counter), first_stage[split],
+                                          (key, layout, reps, heads, crossing, share, b, in_order,
+                                           (kinds, t, layers, sync_s))))
     best, priced = incumbent, 0
 
     def bar_s() -> float:
@@ -197,7 +205,17 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
         bound, _, stage, item = heapq.heappop(heap)
         if bound >= bar_s():
             break
-        key, layout, reps, heads, crossing, share, b, uniform, (kinds, t, layers, sync_s) = item
+        key, layout, reps, heads, crossing, share, b, in_order, (kinds, t, layers, sync_s) = item
+        if stage == -2:  # the aligned split, made now: then bounded like the equal split (dropped where it is that)
+            structures_of = _replicas(key, reps, representatives, global_batch)[0]
+            counts = aligned_split(cost, structures_of, b, recompute, cache)
+            if counts is None or list(counts) == equal_layers(cost.model.num_layers, len(counts)):
+                continue
+            sync_s = bounds.first_stage_sync_s(heads, t, len(counts), crossing, counts[0])
+            aligned = sync_s + bounds.makespan_s(kinds, t, b, global_batch, counts, None)
+            item = (*item[:-1], (kinds, t, counts, sync_s))
+            heapq.heappush(heap, (max(bound, aligned), next(counter), 0, item))
+            continue
         if stage == -1:
             memory_s = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=True)
             heapq.heappush(heap, (max(bound, memory_s), next(counter), 0, item))
@@ -210,10 +228,10 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 return _past_bar(bound, sync_s, flush_s, cutoff_s)
             flush_s = _order_bound(bounds, kinds, t, b, share, layers, recompute, enough)
             if flush_s is not None and not enough(flush_s):
-                ordered_s = flush_s if uniform else max(flush_s, bounds.makespan_s(kinds, t, b, global_batch, layers,
-                                                                                   recompute))
-                split = not uniform and options.balance_layers  # level 2 splits the layers: bound that split
-                heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1 if split else 2, item))
+                ordered_s = flush_s if in_order else max(flush_s, bounds.makespan_s(kinds, t, b, global_batch, layers,
+                                                                                    recompute))
+                to_split = layers is None and options.balance_layers  # level 2 splits the layers: bound that split
+                heapq.heappush(heap, (max(bound, sync_s + ordered_s), next(counter), 1 if to_split else 2, item))
             continue
         if stage == 1:  # the layer split's own bound: no templates yet
             split_s = _split_bound(cost, bounds, key, reps, heads, crossing, b, global_batch, recompute, options,
@@ -222,12 +240,13 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (max(bound, split_s), next(counter), 2, item))
             continue
         if stage == 2:
-            refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, uniform, global_batch, recompute,
+            refined = _refined_bound(cost, bounds, key, reps, heads, crossing, b, layers, global_batch, recompute,
                                      options, cache, representatives, bar_s())
             if refined is not None:
                 heapq.heappush(heap, (max(bound, refined), next(counter), 3, item))
             continue
-        for found in _price(cost, global_batch, layout, t, key, b, uniform, recompute, options, cache, structures):
+        for found in _price(cost, global_batch, layout, t, key, b, _make(cost, layers, b, recompute, options, cache),
+                            options, cache, structures):
             priced += 1
             if found[0] < bar_s():
                 best = found
@@ -258,13 +277,25 @@ def _order_bound(bounds: LowerBounds, kinds: Counter, tp: int, b: int, share: in
     return None if math.isinf(flush_s) else flush_s
 
 
-def _make(cost: CostModel, uniform: bool, b: int, recompute: str, options: PlannerOptions, cache: dict
+def _make(cost: CostModel, layers: Sequence[int] | None, b: int, recompute: str, options: PlannerOptions, cache: dict
           ) -> Callable[[tuple[StageSlot, ...]], Template | None]:
-    """The template maker of a space: the uniform baseline's equal layers, else ETH's level 2."""
-    if uniform:
-        granularity = 1 if options.fine_grained else b
-        return lambda s: _equal_template(cost, s, b, recompute, granularity, cache)
-    return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
+    """The template maker of a layer split: ``layers`` for every structure (the uniform baseline's equal layers,
+    or ``aligned_split``), or None: each structure its own level-2 split."""
+    if layers is None:
+        return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
+    granularity = 1 if options.fine_grained else b
+    return lambda s: _fixed_template(cost, s, tuple(layers), b, recompute, granularity, cache)
+
+
+def aligned_split(cost: CostModel, structures: Structures, b: int, recompute: str, cache: dict
+                  ) -> tuple[int, ...] | None:
+    """One split for every structure of a rank-order layout: level 2's split of the structure most replicas have
+    (None if it does not fit). Why one: equal layers leave the head's stage slowest where the head outweighs a
+    layer (llama3-8b: ~1.8 layers), and each structure's own split would stagger the block boundaries across
+    pipelines, so each block's sync would wait for the previous one's holders (``grouping.group_iteration_s``)
+    instead of running beside it."""
+    part = level2_partition(cost, max(structures, key=lambda sc: sc[1])[0], b, recompute, cache)
+    return None if part is None else part.num_layers
 
 
 def _replicas(key: Hashable, reps: Callable[[], Structures], representatives: dict, global_batch: int
@@ -294,20 +325,21 @@ def _split_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Call
 
 
 def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Callable[[], Structures],
-                   heads: Sequence[int], crossing: bool, b: int, uniform: bool, global_batch: int, recompute: str,
+                   heads: Sequence[int], crossing: bool, b: int, layers: Sequence[int] | None, global_batch: int,
+                   recompute: str,
                    options: PlannerOptions, cache: dict, representatives: dict, cutoff_s: float) -> float | None:
     """A bound from one replica per structure: first the memory-aware bottleneck (no templates), then the
     exact flush at ceil(B/P) samples, the first stage's sync and its optimizer step. None: the layout
     cannot hold the model or the batch."""
     structures, num_pipes, share = _replicas(key, reps, representatives, global_batch)
     devices = {tuple(s.device for s in slots) for slots, _ in structures}
-    if len(devices) == 1 and not uniform:
+    if len(devices) == 1 and layers is None:
         per_sample = bounds.memory_bottleneck_s(next(iter(devices)), structures[0][0][0].tp, b, recompute)
         if per_sample * share >= cutoff_s:
             return per_sample * share
     if global_batch < num_pipes:
         return None
-    make = _make(cost, uniform, b, recompute, options, cache)
+    make = _make(cost, layers, b, recompute, options, cache)
     templates = [make(slots) for slots, _ in structures]
     if any(t is None for t in templates):
         return None
@@ -327,12 +359,13 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Ca
 
 
 def _price(cost: CostModel, global_batch: int, layout: Callable[[], np.ndarray], tp: int, key: Hashable, b: int,
-           uniform: bool, recompute: str, options: PlannerOptions, cache: dict, structures: dict) -> list[Found]:
+           make: Callable[[tuple[StageSlot, ...]], Template | None], options: PlannerOptions, cache: dict,
+           structures: dict) -> list[Found]:
     """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
     computed once per layout."""
     if key not in structures:
         structures[key] = rank_structures(cost, layout(), tp)
-    groups = with_templates(structures[key], _make(cost, uniform, b, recompute, options, cache))
+    groups = with_templates(structures[key], make)
     return [] if groups is None else _evaluations(cost, groups, global_batch, options, b)
 
 

@@ -104,8 +104,7 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     key = (tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
     if key not in cache:
         if options.balance_layers:
-            stages = _options(cost, slots, micro_batch, recompute, cache)
-            part = partition_layers(stages, cost.model.num_layers, _prepared(stages, cost.model.num_layers, cache))
+            part = level2_partition(cost, slots, micro_batch, recompute, cache)
         else:
             part = fixed_partition(cost, slots, equal_layers(cost.model.num_layers, len(slots)), micro_batch, recompute,
                                    cache)
@@ -115,6 +114,17 @@ def build_template(cost: CostModel, pool_index: int, slots: Sequence[StageSlot],
     if hit is None:
         return None
     return Template(pool_index, len(slots), slots[0].tp, micro_batch, nodes_per_pipeline, tuple(slots), *hit)
+
+
+def level2_partition(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int, recompute: str, cache: dict
+                     ) -> Partition | None:
+    """Level 2's split of a shape (``build_template``'s, without its timing), kept in ``cache`` by devices, TP
+    degrees and links; None if it does not fit memory."""
+    key = ("level2", tuple((s.device, s.tp) for s in slots), link_key(cost, slots), micro_batch, recompute)
+    if key not in cache:
+        stages = _options(cost, slots, micro_batch, recompute, cache)
+        cache[key] = partition_layers(stages, cost.model.num_layers, _prepared(stages, cost.model.num_layers, cache))
+    return cache[key]  # type: ignore[no-any-return]
 
 
 def _timing(cost: CostModel, slots: Sequence[StageSlot], part: Partition, micro_batch: int, granularity: int,
