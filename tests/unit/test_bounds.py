@@ -80,6 +80,8 @@ def _check_candidate(cost: CostModel, bounds: LowerBounds, lazy: tuple, uniform:
     where = (dp, t, sorted(kinds.items()), b, uniform, split, recompute, options)
     named = {
         "enumeration": sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
+        "enumeration (any split)": bounds.first_stage_sync_s(heads, t, depth, crossing, 1) + bounds.makespan_s(
+            kinds, t, b, global_batch, None, None, any_order=not uniform),  # where an aligned candidate enters
         "makespan": bounds.makespan_s(kinds, t, b, global_batch, layers, recompute),
         "makespan (any order)": bounds.makespan_s(kinds, t, b, global_batch, layers, recompute, any_order=not uniform),
         "first stage sync": sync_s,
@@ -138,6 +140,21 @@ def test_every_bound_is_at_most_the_exact_price(cluster: dict, model: ModelSpec,
                     priced += _check_candidate(cost, bounds, lazy, uniform, split, global_batch, recompute, options, b,
                                                cache)
     assume(priced > 0)  # an example where nothing fits checks nothing: count it as invalid, draw another
+
+
+@pytest.mark.parametrize("model,seq_len", [("llama3-8b", 512), ("gpt3-350m", 512), ("tiny", 256)])
+def test_aligned_candidates_are_checked_where_their_split_is_not_the_equal_one(model: str, seq_len: int) -> None:
+    """The property above counts every split together, so it could pass with no aligned candidate priced: on
+    two nodes of two types, rank-order layouts whose aligned split differs from equal layers are priced, and every
+    bound of theirs is at most the price."""
+    cost = CostModel(cluster_from_dict({"nodes": [
+        {"gpu": "a100_40gb_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200},
+        {"gpu": "h100_sxm", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 400}]}), load_model_spec(model), seq_len)
+    bounds, cache, priced = LowerBounds(cost), {}, 0
+    for lazy in uniform_layouts(cost, 16, 2):
+        for b in (1, 2):
+            priced += _check_candidate(cost, bounds, lazy, True, "aligned", 16, "auto", PlannerOptions(), b, cache)
+    assert priced > 0
 
 
 def test_bounds_are_tight_enough_to_prune() -> None:

@@ -9,8 +9,9 @@ the sub-cluster's summed achievable FLOP/s, ``ideal_time_s``) is already no bett
 best plan so far; as the bound only grows with more types idle, the search stops there. It also
 stops after a candidate that is not faster than the best so far (each candidate costs a whole plan,
 and a type that is needed, for memory or throughput, stays needed with fewer types), unless that
-candidate came within ``NEAR`` of the best or the next one raises the slowest per-GPU NIC share of the
-devices it keeps. Why: a type can cost through its NICs alone (a block's sync runs at its slowest
+candidate came within ``NEAR`` of the best (known for the first candidate only, which is planned with
+nothing to beat; later ones are told the best time and say only that they do not beat it) or the next
+one raises the slowest per-GPU NIC share of the devices it keeps. Why: a type can cost through its NICs alone (a block's sync runs at its slowest
 holder's share), so idling the slowest type may not pay where idling the two slowest does (gpt3-1.3b,
 one sample per GPU on 624 V100 (8 per 400 Gbit/s node) + 328 A100-40 (8 per 200 Gbit/s) + 1096 H800
 (4 per 3200 Gbit/s): 0.59 s without the V100s, 0.18 s without both, 0.56 s with every type); and a
@@ -40,7 +41,7 @@ from ethpipe.planner.search.incumbent import incumbent_bar_s
 from ethpipe.planner.estimate import ideal_time_s
 
 AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planned in a second process
-NEAR = 1.10  # a candidate within this of the best so far does not stop the search (module docstring)
+NEAR = 1.10  # the first candidate within this of the best so far does not stop the search (module docstring)
 
 
 def _time_s(plan: Plan) -> float:
@@ -57,12 +58,13 @@ def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
 
 
 def slowest_nic_share_gbps(cost: CostModel, idle_types: tuple[str, ...]) -> float:
-    """The least per-GPU share of a node's NIC (GB/s) among the devices not of ``idle_types``."""
+    """The least per-GPU share of a node's NIC (GB/s; capped by the GPU's rail) among the devices not of
+    ``idle_types``."""
     per_node: dict[int, int] = {}
     for d in cost.cluster.devices:
         per_node[d.node] = per_node.get(d.node, 0) + 1
-    return min((d.nic_gbps / per_node[d.node] for d in cost.cluster.devices if d.gpu.id not in idle_types),
-               default=math.inf)
+    return min((min(d.flow_gbps, d.nic_gbps / per_node[d.node]) for d in cost.cluster.devices
+                if d.gpu.id not in idle_types), default=math.inf)
 
 
 def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, robust: bool) -> str:
@@ -108,7 +110,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         raise
     full_s = _time_s(best[0]) if best is not None else None
     tried: list[dict[str, Any]] = []
-    go_on = True  # whether the last candidate beat the best so far, came near it (or none was tried)
+    go_on = True  # whether the last priced candidate beat the best so far or came near it (or none was)
     for k, idle_types in enumerate(candidates):
         if not go_on and slowest_nic_share_gbps(cost, idle_types) <= slowest_nic_share_gbps(cost, candidates[k - 1]):
             break  # idling one more type rarely helps where this one did not, unless it frees the slowest NICs

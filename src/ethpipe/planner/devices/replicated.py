@@ -7,7 +7,8 @@ samples per GPU it is often the best one:
 each node then holds ~1/depth of the model and syncs that much through its NIC. ETH searches
 the same (DP degree, TP degree, type order, micro-batch size) space as the exhaustive
 baselines, best-first by a lower bound (``bounds.py``), in steps per candidate, each popped
-again before the next: an analytic bound at enumeration (no partition, no replicas built), its
+again before the next: an analytic bound at enumeration (no partition, no replicas built; an
+aligned candidate then builds its replicas and its one split, and is bounded with it), its
 type order's (the memory-aware bottleneck, fill and drain), its layer split's before the split
 is made (``partition.flush_lower_bound_s`` on one replica per structure: level 2 minimises the
 bottleneck, which fixes more than any split's bound), one replica per structure partitioned and
@@ -182,7 +183,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
         (_layouts(memo, uniform_layouts, cost, global_batch, max_tp), True, splits)] if uniform_space else []
     if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
         spaces.append((_layouts(memo, layer_balanced_layouts, cost, global_batch, max_tp), False, ("level2",)))
-    first_stage = {"equal": 0, "aligned": -2, "level2": -1}
+    entry_stage = {"equal": 0, "aligned": -2, "level2": -1}  # the heap step each split's candidates start at
     for layouts, in_order, layer_splits in spaces:
         for dp, t, kinds, heads, crossing, layout, reps in layouts:
             share = -(-global_batch // dp)
@@ -193,7 +194,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 sync_s = bounds.first_stage_sync_s(heads, t, depth, crossing, layers[0] if layers else 1)
                 for b in micro_batches or [x for x in MICRO_BATCH_CANDIDATES if x <= share]:  # once per shape
                     bound = sync_s + bounds.makespan_s(kinds, t, b, global_batch, layers, None, any_order=not in_order)
-                    heapq.heappush(heap, (bound, next(counter), first_stage[split],
+                    heapq.heappush(heap, (bound, next(counter), entry_stage[split],
                                           (key, layout, reps, heads, crossing, share, b, in_order,
                                            (kinds, t, layers, sync_s))))
     best, priced = incumbent, 0
@@ -280,7 +281,8 @@ def _order_bound(bounds: LowerBounds, kinds: Counter, tp: int, b: int, share: in
 def _make(cost: CostModel, layers: Sequence[int] | None, b: int, recompute: str, options: PlannerOptions, cache: dict
           ) -> Callable[[tuple[StageSlot, ...]], Template | None]:
     """The template maker of a layer split: ``layers`` for every structure (the uniform baseline's equal layers,
-    or ``aligned_split``), or None: each structure its own level-2 split."""
+    or ``aligned_split``), or None: each structure its own ``build_template`` split (level 2's; equal layers
+    where ``options.balance_layers`` is off)."""
     if layers is None:
         return lambda s: build_template(cost, -1, s, b, recompute, 0, cache, options)
     granularity = 1 if options.fine_grained else b
@@ -293,7 +295,8 @@ def aligned_split(cost: CostModel, structures: Structures, b: int, recompute: st
     (None if it does not fit). Why one: equal layers leave the head's stage slowest where the head outweighs a
     layer (llama3-8b: ~1.8 layers), and each structure's own split would stagger the block boundaries across
     pipelines, so each block's sync would wait for the previous one's holders (``grouping.group_iteration_s``)
-    instead of running beside it."""
+    instead of running beside it. A structure of weaker GPUs that cannot hold this split drops the candidate
+    (``fixed_partition``): the equal split's candidate stays."""
     part = level2_partition(cost, max(structures, key=lambda sc: sc[1])[0], b, recompute, cache)
     return None if part is None else part.num_layers
 
