@@ -288,8 +288,9 @@ def test_a_candidate_that_does_not_pay_stops_the_idle_search_unless_near_or_the_
     assert seen == [(6, math.inf), (4, math.inf), (2, 3.0)]  # the best so far is still the full cluster's
     assert chosen.cluster.num_devices == 2 and plan.predicted["iteration_time_s"] == 1.5
     assert tried[1]["iteration_time_s"] == 1.5
-    assert idle.slowest_nic_share_gbps(cost, ("slow",)) == 10 / 8 / 2
-    assert (idle.slowest_nic_share_gbps(cost, ("slow", "mid")) > 10 / 8 / 2) == (fast_nic_gbit_s > 10)
+    shares = idle.nic_share_by_type(cost)
+    assert idle.slowest_nic_share_gbps(shares, ("slow",)) == 10 / 8 / 2
+    assert (idle.slowest_nic_share_gbps(shares, ("slow", "mid")) > 10 / 8 / 2) == (fast_nic_gbit_s > 10)
 
 
 def test_the_first_idle_candidate_planned_ahead_gives_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,10 +30,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from ethpipe.cost.model import CostModel
+from ethpipe.cost.sync import nic_share_gbps
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
@@ -57,14 +59,20 @@ def idle_candidates(cost: CostModel) -> list[tuple[str, ...]]:
     return [tuple(slowest[:k]) for k in range(1, len(slowest))]
 
 
-def slowest_nic_share_gbps(cost: CostModel, idle_types: tuple[str, ...]) -> float:
-    """The least per-GPU share of a node's NIC (GB/s; capped by the GPU's rail) among the devices not of
-    ``idle_types``."""
-    per_node: dict[int, int] = {}
+def nic_share_by_type(cost: CostModel) -> dict[str, float]:
+    """Per GPU type, the least per-GPU share (GB/s) of a node's NIC among its devices: ``nic_share_gbps`` of one
+    rank on a node whose every rank syncs across nodes."""
+    per_node = Counter(d.node for d in cost.cluster.devices)
+    shares: dict[str, float] = {}
     for d in cost.cluster.devices:
-        per_node[d.node] = per_node.get(d.node, 0) + 1
-    return min((min(d.flow_gbps, d.nic_gbps / per_node[d.node]) for d in cost.cluster.devices
-                if d.gpu.id not in idle_types), default=math.inf)
+        share = nic_share_gbps(d.nic_gbps, d.flow_gbps, 1, per_node[d.node])
+        shares[d.gpu.id] = min(shares.get(d.gpu.id, math.inf), share)
+    return shares
+
+
+def slowest_nic_share_gbps(shares: dict[str, float], idle_types: tuple[str, ...]) -> float:
+    """The least of ``nic_share_by_type``'s shares among the types not in ``idle_types``."""
+    return min((s for t, s in shares.items() if t not in idle_types), default=math.inf)
 
 
 def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, robust: bool) -> str:
@@ -111,8 +119,9 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     full_s = _time_s(best[0]) if best is not None else None
     tried: list[dict[str, Any]] = []
     go_on = True  # whether the last priced candidate beat the best so far or came near it (or none was)
+    shares = nic_share_by_type(cost)
     for k, idle_types in enumerate(candidates):
-        if not go_on and slowest_nic_share_gbps(cost, idle_types) <= slowest_nic_share_gbps(cost, candidates[k - 1]):
+        if not go_on and slowest_nic_share_gbps(shares, idle_types) <= slowest_nic_share_gbps(shares, candidates[k - 1]):
             break  # idling one more type rarely helps where this one did not, unless it frees the slowest NICs
         sub = _sub_cluster(cost, idle_types)
         record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
