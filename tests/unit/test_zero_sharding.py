@@ -13,7 +13,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.model_comm import sharded_phase_fraction
 from ethpipe.model_load import load_model_spec
 from ethpipe.plan import Plan
-from ethpipe.planner import estimate_iteration_s, make_plan
+from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
 from ethpipe.runtime.sync.zero import shard_bounds
 from ethpipe.sim import simulate
 
@@ -207,3 +207,35 @@ def test_memory_terms_after_another_holder_count_equal_a_fresh_models() -> None:
             1, 1, 1, False, first=True, last=False, device="a100_80gb_sxm")
         fixed, per_layer = unsharded.memory_terms(1, 1, 1, False, first=True, last=False, device="a100_80gb_sxm")
         assert sharded_fixed < fixed and sharded_per_layer < per_layer  # the moments' share did move
+
+
+H100_A100_L4 = cluster_from_dict({"nodes": [
+    {"gpu": "h100_sxm", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 3200},
+    {"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 8, "nic_gbit_s": 1600},
+    {"gpu": "l4", "num_nodes": 1, "gpus_per_node": 8, "nic_gbit_s": 100}]})
+
+
+def test_sharding_can_leave_idle_the_devices_the_unsharded_plan_used() -> None:
+    """The mirror of test_sharding_can_put_devices_the_unsharded_plan_left_idle_back_to_work. llama2-13b, 128
+    samples, on 8 H100 + 16 A100-80 + 8 L4 (the L4s on a 100 Gbit/s NIC): unsharded, every device runs, and the plan without the L4s came within 1% of it; sharded, the
+    plan without the L4s is the faster one (the memory sharding frees lets the H100s and A100s hold the model in
+    fewer, faster stages). The sharding rounds search that idle candidate's devices too (``sharding._Rounds``):
+    the plan leaves the L4s idle, as fast as planning the 24 others alone, faster than the best sharded plan on
+    every device (by 1.8%), which is what searching the unsharded plan's devices only gave."""
+    spec = load_model_spec("llama2-13b")
+    unsharded = make_plan(H100_A100_L4, spec, 128, 4096, shard_optimizer=False)
+    assert not unsharded.idle_devices
+    near_s = unsharded.extra["search"]["idle"]["candidates"][0]["near_s"]
+    assert near_s <= 1.01 * unsharded.predicted["iteration_time_s"]
+    plan = make_plan(H100_A100_L4, spec, 128, 4096)
+    every = make_plan(H100_A100_L4, spec, 128, 4096, options=PlannerOptions(allow_idle=False))
+    alone = make_plan(cluster_from_dict({"nodes": H100_A100_L4.source["nodes"][:2]}), spec, 128, 4096)
+    assert plan.shard_optimizer and every.shard_optimizer
+    assert {d.device for d in plan.idle_devices} == {"l4"}
+    assert all(d.reason.startswith("idle: sharded") for d in plan.idle_devices)
+    assert "sharded_idles" in plan.extra["search"]["idle"]
+    assert plan.predicted["iteration_time_s"] == pytest.approx(alone.predicted["iteration_time_s"], rel=1e-9)
+    assert plan.predicted["iteration_time_s"] < 0.99 * every.predicted["iteration_time_s"]
+    loaded = Plan.from_dict(plan.to_dict())
+    assert estimate_iteration_s(loaded, CostModel.for_plan(loaded)) == pytest.approx(
+        plan.predicted["iteration_time_s"], rel=1e-9)

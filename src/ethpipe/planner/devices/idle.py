@@ -46,7 +46,7 @@ AHEAD_MIN_DEVICES = 256  # devices from which the first idle candidate is planne
 NEAR = 1.10  # the first candidate within this of the best so far does not stop the search (module docstring)
 
 
-def _time_s(plan: Plan) -> float:
+def compared_time_s(plan: Plan) -> float:
     """What candidates are compared by: the worst case for robust plans (an idle type cannot help when a
     used type turns out slow, so idling must win there too), else the nominal iteration time."""
     predicted = plan.predicted or {}
@@ -84,7 +84,7 @@ def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, ro
     return f"idle: plan without {names} {what} {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
 
 
-def _sub_cluster(cost: CostModel, idle_types: tuple[str, ...]) -> CostModel:
+def sub_cluster(cost: CostModel, idle_types: tuple[str, ...]) -> CostModel:
     return cost.on_cluster(cost.cluster.without_devices([d.rank for d in cost.cluster.devices
                                                          if d.gpu.id in idle_types]))
 
@@ -102,7 +102,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     candidates = idle_candidates(cost)
     if ahead is None:
         ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
-    first = Ahead(lambda: plan_on(_sub_cluster(cost, candidates[0]), math.inf)) if (
+    first = Ahead(lambda: plan_on(sub_cluster(cost, candidates[0]), math.inf)) if (
         ahead and candidates and can_run_ahead()) else None
     best: tuple[Plan, CostModel, tuple[str, ...]] | None = None
     error: Infeasible | None = None
@@ -116,16 +116,16 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
         if first is not None:
             first.cancel()
         raise
-    full_s = _time_s(best[0]) if best is not None else None
+    full_s = compared_time_s(best[0]) if best is not None else None
     tried: list[dict[str, Any]] = []
     go_on = True  # whether the last priced candidate beat the best so far or came near it (or none was)
     shares = nic_share_by_type(cost)
     for k, idle_types in enumerate(candidates):
         if not go_on and slowest_nic_share_gbps(shares, idle_types) <= slowest_nic_share_gbps(shares, candidates[k - 1]):
             break  # idling one more type rarely helps where this one did not, unless it frees the slowest NICs
-        sub = _sub_cluster(cost, idle_types)
+        sub = sub_cluster(cost, idle_types)
         record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
-        if best is not None and record["lower_bound_s"] >= _time_s(best[0]):
+        if best is not None and record["lower_bound_s"] >= compared_time_s(best[0]):
             tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})
             break
         near_s = None  # the candidate's time where it did not beat the best but came within NEAR
@@ -134,23 +134,23 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
                 plan = first.result() if first is not None else MISSING
                 first = None
                 plan = plan_on(sub, math.inf) if plan is MISSING else plan
-                if plan is not None and best is not None and _time_s(plan) >= _time_s(best[0]):
-                    near_s = _time_s(plan) if _time_s(plan) <= NEAR * _time_s(best[0]) else None
+                if plan is not None and best is not None and compared_time_s(plan) >= compared_time_s(best[0]):
+                    near_s = compared_time_s(plan) if compared_time_s(plan) <= NEAR * compared_time_s(best[0]) else None
                     plan = None  # as a search told the time to beat would say
             else:
-                plan = plan_on(sub, incumbent_bar_s(best[0], _time_s(best[0])) if best is not None else math.inf)
+                plan = plan_on(sub, incumbent_bar_s(best[0], compared_time_s(best[0])) if best is not None else math.inf)
         except Infeasible as err:
             tried.append({**record, "skipped": f"infeasible: {err}"})
             continue
         if plan is None:
-            tried.append({**record, "skipped": f"no plan predicted under {_time_s(best[0]):.4g} s",  # type: ignore[index]
+            tried.append({**record, "skipped": f"no plan predicted under {compared_time_s(best[0]):.4g} s",  # type: ignore[index]
                           **({"near_s": near_s} if near_s is not None else {})})
             go_on = near_s is not None
             continue
         tried.append({**record, "iteration_time_s": float(plan.predicted["iteration_time_s"]),  # type: ignore[index]
-                      **({"worst_case_time_s": _time_s(plan)} if "worst_case_time_s" in plan.predicted else {})})
-        go_on = best is None or _time_s(plan) < NEAR * _time_s(best[0])
-        if best is None or _time_s(plan) < _time_s(best[0]):
+                      **({"worst_case_time_s": compared_time_s(plan)} if "worst_case_time_s" in plan.predicted else {})})
+        go_on = best is None or compared_time_s(plan) < NEAR * compared_time_s(best[0])
+        if best is None or compared_time_s(plan) < compared_time_s(best[0]):
             best = (plan, sub, idle_types)
     if first is not None:  # the first candidate was skipped by its lower bound
         first.cancel()
@@ -160,7 +160,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     plan, chosen, idle_types = best
     if not tried:
         return plan, chosen
-    reason = _reason(idle_types, _time_s(plan), full_s, "worst_case_time_s" in (plan.predicted or {}))
+    reason = _reason(idle_types, compared_time_s(plan), full_s, "worst_case_time_s" in (plan.predicted or {}))
     idle = tuple(dataclasses.replace(d, reason=reason) for d in plan.idle_devices)
     search = {**plan.extra.get("search", {}), "idle": {"full_cluster_iteration_time_s": full_s, "candidates": tried}}
     predicted = {**(plan.predicted or {}), "planning_time_s": time.perf_counter() - started}

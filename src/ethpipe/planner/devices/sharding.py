@@ -23,14 +23,15 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.predicted import predicted_metrics
-from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES
+from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES, compared_time_s, sub_cluster
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.search.incumbent import incumbent_bar_s
 
 MAX_ROUNDS = 4  # the fixpoint settles in 1-2 rounds on every evaluation case (docs/evaluation.md)
 # The rounds search every device too where the unsharded plan on every device was at most this much slower than
-# the one with devices idle (or did not fit): sharding's freed memory moved such plans by 1-15% on the measured
-# cases (docs/runtime.md, "Optimizer sharding"), and the search costs as much as a round again.
+# the one with devices idle (or did not fit), and likewise an idle candidate whose unsharded plan was: sharding's
+# freed memory moved such plans by 1-15% on the measured cases (docs/runtime.md, "Optimizer sharding"), and each
+# such search costs as much as a round again.
 EVERY_DEVICE_WITHIN = 1.25
 
 PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
@@ -42,8 +43,9 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
     ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans.
     ``refine_fn(cost, incumbent_s)``: one search on ``cost``'s devices that returns None unless it beats
-    ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose and, where it
-    leaves some idle, every device too (``_Rounds``), pruning against its time, which keeps planning time near
+    ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose and the device
+    sets that came near it unsharded (``_other_device_sets``: every device, an idle candidate's), pruning against
+    its time, which keeps planning time near
     one search where sharding does not pay. Without it (or where nothing fits unsharded) each round is a whole
     ``plan_fn``.
     Every refined round prunes against the unsharded plan, so a round depends on the ones before it only
@@ -60,8 +62,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     k = max(len(plain[0].pipelines), 2) if plain is not None else 2
     if ahead is None:
         ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
-    full = cost if plain is not None and _idle_may_pay_sharded(plain[0]) else None
-    rounds = (_Rounds(plain, refine_fn, robust, ahead and can_run_ahead(), full)
+    rounds = (_Rounds(plain, refine_fn, robust, ahead and can_run_ahead(), _other_device_sets(cost, plain))
               if plain is not None and refine_fn else None)
     tried: list[int] = []
     best: tuple[Plan, CostModel] | None = None
@@ -75,7 +76,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
                     found = rounds.search(k, ahead_k=2 * k if 2 * k <= cost.cluster.num_devices else None)
                     if found is None:
                         break  # nothing sharded beats the unsharded plan at this k
-                    plan, on = found[0], rounds.cost_at(k, every_device=found[1])
+                    plan, on = found[0], rounds.cost_at(k, found[1])
                 else:
                     plan, on = plan_fn(cost.with_optimizer_holders(k))
             except Infeasible:
@@ -112,35 +113,48 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
 
 
 class _Rounds:
-    """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time; and on
-    ``full``, every device, where that plan leaves some idle), each searched once, the next one possibly ahead
-    in a second process (``with_sharding``). A round's result: its plan, and whether it runs on every device."""
+    """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time; and on each of
+    ``others``' device sets: ``_other_device_sets``), each searched once, the next one possibly ahead in a second
+    process (``with_sharding``). A round's result: its plan, and which device set it runs on (0: the unsharded
+    plan's, i: ``others[i - 1]``)."""
 
     def __init__(self, plain: tuple[Plan, CostModel], refine_fn: RefineFn, robust: bool, ahead: bool,
-                 full: CostModel | None = None) -> None:
-        self.plain, self.refine_fn, self.ahead, self.robust, self.full = plain, refine_fn, ahead, robust, full
+                 others: tuple[_DeviceSet, ...] = ()) -> None:
+        self.plain, self.refine_fn, self.ahead, self.robust, self.others = plain, refine_fn, ahead, robust, others
         self.bar_s = math.inf if robust else incumbent_bar_s(plain[0], _score(plain[0], robust))
         self.pending: tuple[int, Ahead] | None = None
 
-    def cost_at(self, k: int, every_device: bool = False) -> CostModel:
-        on = self.full if every_device and self.full is not None else self.plain[1]
+    def cost_at(self, k: int, device_set: int = 0) -> CostModel:
+        on = self.others[device_set - 1].cost if device_set else self.plain[1]
         return on.with_optimizer_holders(k)
 
-    def _run(self, k: int) -> tuple[Plan, bool] | None:
-        found = self.refine_fn(self.cost_at(k), self.bar_s)
-        out = None if found is None else (_with_idle_record(found, self.plain[0]), False)
-        if self.full is None:
-            return out
-        # Every device, pruned against the better of the unsharded plan and the round on its devices; kept only if
-        # faster (robust: no pruning, the lower worst case; ties keep the unsharded plan's devices).
-        bar_s = self.bar_s if found is None or self.robust else min(
-            self.bar_s, incumbent_bar_s(found, _score(found, self.robust)))
-        wide = self.refine_fn(self.cost_at(k, every_device=True), bar_s)
-        if wide is not None and (found is None or _score(wide, self.robust) < _score(found, self.robust)):
-            out = (_on_every_device(wide, self.plain[0]), True)
+    def _run(self, k: int) -> tuple[Plan, int] | None:
+        """The round at k; raises the unsharded plan's devices' ``Infeasible`` where no device set fits."""
+        error: Infeasible | None = None
+        try:
+            found = self.refine_fn(self.cost_at(k), self.bar_s)
+        except Infeasible as err:
+            found, error = None, err
+        out = None if found is None else (_with_idle_record(found, self.plain[0]), 0)
+        best = found
+        # Each other device set, pruned against the best so far (the unsharded plan or a round); kept only if faster
+        # (robust: no pruning, the lower worst case; ties keep the unsharded plan's devices).
+        for i, other in enumerate(self.others, start=1):
+            bar_s = self.bar_s if best is None or self.robust else min(
+                self.bar_s, incumbent_bar_s(best, _score(best, self.robust)))
+            try:
+                wide = self.refine_fn(self.cost_at(k, i), bar_s)
+            except Infeasible:  # nothing fits there at k (robust, or pipelines that must mix): the others stand
+                continue
+            error = None
+            if wide is not None and (best is None or _score(wide, self.robust) < _score(best, self.robust)):
+                out = (other.record(wide, self.plain[0], best), i)
+                best = wide
+        if error is not None:
+            raise error
         return out
 
-    def search(self, k: int, ahead_k: int | None) -> tuple[Plan, bool] | None:
+    def search(self, k: int, ahead_k: int | None) -> tuple[Plan, int] | None:
         """The round at k (raises ``Infeasible`` as ``refine_fn`` does); the round at ``ahead_k`` starts alongside."""
         pending, self.pending = self.pending, None
         if pending is not None and pending[0] != k:
@@ -157,6 +171,46 @@ class _Rounds:
             self.pending = None
 
 
+@dataclasses.dataclass(frozen=True)
+class _DeviceSet:
+    """Devices other than the unsharded plan's that the sharded rounds also search: every device (``idle_types``
+    empty) or an idle candidate's sub-cluster, with the unsharded time that made it worth a round."""
+
+    cost: CostModel
+    idle_types: tuple[str, ...]
+    unsharded_s: float | None  # None: no unsharded plan fitted on these devices
+
+    def record(self, plan: Plan, plain: Plan, beaten: Plan | None) -> Plan:
+        if not self.idle_types:
+            return _on_every_device(plan, plain)
+        return _on_idle_candidate(plan, plain, self, beaten)
+
+
+def _other_device_sets(cost: CostModel, plain: tuple[Plan, CostModel]) -> tuple[_DeviceSet, ...]:
+    """The device sets the sharded rounds search besides the unsharded plan's: the idle choice was made under
+    unsharded memory, and the memory sharding frees can change it either way. Every device of ``cost``, where the
+    unsharded plan leaves some idle and its plan on every device was at most ``EVERY_DEVICE_WITHIN`` slower (or did
+    not fit); and the fastest other idle candidate whose unsharded time is known (it beat the plan before it, or
+    came within ``idle.NEAR``) and was at most ``EVERY_DEVICE_WITHIN`` slower. Sets are compared by their devices
+    (``Cluster.device_indices``), so none is searched twice."""
+    record = plain[0].extra.get("search", {}).get("idle") or {}
+    bar_s = EVERY_DEVICE_WITHIN * compared_time_s(plain[0])  # as the idle search compared (robust: worst cases)
+    mine = plain[1].cluster.device_indices
+    out = []
+    every_s = record.get("full_cluster_iteration_time_s")
+    if cost.cluster.device_indices != mine and (every_s is None or every_s <= bar_s):
+        out.append(_DeviceSet(cost, (), every_s))
+    known = sorted((t, tuple(c["idle_types"])) for c in record.get("candidates", ())
+                   if (t := c.get("worst_case_time_s", c.get("iteration_time_s", c.get("near_s")))) is not None
+                   and t <= bar_s)
+    for time_s, idle_types in known:
+        sub = sub_cluster(cost, idle_types)
+        if sub.cluster.device_indices != mine:
+            out.append(_DeviceSet(sub, idle_types, time_s))
+            break
+    return tuple(out)
+
+
 def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
     """A plan searched on the unsharded plan's devices carries that plan's idle devices and the idle search's
     record (also where it left none idle: which candidates it tried and why they lost)."""
@@ -167,16 +221,6 @@ def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
     return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
 
 
-def _idle_may_pay_sharded(plain: Plan) -> bool:
-    """Whether the sharding rounds also search every device (``_Rounds``): the unsharded plan leaves devices idle
-    (a choice made under unsharded memory) and the plan on every device did not fit or was within
-    ``EVERY_DEVICE_WITHIN`` of it."""
-    if not plain.idle_devices:
-        return False
-    every_s = (plain.extra.get("search", {}).get("idle") or {}).get("full_cluster_iteration_time_s")
-    return every_s is None or every_s <= EVERY_DEVICE_WITHIN * _time_s(plain)
-
-
 def _on_every_device(plan: Plan, plain: Plan) -> Plan:
     """A sharded plan on every device where the unsharded one left some idle: the idle search's record, and why
     those devices run after all."""
@@ -184,6 +228,22 @@ def _on_every_device(plan: Plan, plain: Plan) -> Plan:
               "sharded_uses_every_device": "sharded, the devices the unsharded plan left idle pay: "
                                            f"{len(plain.idle_devices)} devices run"}
     return dataclasses.replace(plan, extra={**plan.extra, "search": {**plan.extra.get("search", {}), "idle": record}})
+
+
+def _on_idle_candidate(plan: Plan, plain: Plan, devices: _DeviceSet, beaten: Plan | None) -> Plan:
+    """A sharded plan on an idle candidate's devices other than the unsharded plan's: its idle devices say why,
+    and the idle search's record that the sharded rounds changed its choice."""
+    names = ", ".join(devices.idle_types)
+    with_s = min([compared_time_s(plain)] + ([compared_time_s(beaten)] if beaten is not None else []))
+    what = "worst case" if "worst_case_time_s" in (plan.predicted or {}) else "predicted"
+    # the plan's own time is the one it is re-priced at (``_repriced``): not quoted here
+    reason = f"idle: sharded, the plan without {names} beats the best other plan searched ({what} {with_s:.4g} s)"
+    record = {**(plain.extra.get("search", {}).get("idle") or {}),
+              "sharded_idles": f"sharded, idling {names} pays: {len(plan.idle_devices)} devices idle "
+                               f"(unsharded, that plan took {devices.unsharded_s:.4g} s)"}
+    idle = tuple(dataclasses.replace(d, reason=reason) for d in plan.idle_devices)
+    return dataclasses.replace(plan, idle_devices=idle,
+                               extra={**plan.extra, "search": {**plan.extra.get("search", {}), "idle": record}})
 
 
 def _repriced(plan: Plan, cost: CostModel, flat_sync: bool, robust: bool) -> tuple[Plan, CostModel]:
