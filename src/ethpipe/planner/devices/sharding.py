@@ -221,13 +221,17 @@ def _with_idle_record(plan: Plan, plain: Plan) -> Plan:
     return dataclasses.replace(plan, idle_devices=plain.idle_devices, extra={**plan.extra, "search": search})
 
 
-def _on_every_device(plan: Plan, plain: Plan) -> Plan:
-    """A sharded plan on every device where the unsharded one left some idle: the idle search's record, and why
-    those devices run after all."""
-    record = {**(plain.extra.get("search", {}).get("idle") or {}),
-              "sharded_uses_every_device": "sharded, the devices the unsharded plan left idle pay: "
-                                           f"{len(plain.idle_devices)} devices run"}
+def _with_idle_note(plan: Plan, plain: Plan, key: str, note: str) -> Plan:
+    """``plan`` with the unsharded plan's idle search record, plus ``note`` under ``key``: why the sharded rounds
+    changed which devices run."""
+    record = {**(plain.extra.get("search", {}).get("idle") or {}), key: note}
     return dataclasses.replace(plan, extra={**plan.extra, "search": {**plan.extra.get("search", {}), "idle": record}})
+
+
+def _on_every_device(plan: Plan, plain: Plan) -> Plan:
+    """A sharded plan on every device where the unsharded one left some idle: why those devices run after all."""
+    return _with_idle_note(plan, plain, "sharded_uses_every_device", "sharded, the devices the unsharded plan left "
+                           f"idle pay: {len(plain.idle_devices)} devices run")
 
 
 def _on_idle_candidate(plan: Plan, plain: Plan, devices: _DeviceSet, beaten: Plan | None) -> Plan:
@@ -238,12 +242,10 @@ def _on_idle_candidate(plan: Plan, plain: Plan, devices: _DeviceSet, beaten: Pla
     what = "worst case" if "worst_case_time_s" in (plan.predicted or {}) else "predicted"
     # the plan's own time is the one it is re-priced at (``_repriced``): not quoted here
     reason = f"idle: sharded, the plan without {names} beats the best other plan searched ({what} {with_s:.4g} s)"
-    record = {**(plain.extra.get("search", {}).get("idle") or {}),
-              "sharded_idles": f"sharded, idling {names} pays: {len(plan.idle_devices)} devices idle "
-                               f"(unsharded, that plan took {devices.unsharded_s:.4g} s)"}
     idle = tuple(dataclasses.replace(d, reason=reason) for d in plan.idle_devices)
-    return dataclasses.replace(plan, idle_devices=idle,
-                               extra={**plan.extra, "search": {**plan.extra.get("search", {}), "idle": record}})
+    return _with_idle_note(dataclasses.replace(plan, idle_devices=idle), plain, "sharded_idles",
+                           f"sharded, idling {names} pays: {len(plan.idle_devices)} devices idle "
+                           f"(unsharded, that plan took {devices.unsharded_s:.4g} s)")
 
 
 def _repriced(plan: Plan, cost: CostModel, flat_sync: bool, robust: bool) -> tuple[Plan, CostModel]:
