@@ -143,6 +143,17 @@ class Cluster:
             raise ValueError(f"device index {bad[0]!r} is not a device of this cluster (0..{self.num_devices - 1})")
         if len(drop) == self.num_devices:
             raise ValueError("without_devices would leave no device: keep at least one")
+        key = frozenset(drop)
+        if key not in self._without:
+            self._without[key] = self._without_devices(drop)
+        return self._without[key]
+
+    @functools.cached_property  # fields are frozen: one sub-cluster object per index set
+    def _without(self) -> dict[frozenset[int], Cluster]:
+        return {}
+
+    def _without_devices(self, drop: set[int]) -> Cluster:
+        """``without_devices``'s cluster, built."""
         full_index = self.device_indices
         kept: list[Device] = []
         per_node: dict[int, int] = {}

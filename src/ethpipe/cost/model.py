@@ -106,7 +106,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         object.__setattr__(self, "_hw", {t: DeviceCompute.build(g, cal, dtype, self.tf32)
                                          for t, g in gpus.items() if has_hardware_model(g)})
         object.__setattr__(self, "_kernel_memo", {})
-        object.__setattr__(self, "_memo", {})  # memory terms, parameter counts, sub-clusters: pure in arguments
+        object.__setattr__(self, "_memo", {})  # memory terms and parameter counts: pure in their arguments
         object.__setattr__(self, "_p2p", {})  # p2p seconds by (src, dst, micro-batch): depend on p2p_flows
         s, m = self.seq_len, self.model
         object.__setattr__(self, "_block_flops", compute.block_fwd_flops(m, s))
@@ -152,17 +152,6 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
                          dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode,
                          optimizer_holders=self.optimizer_holders, grad_reduce=self.grad_reduce,
                          layer_code=self.layer_code)
-
-    def without_types(self, idle_types: tuple[str, ...]) -> CostModel:
-        """This pricing on the cluster without the devices of ``idle_types`` (the idle search's sub-clusters), one
-        object per set of types: the planner's memos keyed by cluster (``planner/search/memo.cluster_memo``) then
-        serve every search of those devices, the idle search's and the sharded rounds' alike."""
-        key = ("without_types", tuple(sorted(idle_types)))
-        memo = self._memo  # type: ignore[attr-defined]
-        if key not in memo:
-            memo[key] = self.on_cluster(self.cluster.without_devices(
-                [d.rank for d in self.cluster.devices if d.gpu.id in idle_types]))
-        return memo[key]  # type: ignore[no-any-return]
 
     # -- device facts ------------------------------------------------------------------
 

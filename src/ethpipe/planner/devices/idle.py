@@ -84,6 +84,13 @@ def _reason(idle_types: tuple[str, ...], time_s: float, full_s: float | None, ro
     return f"idle: plan without {names} {what} {time_s:.4g} s vs {full_s:.4g} s with {pronoun}"
 
 
+def sub_cluster(cost: CostModel, idle_types: tuple[str, ...]) -> CostModel:
+    """The pricing of the devices not of ``idle_types``; the same ``Cluster`` object each time
+    (``Cluster.without_devices``), so the planner's memos keyed by cluster serve every search of it."""
+    return cost.on_cluster(cost.cluster.without_devices([d.rank for d in cost.cluster.devices
+                                                         if d.gpu.id in idle_types]))
+
+
 def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostModel, float], Plan | None],
                    *, ahead: bool | None = None) -> tuple[Plan, CostModel]:
     """The fastest of ``plan_on(cost, inf)`` and ``plan_on`` on each idle candidate's sub-cluster, with the
@@ -97,7 +104,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     candidates = idle_candidates(cost)
     if ahead is None:
         ahead = cost.cluster.num_devices >= AHEAD_MIN_DEVICES
-    first = Ahead(lambda: plan_on(cost.without_types(candidates[0]), math.inf)) if (
+    first = Ahead(lambda: plan_on(sub_cluster(cost, candidates[0]), math.inf)) if (
         ahead and candidates and can_run_ahead()) else None
     best: tuple[Plan, CostModel, tuple[str, ...]] | None = None
     error: Infeasible | None = None
@@ -118,7 +125,7 @@ def plan_with_idle(cost: CostModel, global_batch: int, plan_on: Callable[[CostMo
     for k, idle_types in enumerate(candidates):
         if not go_on and slowest_nic_share_gbps(shares, idle_types) <= slowest_nic_share_gbps(shares, candidates[k - 1]):
             break  # idling one more type rarely helps where this one did not, unless it frees the slowest NICs
-        sub = cost.without_types(idle_types)
+        sub = sub_cluster(cost, idle_types)
         record: dict[str, Any] = {"idle_types": list(idle_types), "lower_bound_s": ideal_time_s(sub, global_batch)}
         if best is not None and record["lower_bound_s"] >= compared_time_s(best[0]):
             tried.append({**record, "skipped": "lower bound >= best predicted iteration time"})

@@ -23,7 +23,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import Infeasible
 from ethpipe.plan import Plan
 from ethpipe.planner.predicted import predicted_metrics
-from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES, compared_time_s
+from ethpipe.planner.devices.idle import AHEAD_MIN_DEVICES, compared_time_s, sub_cluster
 from ethpipe.planner.search.ahead import MISSING, Ahead, can_run_ahead
 from ethpipe.planner.search.incumbent import incumbent_bar_s
 
@@ -204,7 +204,7 @@ def _other_device_sets(cost: CostModel, plain: tuple[Plan, CostModel]) -> tuple[
                    if (t := c.get("worst_case_time_s", c.get("iteration_time_s", c.get("near_s")))) is not None
                    and t <= bar_s)
     for time_s, idle_types in known:
-        sub = cost.without_types(idle_types)
+        sub = sub_cluster(cost, idle_types)
         if sub.cluster.device_indices != mine:
             out.append(_DeviceSet(sub, idle_types, time_s))
             break
