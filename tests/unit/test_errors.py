@@ -19,7 +19,7 @@ from ethpipe.errors import CRASH_DIR_ENV, Infeasible, UserError
 from ethpipe.model_load import load_model_spec
 from ethpipe.planner import make_plan
 from ethpipe.planner.baselines import exhaustive
-from ethpipe.planner.devices import eth, grouping, replicated
+from ethpipe.planner.devices import combine, eth, grouping, replicated
 from ethpipe.runtime.start import launch
 
 DEMO = "examples/clusters/cpu_demo.yaml"
@@ -148,7 +148,7 @@ def test_a_pricing_bug_in_one_candidate_propagates(monkeypatch: pytest.MonkeyPat
         with monkeypatch.context() as patch:
             _flaky_pricing(patch)
             if catch_all:
-                for module in (eth, replicated, exhaustive):
+                for module in (eth, combine, replicated, exhaustive):
                     patch.setattr(module, "Infeasible", ValueError)
                 assert make_plan(HETERO, spec, 64, 2048, max_tp=1).world_size == 8
                 _flaky_pricing(patch)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -25,7 +26,8 @@ from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner import make_plan
 from ethpipe.planner.estimate import estimate_iteration_s, plan_layout
 from ethpipe.planner.layers.interleave import interleaved_of
-from ethpipe.planner.layers.schedules import choose_schedules, fits
+from ethpipe.planner.layers.schedules import BestOfTiming, choose_schedules, fits
+from ethpipe.planner.layers.timing import PipelineTiming
 from ethpipe.sim import simulate
 
 CLUSTER = load_cluster("examples/clusters/eval_h100_a100_l4_128.yaml")
@@ -241,3 +243,21 @@ def test_three_or_four_chunks_where_they_are_faster(monkeypatch: pytest.MonkeyPa
     two = make_plan(cluster, spec, 16, 4096, schedules=("1f1b", "interleaved"), dtype="fp16")
     assert max(p.num_chunks for p in two.pipelines) <= 2
     assert plan.predicted["iteration_time_s"] < 0.98 * two.predicted["iteration_time_s"]
+
+
+def test_the_best_of_two_schedules_answers_alike_whatever_is_asked_first() -> None:
+    """``BestOfTiming``'s inverse (what the data balancer asks) is the min of its schedules' tables even when it is
+    asked before any T(n): 4 equal stages (F 1 s, B 2 s, of which W 1 s): 1F1B takes 1 sample within 12.5 s, zb-h1
+    2 (the inherited table builder answered 1F1B's 1)."""
+    def rows(x: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.full(4, 1.0 * x), np.full(4, 2.0 * x)
+
+    def best_of() -> BestOfTiming:
+        zb = PipelineTiming(1, rows, schedule="zb-h1", weight_times=lambda x: (np.full(4, 1.0 * x),),
+                            unsplit=(False,) * 4)
+        return BestOfTiming([PipelineTiming(1, rows), zb])
+    assert PipelineTiming(1, rows).max_samples_within(12.5, 100) == 1
+    asked_first = best_of().max_samples_within(12.5, 100)
+    after = best_of()
+    assert after.time_s(2) <= 12.5 < after.time_s(3)
+    assert asked_first == after.max_samples_within(12.5, 100) == 2

@@ -138,17 +138,12 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
                                                                 ("schedule_timings",): timings,
                                                                 ("template_timings",): template_timings})
 
-        full = cost
-
         def plan_on(on: CostModel, incumbent_s: float = math.inf) -> Plan | None:
             # robust plans are compared by their worst case, which the search does not bound: no pruning
             return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options, robust=robust,
-                            cache=cache_of(on), incumbent_s=math.inf if robust else incumbent_s, sub_cluster=on is not full,
-                            schedules=searched)
+                            cache=cache_of(on), incumbent_s=math.inf if robust else incumbent_s, schedules=searched)
 
         def plan_eth_on(on: CostModel) -> tuple[Plan, CostModel]:
-            nonlocal full
-            full = on
             if (options or PlannerOptions()).allow_idle:  # the chosen plan's cost model: its devices and speeds
                 return plan_with_idle(on, global_batch_size, plan_on)
             found = plan_on(on)
@@ -159,7 +154,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
                 return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
                                 robust=robust, cache=cache_of(on),
-                                incumbent_s=incumbent_s, sub_cluster=bool(on.cluster.idle_devices), schedules=searched)
+                                incumbent_s=incumbent_s, schedules=searched)
 
             plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
                                        robust=robust, refine_fn=refine_on)

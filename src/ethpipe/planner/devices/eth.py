@@ -14,17 +14,18 @@ type-interleaved family (every pipeline takes an equal slice of every pool, a fe
 / TP vectors by an analytic pre-score, four type orders) is tried too, because with few samples
 per GPU a slow type's own pipelines are either shallow (a whole replica of sync per node) or
 bubble-bound; and hybrid layouts interleave a pair of pools adjacent in speed order while the
-others keep their own pipelines. Finally the replicated family (``replicated.py``): every layout of the
+others keep their own pipelines. The replicated family (``replicated.py``): every layout of the
 layer-balanced and uniform baselines' spaces, searched best-first by lower bound against the
 best plan so far and priced with level-3 data balance too, so ETH is never predicted slower
-than either baseline. Cost is a sum of small searches: templates are shared by all their
-pipelines and identical pipelines priced once.
+than either baseline (the layer-balanced space first, as the incumbent of the others; the uniform
+space's rank-order replicas last and apart, ``_rank_order_bar_s``). Cost is a sum of small searches:
+templates are shared by all their pipelines and identical pipelines priced once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import math
 import time
 from collections import Counter
@@ -39,9 +40,10 @@ from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.layers.schedules import choose_schedules, flush_past_under_any
 from ethpipe.schedule import DEFAULT_SCHEDULE
 from ethpipe.planner.devices.grouping import (
-    ROUNDING, Group, capacity_per_s, evaluate_groups, group_iteration_s, homogeneous_group, sync_shapes,
+    ROUNDING, Group, capacity_per_s, group_iteration_s, homogeneous_group, sync_shapes,
 )
 from ethpipe.planner.devices.hybrid import Cutoff, batch_share, hybrid_sets, interleaved, mixed_candidates, mixed_sets
+from ethpipe.planner.devices.combine import MAX_COMBINATIONS, search_combinations
 from ethpipe.planner.devices.split_pools import split_candidates
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.planner.devices.replicated import search_replicated
@@ -50,7 +52,6 @@ from ethpipe.planner.devices.templates import (MICRO_BATCH_CANDIDATES, Pool, bui
                                        pool_shapes, pools_of, shape_slots, template_flush_bound_s)
 
 MIN_SHAPES_PER_POOL = 3
-MAX_COMBINATIONS = 27
 SHAPES_BUILT_PER_POOL = 6  # shapes partitioned and scored exactly, after the analytic pre-score
 ROBUST_CANDIDATES = 4  # best layouts by nominal time priced under the speed perturbations (robust=True)
 HYBRID_PASSES = 1  # coordinate-descent passes of a hybrid layout (its other pools start at their best shapes)
@@ -126,10 +127,11 @@ def _diverse(scored: list[tuple[float, Group]], keep: int) -> list[Group]:
 
 def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: str = "auto",
              options: PlannerOptions | None = None, robust: bool = False, cache: dict | None = None,
-             incumbent_s: float = math.inf, sub_cluster: bool = False,
+             incumbent_s: float = math.inf,
              schedules: Sequence[str] = (DEFAULT_SCHEDULE,)) -> Plan | None:
-    """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time, return the one with the
-    least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal time).
+    """``robust``: of the best ``ROBUST_CANDIDATES`` layouts by nominal time and the best rank-order replicas,
+    return the one with the least worst-case time under the speed perturbations of ``robust.py`` (ties: nominal
+    time).
 
     ``cache``: templates and stage options to reuse across calls on clusters of the same node types
     (the idle search's sub-clusters): their keys hold device types, TP degrees, same-node links and
@@ -139,9 +141,9 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
     ``incumbent_s``: only a plan predicted faster matters (the idle search's best plan on another set of
     devices); every family prunes against it as against its own best, and None is returned if no plan
     beats it. Sound because a layout's search score never exceeds its final price. Not with ``robust``
-    (the worst case, not the score, decides there). ``sub_cluster``: the cluster is the idle search's
-    (``idle.py``): the replicated family searches the layer-balanced space only (the uniform baseline is
-    the whole cluster's, and rank-order replicas of a sub-cluster rarely pay for their pricing).
+    (the worst case, not the score, decides there). The replicated family searches the layer-balanced space;
+    the rank-order replicas (the uniform baseline's space) are searched after every family, apart
+    (``_rank_order_bar_s``).
     ``schedules``: the pipeline schedules allowed; the search prices 1F1B, then each of its best few layouts
     takes the fastest schedules that fit (``layers/schedules.py``) before they are compared."""
     assert not (robust and math.isfinite(incumbent_s)), "robust plans are compared by their worst case"
@@ -188,7 +190,7 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
             nonlocal best, layouts, error
             layouts += 1
             try:
-                found = _search(cost, per_pool, global_batch, options, extra, bar_s(), passes)
+                found = search_combinations(cost, per_pool, global_batch, options, extra, bar_s(), passes)
             except Infeasible as err:  # e.g. more pipelines than samples: another layout may still work
                 error = err
                 return
@@ -197,10 +199,10 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                 best = found if best is None or found[0] < best[0] else best
 
         # The replicated family first: exact, and the incumbent that prunes the others (the flush bound
-        # of ``_search`` skips most per-pool combinations' sync pricing).
+        # of ``search_combinations`` skips most per-pool combinations' sync pricing).
         replicated, priced = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
                                                micro_batches=mbs, cache=cache, incumbent=None if robust else best,
-                                               incumbent_s=bar_s(), uniform_space=not sub_cluster)
+                                               incumbent_s=bar_s(), uniform_space=False)
         layouts += priced
         if replicated is not None:
             best = replicated if best is None or replicated[0] < best[0] else best
@@ -222,6 +224,14 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                                     **family, cutoff=Cutoff(bar_s(), global_batch, others_per_s))
                 if mixed:
                     try_layout([own[i] for i in alone] + [mixed], [splits[i] for i in alone], HYBRID_PASSES)
+    rank_order = functools.partial(_rank_order_found, cost, global_batch, max_tp=max_tp, recompute=recompute,
+                                   options=options, cache=cache, mb_sets=mb_sets)
+    searched = best is None  # the rank-order replicas may fit where no other family does
+    if searched:
+        found_in_order, priced = rank_order(incumbent_s)
+        finalists += found_in_order
+        layouts += priced
+        best = min(finalists, key=lambda f: f[0], default=None)
     if best is None and math.isfinite(incumbent_s):
         return None  # nothing priced under the incumbent (or nothing fits: not faster either)
     if best is None:
@@ -242,10 +252,50 @@ def plan_eth(cost: CostModel, global_batch: int, *, max_tp: int = 8, recompute: 
                                                cache.get(("schedule_timings",)))
             final, final_s = ((found, pipelines), estimate_s) if estimate_s < final_s else (final, final_s)
         assert final is not None
+        if not searched:
+            found_in_order, priced = rank_order(min(incumbent_s, _rank_order_bar_s(finalists, final_s, split)))
+            search["layouts_evaluated"] += priced
+            for found in found_in_order:  # kept where its own final price is lower: never a found plan's place
+                pipelines, found_s = _pipelines(cost, global_batch, found, search, options, schedules,
+                                                cache.get(("schedule_timings",)))
+                final, final_s = ((found, pipelines), found_s) if found_s < final_s else (final, final_s)
         if final_s >= incumbent_s:
             return None
         return _build(cost, global_batch, final[0], final[1], search, started, options)
-    return _most_robust(cost, global_batch, sorted(finalists, key=lambda f: f[0]), search, started, options, schedules)
+    candidates = sorted(finalists, key=lambda f: f[0])[:ROBUST_CANDIDATES]
+    if not searched:  # as above, one more candidate (robust plans are compared by their worst case: no bar)
+        found_in_order, priced = rank_order(math.inf)
+        candidates += found_in_order
+        search["layouts_evaluated"] += priced
+    return _most_robust(cost, global_batch, candidates, search, started, options, schedules)
+
+
+def _rank_order_bar_s(finalists: Sequence[Found], final_s: float, split: bool) -> float:
+    """What the rank-order replicas (the uniform baseline's space) must score under, searched after every other
+    family and apart from them (as one more family, their 1F1B scores became the bar that pruned layouts only
+    zb-h1 made the fastest: docs/design.md §4.1): the best plan's final price; where a split schedule may re-split
+    them, at least the score of the ``ROBUST_CANDIDATES``-th best finalist (inf if fewer), under which a layout
+    was among the finalists the schedules re-price, so a layout zb-h1 takes under the final price is not missed."""
+    if not split:
+        return final_s  # 1F1B only: a score is at most its plan's price
+    scores = sorted(f[0] for f in finalists)
+    return max(final_s, scores[ROBUST_CANDIDATES - 1] if len(scores) >= ROBUST_CANDIDATES else math.inf)
+
+
+def _rank_order_found(cost: CostModel, global_batch: int, bar_s: float, *, max_tp: int, recompute: str,
+                      options: PlannerOptions, cache: dict, mb_sets: Sequence[tuple[int, ...] | None]
+                      ) -> tuple[list[Found], int]:
+    """The best rank-order replicas scored under ``bar_s``, per micro-batch set, and the candidates priced."""
+    out, priced = [], 0
+    for mbs in mb_sets:
+        found, count = search_replicated(cost, global_batch, max_tp=max_tp, recompute=recompute, options=options,
+                                         micro_batches=mbs, cache=cache, incumbent=None, incumbent_s=bar_s,
+                                         layer_balanced_space=False)
+        priced += count
+        if found is not None:
+            out.append(found)
+            bar_s = min(bar_s, found[0])
+    return out, priced
 
 
 def _beaten(cost: CostModel, global_batch: int, found: Found, time_s: float, schedules: Sequence[str]) -> bool:
@@ -305,7 +355,7 @@ def _most_robust(cost: CostModel, global_batch: int, finalists: list[Found],
     """The finalist with the least worst case; the nominal best is always priced, so robust never
     has a worse worst case than the nominal plan."""
     plans: list[tuple[float, float, Plan, dict]] = []
-    for found in finalists[:ROBUST_CANDIDATES]:
+    for found in finalists:
         pipelines, _ = _pipelines(cost, global_batch, found, search, options, schedules)
         plan = _build(cost, global_batch, found, pipelines, {**search, "robust": True}, started, options)
         record = robust_record(plan, cost)
@@ -313,59 +363,3 @@ def _most_robust(cost: CostModel, global_batch: int, finalists: list[Found],
     _, _, plan, record = min(plans, key=lambda x: (x[0], x[1]))
     predicted = {**plan.predicted, **record, "planning_time_s": time.perf_counter() - started}
     return dataclasses.replace(plan, predicted=predicted)
-
-
-def _search(cost: CostModel, per_pool: list[list[list[Group]]], global_batch: int, options: PlannerOptions,
-            extra: Sequence[list[list[Group]]] = (), incumbent_s: float = math.inf, passes: int = 2
-            ) -> Found | None:
-    """Every combination when few, else coordinate descent from each pool's best candidate; then each pool's
-    ``extra`` candidates (split pools), one pool at a time from that best, so they never make it worse.
-    A combination whose capacity bound or slowest flush cannot beat the best so far (``incumbent_s`` or this
-    search's) is not priced; None if none was."""
-    best: Found | None = None
-    last_error: Infeasible | None = None
-    seen: set[tuple[int, ...]] = set()
-    lists = [c + (list(extra[i]) if i < len(extra) else []) for i, c in enumerate(per_pool)]
-
-    def consider(choice: Sequence[int]) -> None:
-        nonlocal best, last_error
-        if tuple(choice) in seen:
-            return
-        seen.add(tuple(choice))
-        groups = [g for pool, c in zip(lists, choice) for g in pool[c]]
-        bar_s = min(incumbent_s, best[0] if best else math.inf)
-        if global_batch / capacity_per_s(groups) >= bar_s:
-            return
-        try:
-            score, samples = evaluate_groups(cost, groups, global_batch, equal_data=not options.balance_data,
-                                             flat_sync=not options.block_sync, cutoff_s=bar_s)
-        except Infeasible as err:
-            last_error = err
-            return
-        if math.isfinite(score) and (best is None or score < best[0]):
-            best = (score, groups, samples)
-            best_choice[:] = list(choice)
-
-    def descend(sizes: Sequence[int], passes: int = 2, first: Sequence[int] = ()) -> None:
-        consider(best_choice)
-        for _ in range(passes):
-            for i, s in enumerate(sizes):
-                base = list(best_choice)
-                for c in range(first[i] if first else 0, s):
-                    consider(base[:i] + [c] + base[i + 1:])
-
-    best_choice: list[int] = [0] * len(per_pool)
-    sizes = [len(c) for c in per_pool]
-    total = 1
-    for s in sizes:
-        total *= s
-    if total <= MAX_COMBINATIONS:
-        for choice in itertools.product(*(range(s) for s in sizes)):
-            consider(choice)
-    else:
-        descend(sizes, passes)
-    if any(len(a) > len(b) for a, b in zip(lists, per_pool)):  # one pass over the splits, from the best
-        descend([len(c) for c in lists], 1, sizes)
-    if best is None and last_error is not None:
-        raise last_error
-    return best

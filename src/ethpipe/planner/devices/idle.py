@@ -18,8 +18,7 @@ one sample per GPU on 624 V100 (8 per 400 Gbit/s node) + 328 A100-40 (8 per 200 
 candidate that nearly pays leaves types nearly balanced, which the next may tip (llama3-8b at one
 sample per GPU, bf16 sync, on 176 A10 + 192 RTX 4090 + 176 A100-PCIe-80 + 240 L40 + 240 A100-80: 4.37 s
 on every device, 4.45 s without the A10s, 3.42 s without the A10s and the RTX 4090s). Each
-candidate's search prunes against the best time so far (it only matters if it beats it) and
-searches the layer-balanced space but not the uniform baseline's (``plan_eth(sub_cluster=True)``). The
+candidate's search prunes against the best time so far (it only matters if it beats it). The
 fastest plan by predicted iteration time wins (ties: the plan with more devices). The idle
 devices get no rank (docs/plan-format.md, "Idle devices"): the plan's ``idle_devices`` lists
 them with the comparison that made them idle, and ``search.idle`` what was tried.

@@ -162,11 +162,11 @@ def _fixed_template(cost: CostModel, slots: tuple[StageSlot, ...], counts: tuple
 
 def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recompute: str, options: PlannerOptions,
                       micro_batches: Sequence[int] | None, cache: dict, incumbent: Found | None,
-                      incumbent_s: float = math.inf, uniform_space: bool = True) -> tuple[Found | None, int]:
+                      incumbent_s: float = math.inf, uniform_space: bool = True,
+                      layer_balanced_space: bool = True) -> tuple[Found | None, int]:
     """Best plan of the baselines' spaces (priced with ETH's data balance too) that beats ``incumbent``
     and ``incumbent_s`` (a time to beat without a layout: another cluster's plan, for the idle search).
-    ``uniform_space=False``: the layer-balanced space only (the idle search's sub-clusters: the uniform
-    baseline is the full cluster's, and rank-order replicas of a sub-cluster are rarely worth their pricing).
+    ``uniform_space`` / ``layer_balanced_space``: which spaces (ETH searches each apart: ``eth._rank_order_bar_s``).
 
     Returns (best found or None, candidates priced)."""
     bounds = shared_bounds(cost, cache)
@@ -181,7 +181,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
     splits = ("equal", "aligned") if options.balance_layers else ("equal",)
     spaces: list[tuple[Iterable[LazyLayout], bool, tuple[str, ...]]] = [
         (_layouts(memo, uniform_layouts, cost, global_batch, max_tp), True, splits)] if uniform_space else []
-    if options.allow_mixed and len(cost.cluster.gpu_types) > 1:
+    if layer_balanced_space and options.allow_mixed and len(cost.cluster.gpu_types) > 1:
         spaces.append((_layouts(memo, layer_balanced_layouts, cost, global_batch, max_tp), False, ("level2",)))
     entry_stage = {"equal": 0, "aligned": -2, "level2": -1}  # the heap step each split's candidates start at
     for layouts, in_order, layer_splits in spaces:
@@ -247,7 +247,7 @@ def search_replicated(cost: CostModel, global_batch: int, *, max_tp: int, recomp
                 heapq.heappush(heap, (max(bound, refined), next(counter), 3, item))
             continue
         for found in _price(cost, global_batch, layout, t, key, b, _make(cost, layers, b, recompute, options, cache),
-                            options, cache, structures):
+                            options, cache, structures, bar_s()):
             priced += 1
             if found[0] < bar_s():
                 best = found
@@ -363,25 +363,27 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Ca
 
 def _price(cost: CostModel, global_batch: int, layout: Callable[[], np.ndarray], tp: int, key: Hashable, b: int,
            make: Callable[[tuple[StageSlot, ...]], Template | None], options: PlannerOptions, cache: dict,
-           structures: dict) -> list[Found]:
+           structures: dict, cutoff_s: float = math.inf) -> list[Found]:
     """Price one (layout, micro-batch size) exactly: its replicas grouped by structure, node statistics
-    computed once per layout."""
+    computed once per layout; an evaluation whose slowest flush alone reaches ``cutoff_s`` (the search's bar, which
+    it could not beat) is dropped before its sync is priced."""
     if key not in structures:
         structures[key] = rank_structures(cost, layout(), tp)
     groups = with_templates(structures[key], make)
-    return [] if groups is None else _evaluations(cost, groups, global_batch, options, b)
+    return [] if groups is None else _evaluations(cost, groups, global_batch, options, b, cutoff_s)
 
 
-def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, options: PlannerOptions, b: int
-                 ) -> list[Found]:
-    """Equal data (the baselines' split) and, where allowed, level-3 balance; whole micro-batches if required."""
+def _evaluations(cost: CostModel, groups: list[Group], global_batch: int, options: PlannerOptions, b: int,
+                 cutoff_s: float = math.inf) -> list[Found]:
+    """Equal data (the baselines' split) and, where allowed, level-3 balance; whole micro-batches if required;
+    past ``cutoff_s`` by the flush alone, not priced (``evaluate_groups``)."""
     out = []
     modes = [True, False] if options.balance_data else [True]
     shapes = sync_shapes(cost, groups)  # the same for both data splits
     for equal in modes:
         try:
             score, samples = evaluate_groups(cost, groups, global_batch, equal_data=equal,
-                                             flat_sync=not options.block_sync, shapes=shapes)
+                                             flat_sync=not options.block_sync, shapes=shapes, cutoff_s=cutoff_s)
         except Infeasible:
             continue
         if not options.fine_grained and any(n % b for row in samples for n in row):
