@@ -157,6 +157,21 @@ def test_a_last_stage_holds_one_head_graph_per_live_last_chunk_micro_batch() -> 
     assert held_of(Pipeline(chunked, (1,) * 6, "interleaved"), 2).live_heads == 1
 
 
+def test_the_memory_models_closed_form_counts_what_the_lists_hold() -> None:
+    """``plan_memory`` counts 1F1B and zb-h1 lists in closed form (the planner asks for thousands of shapes):
+    equal to counting the lists themselves for every stage of every shape here, split or not."""
+    from ethpipe.cost.plan_memory import _held, _held_of_actions
+
+    for schedule in ("1f1b", "zb-h1"):
+        for depth in range(1, 13):
+            for m in range(1, 3 * depth + 3):
+                for s in range(depth):
+                    for split in (True, False):
+                        acts = stage_actions(schedule, depth, s, m, split)
+                        counted = _held_of_actions(acts, (1,), s == 0, s == depth - 1)
+                        assert _held(schedule, depth, s, m, split, (5,)) == counted, (schedule, depth, m, s, split)
+
+
 def test_action_names_and_the_interleaved_rings_links() -> None:
     """Runtime spans and trace events are named by ``str(Action)``: chunk actions (``F3.1``) count as compute
     too; an interleaved pipeline of 3 or more stages has one more boundary, the wrap-around."""

@@ -44,12 +44,35 @@ def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = Non
     return _held_of_actions(actions, pipe.stages[stage].chunk_layers, stage == 0, stage == pipe.depth - 1)
 
 
-@lru_cache(maxsize=65536)
 def _held(schedule: str, depth: int, stage: int, num_microbatches: int, split: bool,
           chunk_layers: tuple[int, ...]) -> Held:
+    """``Held`` of a stage of that shape. The memo's key drops what the lists do not depend on: one chunk's
+    layer count (its activations are counted in whole-stage units) and 1F1B's split (it never splits)."""
+    if len(chunk_layers) == 1:
+        if schedule in ("1f1b", "zb-h1"):
+            return _held_one_f_one_b(depth, stage, num_microbatches, split and schedule == "zb-h1" and stage > 0)
+        chunk_layers = (1,)
+    return _held_memo(schedule, depth, stage, num_microbatches, split or schedule == "1f1b", chunk_layers)
+
+
+@lru_cache(maxsize=65536)
+def _held_memo(schedule: str, depth: int, stage: int, num_microbatches: int, split: bool,
+               chunk_layers: tuple[int, ...]) -> Held:
     """Memoised: the estimator asks for every stage of every pipeline of every candidate plan."""
     actions = stage_actions(schedule, depth, stage, num_microbatches, split, len(chunk_layers))
     return _held_of_actions(actions, chunk_layers, stage == 0, stage == depth - 1)
+
+
+def _held_one_f_one_b(depth: int, stage: int, m: int, split: bool) -> Held:
+    """``Held`` of a 1F1B or zb-h1 list (``schedule.one_f_one_b`` / ``zb_h1``) in closed form: the planner asks
+    for thousands of shapes, and building each list took a tenth of a large cluster's planning time. 1F1B: the
+    warm-up's ``depth - stage - 1`` forwards and one more are alive. zb-h1's split stages keep each micro-batch
+    alive until its W, which runs after ``B (j + stage)``: ``stage + 1`` wait for their W and ``depth`` are alive.
+    Equal to the lists' count for every shape (tests/unit/test_plan_memory.py)."""
+    in_flight = min(depth, m) if split else min(depth - stage, m)
+    pending = min(stage + 1, m) if split else 0
+    last = stage == depth - 1
+    return Held(float(in_flight), pending, 0 if stage == 0 else in_flight, (pending if split else 1) if last else 0)
 
 
 def _held_of_actions(actions: tuple[Action, ...], chunk_layers: tuple[int, ...], first: bool, last: bool) -> Held:
