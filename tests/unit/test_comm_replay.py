@@ -7,7 +7,8 @@ after) is shown to deadlock on every shape with two stages and two micro-batches
 replay can fail; the new order completes on every shape up to depth 8 x 16 micro-batches, with ragged
 micro-batches, TP fan-in/fan-out, several pipelines of different cuts with the block gradient sync,
 and tied embeddings, under per-communicator FIFO and under one FIFO per device, for every schedule
-(``ethpipe.schedule.SCHEDULES``: zb-h1's W passes post nothing; its sync fires at the last W). The
+(``ethpipe.schedule.SCHEDULES``: zb-h1's W passes post nothing of their own, the batch before a run of them
+also posts the next unit's receives; its sync fires at the last W). The
 interleaved schedule's chunks and ring wrap-around: test_interleaved_comm.py.
 """
 
@@ -18,7 +19,9 @@ import itertools
 
 import pytest
 
-from ethpipe.comm.program import Peers, deferred_batches, p2p_batches, plan_peers, step_program
+from ethpipe.comm.program import (
+    Peers, action_recvs, action_sends, deferred_batches, p2p_batches, plan_peers, step_program,
+)
 from ethpipe.comm.replay import Op, Post, Wait, replay
 from ethpipe.runtime.config import one_queue_variable, overlap_is_safe
 from ethpipe.runtime.sync.zero import ShardedBuckets
@@ -205,18 +208,32 @@ def test_the_step_program_posts_the_p2p_batches_in_schedule_order() -> None:
     assert [tuple(Op(o.kind, o.peer, o.tag) for o in b) for b in batches] == [p.ops for p in posted]
 
 
-def test_the_batches_before_a_w_hold_sends_only_so_their_wait_can_move_to_the_next_f_or_b() -> None:
+def test_the_batches_before_a_w_post_the_next_receives_and_are_waited_at_the_next_f_or_b() -> None:
     """Under NCCL a send completes only with the peer's receive: waiting the B's sends before its W would hold
     the W until the previous stage reaches its own B, so the runtime waits them before its next F or B
-    (``deferred_batches``). The communication order is the same either way (a W posts nothing), so the
-    replay above covers both; what this checks is that every deferred batch holds sends only."""
+    (``deferred_batches``). That F's or B's receives are posted in the same batch, before the run of Ws, so the
+    peer's send to them need not wait until the Ws are done; the unit after the run posts no receive of its own.
+    Every op is posted once, in the same order per peer as with the receives after the Ws (the replay above
+    completes on every shape)."""
     for depth, m in SHAPES:
         plan = make_plan([even_pipeline(depth, [1] * m)], schedule="zb-h1")
         for rank in range(plan.world_size):
             actions = zb_h1(depth, rank, m)
-            batches = p2p_batches(actions, plan_peers(plan, rank))
+            peers = plan_peers(plan, rank)
+            batches = p2p_batches(actions, peers)
             deferred = deferred_batches(actions)
             assert deferred == {k for k, a in enumerate(actions) if a.kind == "W"}
-            assert all(o.kind == "send" and o.payload == "grad" for k in deferred for o in batches[k])
+            for k in deferred:
+                sends = [o for o in batches[k] if o.kind == "send"]
+                assert all(o.payload == "grad" for o in sends)
+                after = next((j for j in range(k, len(actions)) if actions[j].kind != "W"), None)
+                opens_run = k == 0 or actions[k - 1].kind != "W"
+                want = action_recvs(actions[after], peers) if opens_run and after is not None else ()
+                assert tuple(o for o in batches[k] if o.kind == "recv") == want
+                if want:
+                    assert all(o.kind == "send" for o in batches[after])
             if rank > 0 and m >= depth:  # a split stage sends a gradient alone before its first W
                 assert any(batches[k] for k in deferred)
+            every = [o for b in batches for o in b]
+            assert len(every) == len(set(every)) == sum(len(action_recvs(a, peers)) + len(action_sends(a, peers))
+                                                        for a in actions)

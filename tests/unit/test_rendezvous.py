@@ -114,6 +114,30 @@ def test_the_replay_is_the_simulators_rendezvous_on_random_plans(schedule: str) 
     assert moved_somewhere > 20  # the senders' waits did change most timelines
 
 
+def test_a_stage_running_its_ws_has_posted_the_next_receive() -> None:
+    """zb-h1 on two stages, 3 micro-batches, 0.5 s links: stage 0 (F 0.5 s, B 1 s) is ready to send F2's
+    activation at 5.0 s, while stage 1 (F 1 s, input-gradient B 1 s, W 2 s) runs W0 from 5.5 to 7.5 s. Its
+    receive for F2 was posted with B1's deferred send, before W0, so the transfer runs at 5.5-6.0 s (once stage 0
+    posts it with its receive of B1's gradient), stage 0's B1 starts at 6.0 s and stage 1's F2 right after W0.
+    With that receive posted after W0 (the order before 2026-12-07) stage 0's send waited until 8.0 s: flushes
+    11.5 and 14.0 s instead of 11.0 and 13.5 s."""
+    m, p = 3, 0.5
+    stages = (Stage((0,), "x", (0, 1)), Stage((1,), "x", (1, 2)))
+    pipe = Pipeline(stages, (1,) * m, "zb-h1")
+    plan = Plan(method="eth", model="tiny", global_batch_size=m, seq_len=16, pipelines=(pipe,),
+                blocks=compute_blocks([pipe]))
+    report = simulate(plan, _Links([(0.5, 1.0, 0.0), (1.0, 3.0, 2.0)], {(0, 1): p, (1, 0): p, (0, 0): 0, (1, 1): 0}))
+    at = {(e.stage, e.name): (e.start_s, e.end_s) for e in report.events}
+    assert at[(1, "W0")] == (5.5, 7.5) and at[(1, "recv F2")] == (5.5, 6.0) and at[(1, "F2")] == (7.5, 8.5)
+    assert at[(0, "B1")] == (6.0, 7.0) and (0, "send F2") not in at  # the sender never waited
+    assert [r.flush_s for r in report.ranks] == [11.0, 13.5]
+    sizes = np.ones((2, m))
+    act, grad = np.array([[0.0] * m, [p] * m]), np.array([[p] * m, [0.0] * m])
+    fwd, bwd = np.array([[0.5], [1.0]]) * sizes + act, np.array([[1.0], [3.0]]) * sizes + grad
+    moved = np.array([[0.0], [2.0]]) * sizes
+    assert list(replay_finish_s("zb-h1", fwd, bwd, moved, recv=(act, grad))) == [11.0, 13.5]
+
+
 def test_1f1b_closed_form_is_exact_on_equal_stages_with_slow_links() -> None:
     """Equal stages and links (any speed): the closed form's paths price the rendezvous exactly."""
     for depth, m, f, b, p in [(2, 3, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (6, 4, 2.0, 3.0, 0.3), (8, 16, 1.0, 2.0, 4.0)]:
@@ -127,15 +151,20 @@ def test_1f1b_closed_form_is_exact_on_equal_stages_with_slow_links() -> None:
 
 
 def test_the_nodes_follow_the_runtimes_batches() -> None:
-    """zb-h1's stage 1 waits its B's deferred send after the W, before posting the next receive; an interleaved
-    steady-state unit's F waits both its own and its B's receives, and the unit's sends go out after the B."""
+    """zb-h1's stage 1 posts its B's send and the next unit's receive before the W and waits both after it; an
+    interleaved steady-state unit's F waits both its own and its B's receives, and the unit's sends go out after
+    the B."""
     lists = pipeline_schedule(3, 4, "zb-h1", (False,) * 3)
     acts, nodes = lists[1], stage_nodes(lists)[1]
     kinds = [str(acts[n.action]) if n.action >= 0 else "wait" for n in nodes]
     assert kinds == ["F0", "F1", "B0", "F2", "B1", "W0", "wait", "F3", "B2", "W1", "wait", "B3", "W2", "W3", "wait"]
     wait = nodes[6]
-    assert [str(acts[x.action]) for x in wait.sends] == ["B1"] and wait.sends[0].posted == 4 and not wait.recvs
-    assert nodes[7].sends == () and [str(acts[r.action]) for r in nodes[7].recvs] == ["F3"]
+    assert [str(acts[x.action]) for x in wait.sends] == ["B1"] and wait.sends[0].posted == 4
+    assert [str(acts[r.action]) for r in wait.recvs] == ["F3"] and wait.posted == 4  # posted after B1, before W0
+    assert nodes[7].sends == () and nodes[7].recvs == () and nodes[7].src is not None
+    # Its producer's send waits for that post (stage 0 sends F3's activation), not for the end of W0.
+    up = stage_nodes(lists)[0]
+    assert [x.post for n in up for x in n.sends if x.dst == 1 and str(lists[0][x.action]) == "F3"] == [4]
     lists = pipeline_schedule(2, 4, "interleaved", (False,) * 2, 2)
     acts, nodes = lists[1], stage_nodes(lists, 2)[1]
     at = next(k for k, n in enumerate(nodes) if len(n.recvs) == 2)

@@ -7,7 +7,9 @@ pipeline's group, and waited before that next action runs (``p2p_batches``). So 
 ``recv g_j``: under NCCL, whose large sends complete only when the peer's receive runs, the old order
 waits in a cycle (each send queued behind a receive the peer posts after its own send). Every send
 is waited before the next action, so a rank has at most one send outstanding per peer and direction,
-and no payload outlives the action after it.
+and no payload outlives the action after it. Zero-bubble lists: the batch before a run of ``W``s holds the
+B's sends and the receives of the action after the run, and is waited before that action
+(``deferred_batches``).
 
 **Peers across TP degrees** (``plan_peers``): activations are replicated over a TP group; receiving
 rank k of a stage takes its input from rank ``k % a`` of the previous stage (degree a), and sending
@@ -165,23 +167,37 @@ def p2p_units(actions: Sequence[Action]) -> tuple[int, ...]:
 def p2p_batches(actions: Sequence[Action], peers: Peers) -> tuple[tuple[P2pOp, ...], ...]:
     """``len(actions) + 1`` batches: batch k is posted and waited right before action k runs; the last one,
     after the last action. Before a unit's first action (``p2p_units``): the previous unit's sends and this
-    unit's receives; before its other actions: nothing."""
+    unit's receives; before its other actions: nothing. Before a run of ``W``s (``deferred_batches``): the
+    previous B's sends and the receives of the unit after the run, which are waited there instead."""
     out: list[tuple[P2pOp, ...]] = [()] * (len(actions) + 1)
     starts = p2p_units(actions) + (len(actions),)
     sends: tuple[P2pOp, ...] = ()
+    run_start: int | None = None  # the first W of the run of Ws just before this unit
     for lo, hi in zip(starts, starts[1:]):
         unit = actions[lo:hi]
-        out[lo] = sends + tuple(op for a in unit for op in action_recvs(a, peers))
+        recvs = tuple(op for a in unit for op in action_recvs(a, peers))
+        if actions[lo].kind == "W":
+            run_start = lo if run_start is None else run_start
+            out[lo] = sends + recvs
+        elif run_start is not None:  # posted with the run's deferred batch: the peer's send need not wait the Ws
+            out[run_start] += recvs
+            out[lo] = sends
+            run_start = None
+        else:
+            out[lo] = sends + recvs
         sends = tuple(op for a in unit for op in action_sends(a, peers))
     out[-1] = sends
     return tuple(out)
 
 
 def deferred_batches(actions: Sequence[Action]) -> frozenset[int]:
-    """Batches posted without a wait: the one before a ``W`` (only the previous B's sends: the W needs nothing
-    from it). Waiting it there would hold the W until the peer reaches its matching receive (under NCCL a send
-    completes only with it), which is what zero-bubble schedules must not do; it is waited before the next
-    batch that is waited (so a rank still has at most one send outstanding per peer and direction)."""
+    """Batches posted without a wait: the one before a ``W`` (the previous B's sends, and before a run of Ws the
+    receives of the unit after it: the W needs nothing from them). Waiting it there would hold the W until the
+    peer reaches its matching receive (under NCCL a send completes only with it), which is what zero-bubble
+    schedules must not do; it is waited before the next batch that is waited (so a rank still has at most one
+    send outstanding per peer and direction). Its receives are posted before the Ws, not after them, so that the
+    peer's send for them completes while this rank runs its Ws instead of waiting until they are done (the
+    sender's wait, ``cost/rendezvous.py``: the unit after the run is the one that receives)."""
     return frozenset(k for k, a in enumerate(actions) if a.kind == "W")
 
 

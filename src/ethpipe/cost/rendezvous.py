@@ -6,16 +6,17 @@ before the next unit runs. Under NCCL a send completes only when its peer's rece
 rendezvous: it starts once the sender has posted the send and the receiver has posted the batch holding its
 receive (after the receiver's previous unit), and both sides wait for it, the receiver before its unit, the
 sender before its own next unit (the same batch) and, for its last sends, before its flush. The batch before a
-``W`` holds sends only and is waited before the next batch is posted (``comm.program.deferred_batches``): the W
-runs at once, and the next receives are posted once those sends are done.
+``W`` holds the B's sends and, before a run of Ws, the receives of the unit after the run; it is waited before
+the next batch is posted (``comm.program.deferred_batches``): the Ws run at once, and those receives were
+posted before them, so a peer's send to them completes while this stage runs its Ws.
 
 A transfer that takes no time (free communication: the tests' tables) is taken as buffered: its sender does
 not wait for it, and the receiver waits for its data only at the action that consumes it (as every timeline
 did before the rendezvous was priced). Every real link costs more than nothing (``CostModel.p2p_s``).
 
 So a stage's list becomes nodes, each ending when its stage may go on: one per action (a unit's first action
-also waits its batch: the unit's receives and the previous unit's sends), a wait node where deferred sends are
-waited, and a last node, the flush (the last sends).
+also waits its batch: the unit's receives and the previous unit's sends), a wait node where a deferred batch is
+waited (its sends, and the receives it posted before the Ws), and a last node, the flush (the last sends).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Node(NamedTuple):
     recvs: tuple[Recv, ...]
     sends: tuple[Send, ...]
     src: tuple[int, int] | None  # (stage, node) that produces the action's own input (None: it receives none)
+    posted: int  # the node after which the batch holding ``recvs`` was posted (-1: at the start): the one before
+    # this node, or for a wait node the one before its run of Ws
 
 
 def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tuple[tuple[Node, ...], ...]:
@@ -60,13 +63,13 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
     depth = len(lists)
     where = [{(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(acts)} for acts in lists]
     layout = [_layout(acts) for acts in lists]
-    node_of = [[n for n, (k, _, _) in enumerate(nodes) if k >= 0] for nodes in layout]
-    batch_of = [[0] * len(acts) for acts in lists]  # per stage and action: the node whose batch receives it
+    node_of = [[n for n, (k, *_) in enumerate(nodes) if k >= 0] for nodes in layout]
+    post_of = [[0] * len(acts) for acts in lists]  # per stage and action: the node after which its receive is posted
     sent_after: list[dict[int, int]] = [{} for _ in lists]  # per stage and action: the node after which it sends
     for s, nodes in enumerate(layout):
-        for n, (_, recvs, sends) in enumerate(nodes):
+        for _, recvs, sends, posted in nodes:
             for k in recvs:
-                batch_of[s][k] = n
+                post_of[s][k] = posted
             sent_after[s].update(sends)
     producer: list[list[tuple[int, int] | None]] = []  # per stage and action: (stage, action) of its input
     consumer: list[list[tuple[int, int] | None]] = []  # (stage, node after which it posts that receive)
@@ -76,43 +79,50 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
             up, uc = input_source(a.kind, s, a.chunk, depth, num_chunks)
             ins.append((up, where[up][(a.kind, a.microbatch, uc)]) if up >= 0 else None)
             dst, dc = output_dest(a.kind, s, a.chunk, depth, num_chunks)
-            outs.append((dst, batch_of[dst][where[dst][(a.kind, a.microbatch, dc)]] - 1) if dst >= 0 else None)
+            outs.append((dst, post_of[dst][where[dst][(a.kind, a.microbatch, dc)]]) if dst >= 0 else None)
         producer.append(ins)
         consumer.append(outs)
     out = []
     for s, nodes in enumerate(layout):
         ins, outs, built = producer[s], consumer[s], []
-        for k, recvs, sends in nodes:
+        for k, recvs, sends, posted in nodes:
             # A timed transfer starts once its producer has posted the send: after the producer's action, or after
             # the last action of its unit (an interleaved F's send goes out with its unit's B's). A free one is
             # buffered: it is there once the producer's action ends (``src``).
             got = tuple(Recv(r, ins[r][0], sent_after[ins[r][0]][ins[r][1]]) for r in recvs if ins[r] is not None)
             waited = tuple(Send(i, posted, *outs[i]) for i, posted in sends if outs[i] is not None)  # type: ignore[misc]
             own = ins[k] if k >= 0 else None
-            built.append(Node(k, got, waited, (own[0], node_of[own[0]][own[1]]) if own is not None else None))
+            built.append(Node(k, got, waited, (own[0], node_of[own[0]][own[1]]) if own is not None else None, posted))
         out.append(tuple(built))
     return tuple(out)
 
 
-def _layout(actions: tuple[Action, ...]) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]]:
+def _layout(actions: tuple[Action, ...]) -> list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int]]:
     """Per node: (action or -1, the actions whose receives its batch holds, (sending action, node after which
-    the send was posted) of the sends it waits)."""
+    the send was posted) of the sends it waits, the node after which its receives were posted)."""
     starts = p2p_units(actions) + (len(actions),)
     deferred = deferred_batches(actions)
-    nodes: list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...]]] = []
+    nodes: list[tuple[int, tuple[int, ...], tuple[tuple[int, int], ...], int]] = []
     pending: tuple[int, ...] = ()  # the previous unit's actions: their sends go out in the next batch
     posted: tuple[tuple[int, int], ...] = ()  # sends posted by a deferred batch, not waited yet
+    run_posted: int | None = None  # where the current run of Ws' deferred batch was posted (the next receives too)
     for lo, hi in zip(starts, starts[1:]):
+        unit = tuple(range(lo, hi))
         if lo in deferred:  # a W's batch: the pending sends go out, waited before the next batch
+            run_posted = len(nodes) - 1 if run_posted is None else run_posted
             posted += tuple((k, len(nodes) - 1) for k in pending)
             pending = ()
-        elif posted:
-            nodes.append((-1, (), posted))
-            posted = ()
-        unit = tuple(range(lo, hi))
-        nodes.append((lo, unit, tuple((k, len(nodes) - 1) for k in pending)))
-        nodes.extend((k, (), ()) for k in unit[1:])
-        pending = unit if lo not in deferred else pending
+            nodes.append((lo, unit, (), len(nodes) - 1))
+            nodes.extend((k, (), (), len(nodes) - 1) for k in unit[1:])
+            continue
+        if run_posted is not None:  # the deferred batch is waited here, with this unit's receives posted in it
+            nodes.append((-1, unit, posted, run_posted))
+            nodes.append((lo, (), (), len(nodes) - 1))
+            posted, run_posted = (), None
+        else:
+            nodes.append((lo, unit, tuple((k, len(nodes) - 1) for k in pending), len(nodes) - 1))
+        nodes.extend((k, (), (), len(nodes) - 1) for k in unit[1:])
+        pending = unit
     assert not (posted and pending), "a deferred batch leaves no unit pending, and a unit after it waits the posted"
-    nodes.append((-1, (), posted + tuple((k, len(nodes) - 1) for k in pending)))
+    nodes.append((-1, (), posted + tuple((k, len(nodes) - 1) for k in pending), len(nodes) - 1))
     return nodes

@@ -2,7 +2,8 @@
 
 Node n of a stage's list (an action after its batch's waits, a deferred send's wait, the flush) goes on at
 ``max(E(n-1) + w, E(producer) + in, posted(consumer) + out)`` and lasts its compute after that: ``w`` is the
-longest transfer of its batch (a deferred send's less the W compute since it was posted), so the node lasts
+longest transfer of its batch (a deferred send's, or a receive posted before a run of Ws, less the W compute
+since it was posted), so the node lasts
 ``D = base + w - in_own`` (``base``: receive + compute, what the caller prices) and ends at
 ``max(E(n-1), E(producer) + in - w, posted(consumer) + out - w) + D``. A free send (0 s) is not waited for,
 nor a free receive of a later action of its unit, which waits at that action (``cost/rendezvous.py``).
@@ -29,8 +30,8 @@ _F, _B_WHOLE, _B_INPUT, _W, _NO_COMPUTE = range(5)  # a node's compute (a wait n
 _ACT, _GRAD, _NO_TRANSFER = range(3)  # which transfer a receive or send is
 # What a node waits for: its own input; that input when an earlier batch received it (a free transfer is waited
 # at the action); another receive of its batch; a send of its batch (the consumer's post; a consumer that posts
-# at the start only makes the send last).
-_OWN, _EAGER, _OTHER, _SEND, _SEND_AT_START = range(5)
+# at the start only makes the send last); a receive a deferred batch posted before a run of Ws (waited after it).
+_OWN, _EAGER, _OTHER, _SEND, _SEND_AT_START, _EARLY = range(6)
 Key = tuple[np.ndarray, np.ndarray, np.ndarray]  # (table, row, micro-batch) per node or term
 
 
@@ -42,7 +43,8 @@ class _Graph(NamedTuple):
     term_node: np.ndarray  # per term: the waiting node
     term_kind: np.ndarray
     term_key: Key  # the transfer
-    term_posted: np.ndarray  # sends: the first node after the send was posted (its gap's start), else the node
+    term_posted: np.ndarray  # sends and early receives: the first node after they were posted (the gap's start),
+    # else the node
     need_at: np.ndarray  # per term: its (slot, node) in the table of each batch's transfers
     arrive: np.ndarray  # the terms that can arrive (all but _SEND_AT_START)
     # Level order: the nodes renumbered level by level (a level is a slice; index N: none, whose end is 0).
@@ -75,9 +77,11 @@ def _graph(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chu
             own.append(_received(a, s, depth) if a is not None and node.src is not None else (_NO_TRANSFER, 0, 0))
             mine = []
             in_batch = any(r.action == node.action for r in node.recvs)
+            early = node.posted < n - 1  # posted before the Ws: like a deferred send, less the Ws' compute since
             for r in node.recvs:
-                kind = _OWN if r.action == node.action else _OTHER
-                mine.append((g, kind, first[r.src] + r.node, _received(acts[r.action], s, depth), g))
+                kind = _OWN if r.action == node.action else _EARLY if early else _OTHER
+                mine.append((g, kind, first[r.src] + r.node, _received(acts[r.action], s, depth),
+                             first[s] + node.posted + 1 if early else g))
             if node.src is not None and not in_batch:
                 mine.append((g, _EAGER, first[node.src[0]] + node.src[1], own[-1], g))
             for send in node.sends:
@@ -175,11 +179,11 @@ def rendezvous_finish_s(schedule: str, table: np.ndarray, transfers: np.ndarray,
     need = np.where(graph.term_kind >= _SEND, value - gap, np.where(graph.term_kind == _EAGER, 0.0, value))
     batch = np.zeros(lead + (graph.slots[0] * total,))
     batch[..., graph.need_at] = need
-    w = batch.reshape(lead + graph.slots[:1] + (total,)).max(-2)
+    w = np.maximum(batch.reshape(lead + graph.slots[:1] + (total,)).max(-2), 0.0)  # done transfers: no wait
     durations = (base + (w - transfers[..., graph.own[0], graph.own[1], graph.own[2]]))[..., graph.order]
     got = value[..., graph.arrive]
     offset = got - w[..., graph.term_node[graph.arrive]]
-    free = np.isin(graph.term_kind[graph.arrive], (_OTHER, _SEND)) & (got <= 0.0)  # not waited (or not here)
+    free = np.isin(graph.term_kind[graph.arrive], (_OTHER, _SEND, _EARLY)) & (got <= 0.0)  # not waited (or not here)
     arrivals = np.full(lead + (graph.slots[1] * total,), -np.inf)
     arrivals[..., :total] = 0.0  # slot 0: the node before (none: index N, whose end is 0)
     arrivals[..., graph.arrive_at] = np.where(free, -np.inf, offset)

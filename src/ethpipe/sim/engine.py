@@ -9,7 +9,8 @@ prices too): the sends an action produces and the receives the next action needs
 that next action. A transfer (p2p time on that link) is a rendezvous: it starts once the sender has produced
 the tensor and the receiver has posted its receive (after its previous action), and both wait for it: the
 receiver before the consuming action, the sender before its own next action (a send completes only when its
-peer's receive runs; before a ``W``: before the action after it) and before its flush (its last sends). A
+peer's receive runs; before a ``W``: before the action after it) and before its flush (its last sends). The
+receives of the action after a run of ``W``s are posted before the Ws, with the deferred sends. A
 transfer that takes no time costs its sender nothing. After a stage's last backward and sends its blocks'
 gradients are all-reduced on a per-stage communication stream in the runtime's order (blocks descending,
 the tied matrix last), each all-reduce starting once every holder is free; then each stage steps its
@@ -104,10 +105,11 @@ def _simulate_pipeline(
             if dur == 0.0:
                 pairs.append((node.action, *node.src, dur))
         got = []
+        posted = ends[s][node.posted] if node.posted >= 0 else (0.0, _NO_EVENT)  # the receiver's post: before a W run
         for k, src, at, dur in pairs:
             if len(ends[src]) <= at:
                 return None
-            start, pred = ends[src][at] if ends[src][at][0] > prev[0] else prev
+            start, pred = ends[src][at] if ends[src][at][0] > posted[0] else posted
             got.append((k, start, start + dur, pred))
         out = (-1.0, _NO_EVENT)
         for send in node.sends:
@@ -137,12 +139,14 @@ def _simulate_pipeline(
                     break
                 got, out = found
                 start, pred = prev
-                if got:  # one event for the batch's receives (they run at once)
+                if got:  # one event for the batch's receives (they run at once; posted before a W run: maybe done)
                     first, last = min(g[1] for g in got), max(got, key=lambda g: g[2])
                     name = "recv " + " ".join(str(schedules[s][g[0]]) for g in got)
                     event = SimEvent(name, "p2p", p, s, ranks, first, last[2],
                                      microbatch=schedules[s][last[0]].microbatch)
-                    start, pred = last[2], rec.add(event, last[3])
+                    received = rec.add(event, last[3])
+                    if last[2] >= start:
+                        start, pred = last[2], received
                     recv[s] += last[2] - first
                 if out[0] > start:  # the sender's wait, past its receives
                     sent = [str(schedules[s][x.action]) for x in node.sends]

@@ -2,8 +2,9 @@
 
 Communication is ``ethpipe.comm.program.p2p_batches`` of the actions, posted by ``runtime.p2p``:
 before each action, one ``batch_isend_irecv`` carries the previous action's sends and this action's
-receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"); the batch before a W holds sends
-only and is waited before the next F or B instead (``comm.program.deferred_batches``); an interleaved
+receives, and is waited (NCCL-safe: docs/runtime.md, "On GPUs"); the batch before a W holds the B's sends
+and, before a run of Ws, the next unit's receives, and is waited before the next F or B instead
+(``comm.program.deferred_batches``); an interleaved
 steady-state F and the B after it share one batch before the F and one after the B (``p2p_units``). Liveness is bounded: a sent payload
 is dropped as soon as its batch is waited, and a forward's output is not kept for the backward (its
 autograd edge is: ``torch.autograd.graph.get_gradient_edge``), so besides the stashed stage inputs a
@@ -31,7 +32,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ethpipe.comm.program import P2pOp, Peers, deferred_batches, p2p_batches, p2p_units, recv_key, send_key
 from ethpipe.runtime.adapt.emulate import Emulator
-from ethpipe.runtime.pipeline.p2p import Key, LivenessProbe, post_batch, post_sends
+from ethpipe.runtime.pipeline.p2p import Key, LivenessProbe, post_batch, post_deferred
 from ethpipe.runtime.pipeline.split_backward import WeightWork, backward_input, backward_weight
 from ethpipe.runtime.observe.timeline import Timeline
 from ethpipe.schedule import Action, last_weight_grad_index, split_microbatches
@@ -206,13 +207,16 @@ def run_stage_step(
     batches = p2p_batches(actions, io.peers)
     deferred = deferred_batches(actions)
     outgoing: dict[Key, torch.Tensor] = {}
-    in_flight: tuple[list[dist.Work], dict[Key, torch.Tensor]] = ([], {})  # a deferred batch and its payloads
+    # A deferred batch: its works, its sent payloads, its receive buffers (the next unit's: read once waited)
+    in_flight: tuple[list[dist.Work], dict[Key, torch.Tensor], dict[Key, torch.Tensor]] = ([], {}, {})
 
-    def wait_deferred() -> None:
+    def wait_deferred() -> dict[Key, torch.Tensor]:
         for work in in_flight[0]:
             work.wait()
-        in_flight[0].clear()
-        in_flight[1].clear()
+        early = dict(in_flight[2])
+        for part in in_flight:  # a work is waited once (gloo's send work waits for a second send otherwise)
+            part.clear()
+        return early
 
     starts = frozenset(p2p_units(actions))  # where a batch is posted (inside an interleaved F-B unit: none)
     received: dict[Key, torch.Tensor] = {}
@@ -221,11 +225,13 @@ def run_stage_step(
             if k in starts:
                 assert not received, f"unused receives {sorted(received)}"
                 if k in deferred:  # before a W: the B's sends go out, the W does not wait for the peer's receive
-                    in_flight[0].extend(post_sends(batches[k], outgoing, io.group))
+                    works, early = post_deferred(batches[k], outgoing, io.group, state.new_buffer, probe)
+                    in_flight[0].extend(works)
                     in_flight[1].update(outgoing)
+                    in_flight[2].update(early)
                 else:
-                    wait_deferred()
-                    received = post_batch(batches[k], outgoing, io.group, state.new_buffer, probe)
+                    received = wait_deferred()
+                    received.update(post_batch(batches[k], outgoing, io.group, state.new_buffer, probe))
                 outgoing = {}  # waited (or held in in_flight): the step no longer references the sent payloads
             if probe is not None:
                 probe.sample(str(action), len(state.stash) + len(state.weight_work))
@@ -235,7 +241,7 @@ def run_stage_step(
             if k == last_backward:
                 timeline.end_phase()
         assert not received, f"unused receives {sorted(received)}"
-        wait_deferred()
+        assert not wait_deferred(), "a run of Ws at the end has no unit after it to receive for"
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
     timeline.sends_done()
     del outgoing

@@ -2,7 +2,7 @@
 
 A batch is one ``dist.batch_isend_irecv`` on the pipeline's group (a grouped NCCL launch: its sends
 and receives progress together, so two neighbours exchanging tensors cannot wait on each other), and
-it is waited before the next action (the batch before a W: before the next F or B, ``post_sends``). On NCCL
+it is waited before the next action (the batch before a W: before the next F or B, ``post_deferred``). On NCCL
 ``wait`` is a stream wait, not a host wait: the host runs
 ahead and the next action's kernels queue behind the transfer. Once waited, the executor drops its
 references to the sent payloads, so their memory returns to the allocator (ProcessGroupNCCL keeps its
@@ -72,12 +72,22 @@ def post_batch(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], gro
     return received
 
 
-def post_sends(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor],
-               group: dist.ProcessGroup) -> list[dist.Work]:
-    """Post a batch of sends only (``comm.program.deferred_batches``: the one before a W) without waiting; the
-    caller keeps ``outgoing`` referenced until it waits the returned works."""
-    assert all(op.kind == "send" for op in batch), "a deferred batch holds sends only"
+def post_deferred(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], group: dist.ProcessGroup,
+                  new_buffer: Callable[[P2pOp], torch.Tensor], probe: LivenessProbe | None = None
+                  ) -> tuple[list[dist.Work], dict[Key, torch.Tensor]]:
+    """Post a deferred batch (``comm.program.deferred_batches``: the one before a W: the B's sends, and before a
+    run of Ws the next unit's receives) without waiting; the caller keeps ``outgoing`` referenced and reads the
+    returned receive buffers only after it waits the returned works."""
     if not batch:
-        return []
-    return list(dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch, op.chunk)], op.peer, group)
-                                        for op in batch]))
+        return [], {}
+    ops: list[dist.P2POp] = []
+    received: dict[Key, torch.Tensor] = {}
+    for op in batch:
+        if op.kind == "send":
+            ops.append(dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch, op.chunk)], op.peer, group))
+        else:
+            tensor = received[(op.payload, op.microbatch, op.chunk)] = new_buffer(op)
+            ops.append(dist.P2POp(dist.irecv, tensor, op.peer, group))
+            if probe is not None and op.payload == "grad":
+                probe.track(tensor, "recv")
+    return list(dist.batch_isend_irecv(ops)), received
