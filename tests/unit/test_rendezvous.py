@@ -131,6 +131,7 @@ def test_a_stage_running_its_ws_has_posted_the_next_receive() -> None:
     assert at[(1, "W0")] == (5.5, 7.5) and at[(1, "recv F2")] == (5.5, 6.0) and at[(1, "F2")] == (7.5, 8.5)
     assert at[(0, "B1")] == (6.0, 7.0) and (0, "send F2") not in at  # the sender never waited
     assert [r.flush_s for r in report.ranks] == [11.0, 13.5]
+    assert (report.ranks[1].recv_s, report.ranks[1].bubble_s) == (1.0, 0.5)  # F2's receive ran during W0: no wait
     sizes = np.ones((2, m))
     act, grad = np.array([[0.0] * m, [p] * m]), np.array([[p] * m, [0.0] * m])
     fwd, bwd = np.array([[0.5], [1.0]]) * sizes + act, np.array([[1.0], [3.0]]) * sizes + grad

@@ -4,7 +4,7 @@
 the B after it) and the receives the next unit needs are ONE batch, posted right after the unit and waited
 before the next unit runs. Under NCCL a send completes only when its peer's receive runs, so a transfer is a
 rendezvous: it starts once the sender has posted the send and the receiver has posted the batch holding its
-receive (after the receiver's previous unit), and both sides wait for it, the receiver before its unit, the
+receive (after the receiver's previous unit, or before its run of Ws: below), and both sides wait for it, the receiver before its unit, the
 sender before its own next unit (the same batch) and, for its last sends, before its flush. The batch before a
 ``W`` holds the B's sends and, before a run of Ws, the receives of the unit after the run; it is waited before
 the next batch is posted (``comm.program.deferred_batches``): the Ws run at once, and those receives were

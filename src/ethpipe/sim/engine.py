@@ -147,7 +147,7 @@ def _simulate_pipeline(
                     received = rec.add(event, last[3])
                     if last[2] >= start:
                         start, pred = last[2], received
-                    recv[s] += last[2] - first
+                    recv[s] += max(0.0, last[2] - max(first, prev[0]))  # blocking: what the Ws did not hide
                 if out[0] > start:  # the sender's wait, past its receives
                     sent = [str(schedules[s][x.action]) for x in node.sends]
                     event = SimEvent("send " + " ".join(sent), "p2p", p, s, ranks, start, out[0],

@@ -224,7 +224,7 @@ def run_stage_step(
         for k, action in enumerate(actions):
             if k in starts:
                 assert not received, f"unused receives {sorted(received)}"
-                if k in deferred:  # before a W: the B's sends go out, the W does not wait for the peer's receive
+                if k in deferred:  # before a W: the B's sends (and the next unit's receives) go out, not waited
                     works, early = post_deferred(batches[k], outgoing, io.group, state.new_buffer, probe)
                     in_flight[0].extend(works)
                     in_flight[1].update(outgoing)
@@ -241,7 +241,8 @@ def run_stage_step(
             if k == last_backward:
                 timeline.end_phase()
         assert not received, f"unused receives {sorted(received)}"
-        assert not wait_deferred(), "a run of Ws at the end has no unit after it to receive for"
+        left = wait_deferred()
+        assert not left, "a run of Ws at the end has no unit after it to receive for"
         post_batch(batches[-1], outgoing, io.group, state.new_buffer, probe)
     timeline.sends_done()
     del outgoing

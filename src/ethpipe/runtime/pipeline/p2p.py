@@ -51,8 +51,20 @@ def post_batch(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], gro
                new_buffer: Callable[[P2pOp], torch.Tensor], probe: LivenessProbe | None = None) -> dict[Key, torch.Tensor]:
     """Post every send (from ``outgoing``) and receive (into ``new_buffer(op)``) of ``batch`` as one
     ``batch_isend_irecv``, wait for all of them, and return the received tensors by ``Key``."""
+    works, received = post_deferred(batch, outgoing, group, new_buffer, probe)
+    for work in works:
+        work.wait()
+    return received
+
+
+def post_deferred(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], group: dist.ProcessGroup,
+                  new_buffer: Callable[[P2pOp], torch.Tensor], probe: LivenessProbe | None = None
+                  ) -> tuple[list[dist.Work], dict[Key, torch.Tensor]]:
+    """Post ``batch`` as ``post_batch`` does, without waiting (``comm.program.deferred_batches``: the one before a
+    W, the B's sends and, before a run of Ws, the next unit's receives); the caller keeps ``outgoing`` referenced,
+    waits each returned work once and reads the returned receive buffers only after that."""
     if not batch:
-        return {}
+        return [], {}
     ops: list[dist.P2POp] = []
     received: dict[Key, torch.Tensor] = {}
     for op in batch:
@@ -67,27 +79,4 @@ def post_batch(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], gro
     if probe is not None:
         unique = {o.tensor.data_ptr(): o.tensor.untyped_storage().nbytes() for o in ops}  # fan-out: one tensor
         probe.peak_batch_bytes = max(probe.peak_batch_bytes, sum(unique.values()))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
-
-
-def post_deferred(batch: Sequence[P2pOp], outgoing: Mapping[Key, torch.Tensor], group: dist.ProcessGroup,
-                  new_buffer: Callable[[P2pOp], torch.Tensor], probe: LivenessProbe | None = None
-                  ) -> tuple[list[dist.Work], dict[Key, torch.Tensor]]:
-    """Post a deferred batch (``comm.program.deferred_batches``: the one before a W: the B's sends, and before a
-    run of Ws the next unit's receives) without waiting; the caller keeps ``outgoing`` referenced and reads the
-    returned receive buffers only after it waits the returned works."""
-    if not batch:
-        return [], {}
-    ops: list[dist.P2POp] = []
-    received: dict[Key, torch.Tensor] = {}
-    for op in batch:
-        if op.kind == "send":
-            ops.append(dist.P2POp(dist.isend, outgoing[(op.payload, op.microbatch, op.chunk)], op.peer, group))
-        else:
-            tensor = received[(op.payload, op.microbatch, op.chunk)] = new_buffer(op)
-            ops.append(dist.P2POp(dist.irecv, tensor, op.peer, group))
-            if probe is not None and op.payload == "grad":
-                probe.track(tensor, "recv")
     return list(dist.batch_isend_irecv(ops)), received
