@@ -178,13 +178,10 @@ def p2p_batches(actions: Sequence[Action], peers: Peers) -> tuple[tuple[P2pOp, .
         recvs = tuple(op for a in unit for op in action_recvs(a, peers))
         if actions[lo].kind == "W":
             run_start = lo if run_start is None else run_start
-            out[lo] = sends + recvs
         elif run_start is not None:  # posted with the run's deferred batch: the peer's send need not wait the Ws
             out[run_start] += recvs
-            out[lo] = sends
-            run_start = None
-        else:
-            out[lo] = sends + recvs
+            recvs, run_start = (), None
+        out[lo] = sends + recvs
         sends = tuple(op for a in unit for op in action_sends(a, peers))
     out[-1] = sends
     return tuple(out)

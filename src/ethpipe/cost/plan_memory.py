@@ -46,13 +46,11 @@ def held_of(pipe: Pipeline, stage: int, actions: tuple[Action, ...] | None = Non
 
 def _held(schedule: str, depth: int, stage: int, num_microbatches: int, split: bool,
           chunk_layers: tuple[int, ...]) -> Held:
-    """``Held`` of a stage of that shape. The memo's key drops what the lists do not depend on: one chunk's
-    layer count (its activations are counted in whole-stage units) and 1F1B's split (it never splits)."""
-    if len(chunk_layers) == 1:
-        if schedule in ("1f1b", "zb-h1"):
-            return _held_one_f_one_b(depth, stage, num_microbatches, split and schedule == "zb-h1" and stage > 0)
-        chunk_layers = (1,)
-    return _held_memo(schedule, depth, stage, num_microbatches, split or schedule == "1f1b", chunk_layers)
+    """``Held`` of a stage of that shape: in closed form for the one-chunk schedules, from the (memoised) list
+    for interleaved stages."""
+    if len(chunk_layers) == 1 and schedule in ("1f1b", "zb-h1"):
+        return _held_one_f_one_b(depth, stage, num_microbatches, split and schedule == "zb-h1" and stage > 0)
+    return _held_memo(schedule, depth, stage, num_microbatches, split, chunk_layers)
 
 
 @lru_cache(maxsize=65536)
@@ -68,7 +66,7 @@ def _held_one_f_one_b(depth: int, stage: int, m: int, split: bool) -> Held:
     for thousands of shapes, and building each list took a tenth of a large cluster's planning time. 1F1B: the
     warm-up's ``depth - stage - 1`` forwards and one more are alive. zb-h1's split stages keep each micro-batch
     alive until its W, which runs after ``B (j + stage)``: ``stage + 1`` wait for their W and ``depth`` are alive.
-    Equal to the lists' count for every shape (tests/unit/test_plan_memory.py)."""
+    Equal to the lists' count for every shape (tests/unit/test_schedule.py)."""
     in_flight = min(depth, m) if split else min(depth - stage, m)
     pending = min(stage + 1, m) if split else 0
     last = stage == depth - 1
