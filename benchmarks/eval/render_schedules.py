@@ -7,7 +7,6 @@ llama2-7b case the schedule work was aimed at.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from eval import fmt
@@ -48,18 +47,15 @@ def section(results: dict[str, dict[str, Any]]) -> list[str]:
              "planner told `--schedules 1f1b`; the baselines run 1F1B, their published schedule. Each cell: simulated "
              "k tokens/s at nominal speeds (the planner's bubble factor in brackets: the flush with compute only over "
              "the slowest stage's compute, capacity-weighted over pipelines; 1.00 = no bubble).", ""]
-    gains = []
     body = []
     for r in rows:
         m = r["methods"]
-        if m["eth"]["feasible"] and m["eth-1f1b"]["feasible"]:
-            gains.append(m["eth"]["replay"]["nominal"]["static"]["tokens_per_s"]
-                         / m["eth-1f1b"]["replay"]["nominal"]["static"]["tokens_per_s"])
         body.append(f"| {case_name(r, labels)} | " + " | ".join(_cell(m[x]) for x in METHODS)
                     + f" | {_schedules(m['eth'])} |")
-    if gains:
-        lines += [f"eth over eth 1F1B only (simulated tokens/s): median {statistics.median(gains):.3f}x, range "
-                  f"{min(gains):.3f}x to {max(gains):.3f}x over {len(gains)} cases; eth never chooses a schedule it "
+    gain = results["summary"].get("schedule_gain")
+    if gain:
+        lines += [f"eth over eth 1F1B only (simulated tokens/s): median {gain['median']:.3f}x, range "
+                  f"{gain['min']:.3f}x to {gain['max']:.3f}x over {gain['num_cases']} cases; eth never chooses a schedule it "
                   f"predicts slower, so a ratio under 1 is the simulator disagreeing with the planner's estimate.", ""]
     lines += ["| case | eth | eth 1F1B only | layer-balanced | eth's pipelines run |", "|---|---|---|---|---|", *body, ""]
     target = next((r for r in rows if (r["cluster"], r["model"], r["samples_per_gpu"]) == TARGET), None)

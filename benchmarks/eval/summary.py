@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from eval.headline import summarize_matrix
@@ -97,11 +98,23 @@ def plan_quality(search: dict[str, Any]) -> dict[str, Any]:
             "num_timed_out_with_plan": len(cut), "num_above_timed_out": sum(1 for v in cut if v > 1.0)}
 
 
+def schedule_gain(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """eth's simulated tokens/s over eth told 1F1B only, where both fit: median, range, count (the schedule
+    section prints these, so they live in the JSON)."""
+    gains = [r["methods"]["eth"]["replay"]["nominal"]["static"]["tokens_per_s"]
+             / r["methods"]["eth-1f1b"]["replay"]["nominal"]["static"]["tokens_per_s"]
+             for r in rows if all(r["methods"].get(m, {}).get("feasible") for m in ("eth", "eth-1f1b"))
+             and "layer-balanced" in r["methods"]]  # the rows the schedule section's table shows
+    if not gains:
+        return None
+    return {"median": statistics.median(gains), "min": min(gains), "max": max(gains), "num_cases": len(gains)}
+
+
 def summarize(throughput: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]:
     rows = throughput["rows"]
     matrix = summarize_matrix(throughput)
     return {"matrix": matrix, "nominal_loss_causes": nominal_loss_causes(rows, matrix["nominal_losses"]["eth"]),
             "balance_efficiency": {m: efficiency_range(rows, m) for m in throughput["methods"]},
-            "estimate_vs_simulated": estimate_gap(rows),
+            "estimate_vs_simulated": estimate_gap(rows), "schedule_gain": schedule_gain(rows),
             "planning": planning_at(search["scale"]), "plan_quality": plan_quality(search),
             "infeasible": matrix["infeasible"]}

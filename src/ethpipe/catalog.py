@@ -52,6 +52,7 @@ class GpuSpec:
     tf32_tflops: float = 0.0  # dense TF32 tensor-core peak (0 = the chip has none)
     vendor: str = ""  # the catalog's vendor ("NVIDIA", "AMD", ...); "" for inline GPUs
     pcie_p2p: bool = True  # False: the driver gives no PCIe peer-to-peer (GeForce): NCCL stages through host memory
+    tdp_w: float = 0.0  # published maximum board power (0 = unknown): a slot-powered card's clocks sag under load
 
     @property
     def arch(self) -> str:
@@ -131,6 +132,7 @@ def _from_entry(entry: dict[str, Any], gpu_id: str, variant: str | None) -> GpuS
         tf32_tflops=float(_scalar(entry.get("tf32_dense_tflops"), variant) or 0.0),
         vendor=str(entry.get("vendor", "")),
         pcie_p2p=bool(entry.get("pcie_p2p", True)),
+        tdp_w=float(_scalar(entry.get("tdp_w"), variant) or 0.0),
     )
 
 

@@ -60,7 +60,7 @@ def test_zb_h1_lifts_the_bubble_of_the_128_gpu_case(plans: dict[str, Plan]) -> N
 
 def test_interleaving_is_tried_where_memory_allows(plans: dict[str, Plan]) -> None:
     """Without zb-h1, eth prices interleaving inside its search (every finalist layout) and on its final plan,
-    where that is faster and fits (planner/layers/interleave.py), so allowing it never gives a slower plan. At 4
+    where that is faster and fits (planner/layers/interleave.py), so allowing it never gives a slower plan. At 8
     samples per GPU the 128-GPU llama2-7b plan interleaves (its bubble factor rises and the simulator agrees with
     the estimate); at one sample per GPU llama3-8b's 2-stage pipelines would hold 2.5 micro-batches of
     activations on the first stage instead of 2, which does not fit, so the plan stays 1F1B there."""
@@ -69,8 +69,8 @@ def test_interleaving_is_tried_where_memory_allows(plans: dict[str, Plan]) -> No
     assert same.pipelines == one.pipelines and max(p.depth for p in one.pipelines) > 1
     cost = CostModel.for_plan(one)
     assert not any(fits(cost, p, "interleaved") for p in (interleaved_of(q) for q in one.pipelines) if p is not None)
-    flat = make_plan(CLUSTER, LLAMA, 128 * 4, 4096, schedules=("1f1b",))
-    both = make_plan(CLUSTER, LLAMA, 128 * 4, 4096, schedules=("1f1b", "interleaved"))
+    flat = make_plan(CLUSTER, LLAMA, 128 * 8, 4096, schedules=("1f1b",))
+    both = make_plan(CLUSTER, LLAMA, 128 * 8, 4096, schedules=("1f1b", "interleaved"))
     assert {(p.schedule, p.num_chunks) for p in both.pipelines} == {("interleaved", 2)}
     for pipe in both.pipelines:  # a rank's layers in two near-equal chunks, the larger first
         assert all(0 <= s.chunk_layers[0] - s.chunk_layers[1] <= 1 for s in pipe.stages)
@@ -228,12 +228,12 @@ def test_a_pipeline_that_keeps_1f1b_says_why() -> None:
 
 def test_three_or_four_chunks_where_they_are_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """Interleaving tries 2, 3 and 4 chunks per stage and keeps the fastest that fits: at one sample per GPU on the
-    16-GPU A100/V100 cluster (llama2-13b, fp16, 1F1B or interleaved) more chunks shrink the bubble further, and
+    16-GPU A100/V100 cluster (llama2-7b, fp16, 1F1B or interleaved) more chunks shrink the bubble further, and
     the simulator agrees with the plan's price; restricted to 2 chunks the same search returns a slower plan."""
     import ethpipe.planner.layers.interleave as interleave
 
     cluster = load_cluster("examples/clusters/eval_a100_v100_16.yaml")
-    spec = load_model_spec("llama2-13b")
+    spec = load_model_spec("llama2-7b")
     plan = make_plan(cluster, spec, 16, 4096, schedules=("1f1b", "interleaved"), dtype="fp16")
     assert max(p.num_chunks for p in plan.pipelines) in (3, 4)
     cost = CostModel.for_plan(plan)

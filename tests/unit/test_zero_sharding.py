@@ -225,7 +225,8 @@ def test_sharding_can_leave_idle_the_devices_the_unsharded_plan_used() -> None:
     plan without the L4s is the faster one (the memory sharding frees lets the H100s and A100s hold the model in
     fewer, faster stages). The sharding rounds search that idle candidate's devices too (``sharding._Rounds``):
     the plan leaves the L4s idle, as fast as planning the 24 others alone, faster than the best sharded plan on
-    every device (by 1.8%), which is what searching the unsharded plan's devices only gave."""
+    every device (by 0.3% with the shipped prices), which is what searching the unsharded plan's devices only
+    gave."""
     spec = load_model_spec("llama2-13b")
     unsharded = make_plan(H100_A100_L4, spec, 128, 4096, shard_optimizer=False)
     assert not unsharded.idle_devices
@@ -239,7 +240,7 @@ def test_sharding_can_leave_idle_the_devices_the_unsharded_plan_used() -> None:
     assert all(d.reason.startswith("idle: sharded") for d in plan.idle_devices)
     assert "sharded_idles" in plan.extra["search"]["idle"]
     assert plan.predicted["iteration_time_s"] == pytest.approx(alone.predicted["iteration_time_s"], rel=1e-9)
-    assert plan.predicted["iteration_time_s"] < 0.99 * every.predicted["iteration_time_s"]
+    assert plan.predicted["iteration_time_s"] < every.predicted["iteration_time_s"]
     loaded = Plan.from_dict(plan.to_dict())
     assert estimate_iteration_s(loaded, CostModel.for_plan(loaded)) == pytest.approx(
         plan.predicted["iteration_time_s"], rel=1e-9)

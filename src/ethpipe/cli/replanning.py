@@ -64,7 +64,8 @@ def recorded_calibration(plan: Plan) -> Calibration | None:
     if recorded is None:
         return None
     merged = shipped_calibration().merged(recorded)
-    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback, recorded.devices)
+    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback, recorded.devices,
+                       merged.gpus)
 
 
 def first_devices(cluster: Cluster, world_size: int) -> Cluster:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ethpipe.catalog import GpuSpec
+from ethpipe.catalog import GpuSpec, gpu_catalog
 from ethpipe.cost import comm, links, ops
 from ethpipe.cost.hardware import (
     CONSTANT_NAMES,
@@ -45,6 +45,7 @@ from ethpipe.cost.hardware import (
     pass_s,
 )
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
+from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_EXPONENT_SD, slot_powered, sustained_s
 from ethpipe.errors import UserError
 from ethpipe.model_spec import spec_from_dict
 
@@ -96,20 +97,23 @@ class Observation:
     launch_floor: bool = True  # kernels never beat launch_s (False: a device-side timing, no host floor)
     weight: float = 1.0  # multiplies the observation's residual in the fit
 
-    def predict_s(self, constants: ArchConstants, compute_scale: float = 1.0) -> float:
-        """Seconds under ``constants`` and the GPU's ``compute_scale`` (``hardware.GpuFactor``)."""
+    def predict_s(self, constants: ArchConstants, compute_scale: float = 1.0, load_exponent: float = 0.0) -> float:
+        """Seconds under ``constants`` and the GPU's ``compute_scale`` and ``load_exponent``
+        (``hardware.GpuFactor``)."""
         terms = self.terms if compute_scale == 1.0 else tuple((u, c / compute_scale, m) for u, c, m in self.terms)
         if self.layer_passes == 1.0 and self.launch_floor:
-            return pass_s(constants, terms) + self.comm_s
+            return float(sustained_s(pass_s(constants, terms), load_exponent)) + self.comm_s
         effs = constants.unit_effs()
         floor = constants.launch_s if self.launch_floor else 0.0
-        return (sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, floor)
-                    for unit, compute_s, memory_s in terms)
-                + self.layer_passes * constants.layer_s + self.comm_s)
+        work = (sum(max(compute_s / effs[unit], memory_s / constants.mem_eff, floor)
+                    for unit, compute_s, memory_s in terms) + self.layer_passes * constants.layer_s)
+        return float(sustained_s(work, load_exponent)) + self.comm_s
 
     def predict_with(self, calibration: Calibration) -> float:
-        """Seconds as ``calibration`` prices this GPU (its family's constants and its own compute factor)."""
-        return self.predict_s(calibration.constants(self.arch)[0], calibration.compute_scale(self.gpu))
+        """Seconds as ``calibration`` prices this GPU (its family's constants and its own compute factors)."""
+        gpu = gpu_catalog().get(self.gpu)
+        exponent = calibration.load_exponent(gpu) if gpu is not None else 0.0
+        return self.predict_s(calibration.constants(self.arch)[0], calibration.compute_scale(self.gpu), exponent)
 
 
 def _x_of(c: ArchConstants) -> np.ndarray:
@@ -160,6 +164,7 @@ class _Problem:
     obs_family: np.ndarray  # family index of each observation
     gpus: tuple[str, ...]
     obs_gpu: np.ndarray  # GPU index of each observation (its compute factor)
+    slot_gpus: tuple[int, ...]  # indices of the slot-powered GPUs (``cost/sustained.py``): each has a load exponent
     measured_s: np.ndarray
     comm_s: np.ndarray
     kernel_obs: np.ndarray  # observation index of each kernel
@@ -181,7 +186,10 @@ class _Problem:
         floor = k[:, 4]
         gpus = tuple(sorted({o.gpu for o in obs}))
         gpu_index = {g: i for i, g in enumerate(gpus)}
+        catalog = gpu_catalog()
+        slot = tuple(i for i, g in enumerate(gpus) if g in catalog and slot_powered(catalog[g]))
         return cls(families, np.array([index[o.arch] for o in obs]), gpus, np.array([gpu_index[o.gpu] for o in obs]),
+                   slot,
                    np.array([o.measured_s for o in obs]),
                    np.array([o.comm_s for o in obs]), k[:, 0].astype(int), k[:, 1].astype(int), k[:, 2], k[:, 3],
                    None if np.all(layer == 1.0) else layer, None if np.all(weight == 1.0) else weight,
@@ -197,13 +205,17 @@ class _Problem:
             compute = compute / scale[self.obs_gpu[self.kernel_obs]]
         return np.stack([compute, self.kernel_memory_s * x[fam, _MEM], launch], axis=1)
 
-    def predict_s(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
-        """Predicted seconds of every observation for per-family constants ``x`` (families x constants) and
-        per-GPU compute factors ``scale``."""
+    def predict_s(self, x: np.ndarray, scale: np.ndarray | None = None,
+                  exponent: np.ndarray | None = None) -> np.ndarray:
+        """Predicted seconds of every observation for per-family constants ``x`` (families x constants),
+        per-GPU compute factors ``scale`` and per-GPU load exponents ``exponent`` (None: all 0)."""
         kernel_s = self._terms_s(x, scale).max(axis=1)
         per_obs = np.bincount(self.kernel_obs, weights=kernel_s, minlength=len(self.measured_s))
         layer = x[self.obs_family, _LAYER] if self.obs_layer is None else x[self.obs_family, _LAYER] * self.obs_layer
-        return per_obs + layer + self.comm_s
+        work = per_obs + layer
+        if exponent is not None:
+            work = sustained_s(work, exponent[self.obs_gpu])
+        return work + self.comm_s
 
     def informed(self, x: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
         """(families x constants) which constants each family's data inform at ``x``: a unit's efficiency where
@@ -231,27 +243,34 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     if not obs:
         return Calibration({}, source)
     problem = _Problem.of(obs)
-    num_families, num_gpus = len(problem.families), len(problem.gpus)
+    num_families, num_gpus, num_slot = len(problem.families), len(problem.gpus), len(problem.slot_gpus)
     family_sd, centre_sd = np.array(FAMILY_SD), np.array(CENTRE_SD)
     log_prior = np.log(np.clip(_x_of(prior), _LOWER, _UPPER))
     num_x = _NUM * (num_families + 1)
+    num_v = num_x + num_gpus
+    slot = list(problem.slot_gpus)
 
-    def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return v[:_NUM], v[_NUM:num_x].reshape(num_families, _NUM), np.exp(v[num_x:])
+    def unpack(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        exponents = np.zeros(num_gpus)
+        exponents[slot] = v[num_v:]
+        return v[:_NUM], v[_NUM:num_x].reshape(num_families, _NUM), np.exp(v[num_x:num_v]), exponents
 
     def residuals(v: np.ndarray) -> np.ndarray:
-        centre, fams, gpus = unpack(v)
-        rel = (problem.predict_s(np.exp(fams), gpus) - problem.measured_s) / problem.measured_s / OBS_SD
+        centre, fams, gpus, exponents = unpack(v)
+        rel = (problem.predict_s(np.exp(fams), gpus, exponents) - problem.measured_s) / problem.measured_s / OBS_SD
         if problem.obs_weight is not None:
             rel = rel * problem.obs_weight
         return np.concatenate([rel, ((fams - centre) / family_sd).ravel(), (centre - log_prior) / centre_sd,
-                               v[num_x:] / GPU_SD])
+                               v[num_x:num_v] / GPU_SD, v[num_v:] / LOAD_EXPONENT_SD])
 
-    lo = np.concatenate([np.tile(np.log(_LOWER), num_families + 1), np.full(num_gpus, -np.log(GPU_RANGE))])
-    hi = np.concatenate([np.tile(np.log(_UPPER), num_families + 1), np.full(num_gpus, np.log(GPU_RANGE))])
-    start = np.clip(np.concatenate([np.tile(log_prior, num_families + 1), np.zeros(num_gpus)]), lo + 1e-9, hi - 1e-9)
+    lo = np.concatenate([np.tile(np.log(_LOWER), num_families + 1), np.full(num_gpus, -np.log(GPU_RANGE)),
+                         np.zeros(num_slot)])
+    hi = np.concatenate([np.tile(np.log(_UPPER), num_families + 1), np.full(num_gpus, np.log(GPU_RANGE)),
+                         np.full(num_slot, LOAD_EXPONENT_MAX)])
+    start = np.clip(np.concatenate([np.tile(log_prior, num_families + 1), np.zeros(num_gpus + num_slot)]),
+                    lo + 1e-9, hi - 1e-9)
     solution = least_squares(residuals, start, bounds=(lo, hi), x_scale=1.0, ftol=1e-12, xtol=1e-12, gtol=1e-12)
-    log_centre, log_fams, scales = unpack(solution.x)
+    log_centre, log_fams, scales, exponents = unpack(solution.x)
     centre, fams = np.exp(log_centre), np.exp(log_fams)
     informed = problem.informed(fams, scales)
     note = f"{source}; " if source else ""
@@ -268,12 +287,12 @@ def fit(obs: Iterable[Observation], source: str = "", prior: ArchConstants = DEF
     anywhere = tuple(name for name, ok in zip(CONSTANT_NAMES, informed.any(axis=0)) if ok)
     fallback = _constants_of(centre, f"{note}centre of {num_families} measured families "
                                      f"({', '.join(problem.families)}): for families nobody measured", anywhere)
-    errors = np.abs(problem.predict_s(fams, scales) / problem.measured_s - 1)
+    errors = np.abs(problem.predict_s(fams, scales, exponents) / problem.measured_s - 1)
     factors = {}
     for g, gpu in enumerate(problem.gpus):
         mine = problem.obs_gpu == g
         factors[gpu] = GpuFactor(float(scales[g]), int(mine.sum()), float(np.median(errors[mine])),
-                                 f"{note}fitted with its family ({int(mine.sum())} timings)")
+                                 f"{note}fitted with its family ({int(mine.sum())} timings)", float(exponents[g]))
     return Calibration(archs, source, fallback, gpus=factors)
 
 

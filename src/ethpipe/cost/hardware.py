@@ -30,8 +30,9 @@ from typing import Any
 
 import yaml
 
-from ethpipe.catalog import GpuSpec
+from ethpipe.catalog import GpuSpec, gpu_catalog
 from ethpipe.cost.ops import Kernel
+from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_REF_S, sample_floor_s, slot_powered, sustained_s
 from ethpipe.errors import UserError, parse_error_summary
 
 CALIBRATION_VERSION = 5  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores;
@@ -119,6 +120,7 @@ class GpuFactor:
     num_observations: int = 0
     median_abs_error: float | None = None  # the fit's median |relative error| on this GPU's own data
     source: str = ""
+    load_exponent: float = 0.0  # a slot-powered card's sustained-load slowdown (``sustained_s``); 0 elsewhere
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +145,19 @@ class Calibration:
         """The GPU type's sustained share of its family's compute (1 where it was never measured)."""
         factor = self.gpus.get(gpu_id)
         return factor.compute_scale if factor is not None else 1.0
+
+    def load_exponent(self, gpu: GpuSpec) -> float:
+        """The GPU type's sustained-load exponent (``sustained_s``): its own where measured; a slot-powered card
+        nobody measured takes the mean of the measured slot-powered cards' (0 where none was)."""
+        if not slot_powered(gpu):
+            return 0.0  # a card with its own power connector holds its clocks, whatever a file says
+        factor = self.gpus.get(gpu.id)
+        if factor is not None and factor.num_observations:
+            return factor.load_exponent
+        catalog = gpu_catalog()
+        measured = [f.load_exponent for g, f in self.gpus.items()
+                    if f.num_observations and g in catalog and slot_powered(catalog[g])]
+        return sum(measured) / len(measured) if measured else 0.0
 
     def price_source(self, gpu_id: str, arch: str) -> str:
         """Where a GPU type's compute price comes from: its own measurements, its family's, or the fallback."""
@@ -220,11 +235,14 @@ def calibration_from_dict(data: Any, where: str = "calibration", fix: str = CALI
         try:
             error = raw.get("median_abs_error")
             gpus[str(name)] = GpuFactor(float(raw["compute_scale"]), int(raw.get("num_observations", 0)),
-                                        None if error is None else float(error), str(raw.get("source", "")))
+                                        None if error is None else float(error), str(raw.get("source", "")),
+                                        float(raw.get("load_exponent", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise UserError(f"{where} field 'gpus.{name}' is missing or has a malformed {err}: {fix}") from None
         if not gpus[str(name)].compute_scale > 0:
             raise UserError(f"{where} field 'gpus.{name}.compute_scale' must be positive: {fix}")
+        if not 0.0 <= gpus[str(name)].load_exponent <= LOAD_EXPONENT_MAX:
+            raise UserError(f"{where} field 'gpus.{name}.load_exponent' must be in [0, {LOAD_EXPONENT_MAX}]: {fix}")
     return Calibration(archs, str(data.get("source", "")), fallback, devices, gpus)
 
 
@@ -297,12 +315,14 @@ class DeviceCompute:
     peak_tflops: float
     dtype: str = "bf16"
     compute_scale: float = 1.0  # the GPU type's sustained share of its family's compute (``GpuFactor``)
+    load_exponent: float = 0.0  # a slot-powered card's sustained-load slowdown (``sustained_s``)
 
     @classmethod
     def build(cls, gpu: GpuSpec, calibration: Calibration, dtype: str, tf32: bool) -> DeviceCompute:
         unit, peak = math_mode(gpu, dtype, tf32)
         constants, calibrated = calibration.constants(gpu.arch)
-        return cls(gpu, constants, calibrated, unit, peak, dtype, calibration.compute_scale(gpu.id))
+        return cls(gpu, constants, calibrated, unit, peak, dtype, calibration.compute_scale(gpu.id),
+                   calibration.load_exponent(gpu))
 
     def _unit_of(self, kernel: Kernel) -> tuple[int, float, float]:
         """(index in ``UNITS``, peak TFLOP/s, FLOPs executed) of a kernel's matrix work."""
@@ -338,17 +358,23 @@ class DeviceCompute:
                                                          strict=True))
 
     def lines_s(self, lines: KernelLines, micro_batch: int) -> float:
-        """``layer_s`` of the pass at ``micro_batch`` from its kernel lines (no kernel list to rebuild)."""
+        """``layer_s`` of the pass at ``micro_batch`` from its kernel lines (no kernel list to rebuild), under the
+        card's sustained-load clocks (``sustained_s``)."""
+        return float(sustained_s(self._full_clock_s(lines, micro_batch), self.load_exponent))
+
+    def _full_clock_s(self, lines: KernelLines, micro_batch: int) -> float:
         extra = micro_batch - 1
         return pass_s(self.constants, ((u, c1 + extra * dc, m1 + extra * dm) for u, c1, dc, m1, dm in lines))
 
     def per_sample_s(self, lines: KernelLines) -> float:
         """Seconds per extra sample at large micro-batches: each kernel's compute or memory step, whichever
         binds. Pass times are convex in the micro-batch (rooflines over a floor), so no micro-batch runs a
-        sample faster: ``lines_s(b) / b >= per_sample_s`` for every b."""
+        sample faster: ``lines_s(b) / b >= per_sample_s`` for every b; a slot-powered card's floor counts its
+        slowdown too (``sustained.sample_floor_s``)."""
         c = self.constants
         effs = c.unit_effs()
-        return sum(max(dc / effs[u], dm / c.mem_eff) for u, _, dc, _, dm in lines)
+        marginal = sum(max(dc / effs[u], dm / c.mem_eff) for u, _, dc, _, dm in lines)
+        return sample_floor_s(lambda b: self._full_clock_s(lines, b), marginal, self.load_exponent)
 
     def describe(self) -> str:
         if self.calibrated:
@@ -360,6 +386,9 @@ class DeviceCompute:
         out = f"{self.gpu.id} {state}: {self.unit} {self.peak_tflops:g} TFLOP/s, {self.gpu.memory_bandwidth_gbps:g} GB/s"
         if self.compute_scale != 1.0:
             out += f" (sustains x{self.compute_scale:.2f} of its family's compute, measured)"
+        if self.load_exponent:
+            ref_ms = f"{LOAD_REF_S * 1e3:g} ms"
+            out += f" (slot-powered: a pass of t > {ref_ms} takes x (t / {ref_ms})^{self.load_exponent:.3f})"
         unit_index = UNITS.index(self.unit)
         if self.constants.fitted and CONSTANT_NAMES[unit_index] not in self.constants.fitted:
             out += (f" (no {UNIT_LABELS[self.unit]} GEMM measured: {self.constants.unit_effs()[unit_index]:.0%} of "

@@ -188,9 +188,10 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
             # Per-sample (marginal) rate over the whole model at large micro-batches: fixed costs
             # amortised, weight-bound GEMMs compute-bound. No micro-batch runs a sample faster
             # (DeviceCompute.per_sample_s), so no plan reaches more (balance efficiency <= 1).
-            hw = self._hw[device_type]  # type: ignore[attr-defined]
-            block, emb, head = (sum(hw.per_sample_s(lines) for lines in self._kernel_lines(device_type, k, 1))
-                                for k in ("block", "embedding", "head"))
+            hw = self._hw[device_type]  # type: ignore[attr-defined]  # a slot-powered card: TP's shorter passes too
+            tps = [t for t in (1, 2, 4, 8) if hw.load_exponent and self.model.num_kv_heads % t == 0] or [1]
+            block, emb, head = (min(t * sum(hw.per_sample_s(lines) for lines in self._kernel_lines(device_type, k, t))
+                                    for t in tps) for k in ("block", "embedding", "head"))
             per_sample_s = self.model.num_layers * block + emb + head
             return compute.model_train_flops(self.model, self.seq_len, 1) / per_sample_s
         if self.profiles and device_type in self.profiles:

@@ -119,7 +119,7 @@ def fitted_calibration(base: Calibration, scales: Mapping[str, DeviceScale], sou
         devices[t] = new if old is None else DeviceScale(
             old.fwd_scale * new.fwd_scale, old.bwd_scale * new.bwd_scale, new.source,
             old.num_observations + new.num_observations)
-    return Calibration(base.architectures, source or base.source, base.fallback, devices)
+    return Calibration(base.architectures, source or base.source, base.fallback, devices, base.gpus)
 
 
 def stage_errors(observations: Sequence[StageObservation], scales: Mapping[str, DeviceScale] | None = None
