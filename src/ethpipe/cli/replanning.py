@@ -64,8 +64,7 @@ def recorded_calibration(plan: Plan) -> Calibration | None:
     if recorded is None:
         return None
     merged = shipped_calibration().merged(recorded)
-    return Calibration(merged.architectures, merged.source, recorded.fallback or merged.fallback, recorded.devices,
-                       merged.gpus)
+    return dataclasses.replace(merged, fallback=recorded.fallback or merged.fallback, devices=recorded.devices)
 
 
 def first_devices(cluster: Cluster, world_size: int) -> Cluster:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ethpipe.cost.hardware import Calibration, DeviceScale
@@ -119,7 +119,7 @@ def fitted_calibration(base: Calibration, scales: Mapping[str, DeviceScale], sou
         devices[t] = new if old is None else DeviceScale(
             old.fwd_scale * new.fwd_scale, old.bwd_scale * new.bwd_scale, new.source,
             old.num_observations + new.num_observations)
-    return Calibration(base.architectures, source or base.source, base.fallback, devices, base.gpus)
+    return replace(base, source=source or base.source, devices=devices)
 
 
 def stage_errors(observations: Sequence[StageObservation], scales: Mapping[str, DeviceScale] | None = None
