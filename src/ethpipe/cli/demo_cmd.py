@@ -136,7 +136,8 @@ def _run(tmp: Path, main_steps: int, base_steps: int, seq_len: int, quick: bool,
     for method, plan in plans.items():
         n = main_steps if method == "eth" else base_steps
         pred = d.predict(plan, cost)
-        console.print(f"\n[bold]{method}[/] plan: {escape(plan_shape(plan))}")  # its [...] is text, not markup
+        # The plan's [...] is text, not markup; one line whatever the terminal's width, for logs and greps.
+        console.print(f"\n[bold]{method}[/] plan: {escape(plan_shape(plan))}", soft_wrap=True)
         console.print(f"training {n} steps on {plan.world_size} processes "
                       f"(predicted {pred.simulated_s * 1e3:.0f} ms/step)")
         config = TrainConfig(
