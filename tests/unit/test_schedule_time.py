@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
+from ethpipe.cost.schedule_time import replay_counts_s, replay_finish_s, stage_finish_of
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.planner.layers.timing import PipelineTiming, split_sizes
 from ethpipe.sim import simulate
@@ -76,6 +76,25 @@ def test_the_replay_is_the_simulators_timeline_on_300_random_shapes(schedule: st
         assert got == pytest.approx(exact, rel=1e-12, abs=1e-12), (stages, unsplit, sizes)
         if schedule == "1f1b":  # and the closed form stays the lower bound it was
             assert np.all(stage_finish_of("1f1b", f, bw) <= exact + 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_tabulated_replay_is_the_count_by_count_replay_bit_for_bit(schedule: str) -> None:
+    """``replay_counts_s`` (T(n)'s table in one replay) against ``replay_finish_s`` once per micro-batch count and
+    last size, compared with ``==``: the planner's plans must not move with it. 150 random shapes up to 2 depth + 2
+    micro-batches, W shares, recomputing stages, 1-4 last sizes."""
+    rng = random.Random(17)
+    for _ in range(150):
+        stages, unsplit = _shape(rng)
+        depth, b = len(stages), rng.randint(1, 4)
+        counts = rng.randint(1, 2 * depth + 2)
+        full = tuple(m[:, 0] for m in _matrices(stages, unsplit, (b,)))
+        last = tuple(m.T for m in _matrices(stages, unsplit, tuple(range(1, b + 1))))
+        got = replay_counts_s(schedule, full, last, counts, unsplit)
+        for m in range(1, counts + 1):
+            for x in range(1, b + 1):
+                f, bw, w = _matrices(stages, unsplit, (b,) * (m - 1) + (x,))
+                assert got[x - 1, m - 1] == replay_finish_s(schedule, f, bw, w, unsplit).max(), (stages, unsplit, m, x)
 
 
 @pytest.mark.parametrize("depth,m,f,b,w", [(4, 8, 1.0, 1.0, 1.0), (4, 4, 1.0, 1.0, 1.0), (6, 12, 1.0, 1.2, 0.8),

@@ -74,11 +74,16 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
     producer: list[list[tuple[int, int] | None]] = []  # per stage and action: (stage, action) of its input
     consumer: list[list[tuple[int, int] | None]] = []  # (stage, node after which it posts that receive)
     for s, acts in enumerate(lists):
-        ins, outs = [], []
+        ins: list[tuple[int, int] | None] = []
+        outs: list[tuple[int, int] | None] = []
+        ends: dict[tuple[str, int], tuple[int, int, int, int]] = {}  # (kind, chunk) -> its source and destination
         for a in acts:
-            up, uc = input_source(a.kind, s, a.chunk, depth, num_chunks)
+            end = ends.get((a.kind, a.chunk))
+            if end is None:
+                end = ends[(a.kind, a.chunk)] = (input_source(a.kind, s, a.chunk, depth, num_chunks)
+                                                  + output_dest(a.kind, s, a.chunk, depth, num_chunks))
+            up, uc, dst, dc = end
             ins.append((up, where[up][(a.kind, a.microbatch, uc)]) if up >= 0 else None)
-            dst, dc = output_dest(a.kind, s, a.chunk, depth, num_chunks)
             outs.append((dst, post_of[dst][where[dst][(a.kind, a.microbatch, dc)]]) if dst >= 0 else None)
         producer.append(ins)
         consumer.append(outs)
@@ -89,8 +94,9 @@ def stage_nodes(lists: Sequence[tuple[Action, ...]], num_chunks: int = 1) -> tup
             # A timed transfer starts once its producer has posted the send: after the producer's action, or after
             # the last action of its unit (an interleaved F's send goes out with its unit's B's). A free one is
             # buffered: it is there once the producer's action ends (``src``).
-            got = tuple(Recv(r, ins[r][0], sent_after[ins[r][0]][ins[r][1]]) for r in recvs if ins[r] is not None)
-            waited = tuple(Send(i, posted, *outs[i]) for i, posted in sends if outs[i] is not None)  # type: ignore[misc]
+            got = tuple(Recv(r, i[0], sent_after[i[0]][i[1]]) for r in recvs if (i := ins[r]) is not None
+                        ) if recvs else ()
+            waited = tuple(Send(i, at, *o) for i, at in sends if (o := outs[i]) is not None) if sends else ()
             own = ins[k] if k >= 0 else None
             built.append(Node(k, got, waited, (own[0], node_of[own[0]][own[1]]) if own is not None else None, posted))
         out.append(tuple(built))

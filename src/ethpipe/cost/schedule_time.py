@@ -13,7 +13,8 @@ numpy operations per stage, over all the variants being priced at once (the data
 last micro-batches).
 
 ``cost/pipeline.py`` prices 1F1B in closed form; this replay prices the split-backward schedules
-(zb-h1) and the interleaved one (rows per virtual stage; the ring's wrap-around is one more dependency), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches and extends
+(zb-h1) and the interleaved one (rows per virtual stage; the ring's wrap-around is one more dependency), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches (every count in one
+replay, ``replay_counts_s``: one count at a time was a sixth of planning time at 1024-4096 GPUs) and extends
 it by the bottleneck stage's per-micro-batch work (the steady state's growth rate; checked against the
 simulator in tests/unit/test_schedule_time.py).
 """
@@ -27,7 +28,7 @@ import numpy as np
 from ethpipe.cost.rendezvous_replay import rendezvous_finish_s
 from ethpipe.schedule import input_source, pipeline_schedule, split_microbatches
 
-_F, _B_WHOLE, _B_INPUT, _W = range(4)
+_F, _B_WHOLE, _B_INPUT, _W, _PAD = range(5)  # _PAD: no action (``replay_counts_s``)
 
 
 @lru_cache(maxsize=4096)
@@ -107,6 +108,77 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
                 moved_any = True
         if not moved_any:
             return np.stack([e[..., -1] for e in ends], axis=-1)
+
+
+@lru_cache(maxsize=64)  # up to ~15 MB each (30 stages): a planning uses a few depths
+def _counts_structure(schedule: str, depth: int, num_counts: int, unsplit: tuple[bool, ...]
+                      ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, np.ndarray, np.ndarray], ...]],
+                                 ...]:
+    """``_structure`` of every micro-batch count m = 1..num_counts at once: per stage, (code, row, column) as
+    (count, action) arrays (column 1: the count's last micro-batch, 0: a full one; past a count's own actions, a
+    no-compute pad) and per neighbour it waits for, (flat index of the waiting actions, flat index of the actions
+    they wait for) in the (count, action) layout."""
+    per_count = [_structure.__wrapped__(schedule, depth, m, unsplit) for m in range(1, num_counts + 1)]
+    widths = [max(len(st[s][0]) for st in per_count) for s in range(depth)]
+    out = []
+    for s, width in enumerate(widths):
+        codes = np.full((num_counts, width), _PAD)
+        rows = np.zeros((num_counts, width), dtype=int)
+        cols = np.zeros((num_counts, width), dtype=int)
+        waits: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        for m, st in enumerate(per_count):
+            code, row, mb, deps = st[s]
+            codes[m, :code.size], rows[m, :code.size], cols[m, :code.size] = code, row, mb == m
+            for src, mask, dep in deps:
+                at, of = waits.setdefault(src, ([], []))
+                at.append(m * width + np.flatnonzero(mask))
+                of.append(m * widths[src] + dep)
+        out.append((codes, rows, cols, tuple((src, np.concatenate(at), np.concatenate(of))
+                                             for src, (at, of) in sorted(waits.items()))))
+    return tuple(out)
+
+
+def replay_counts_s(schedule: str, full: tuple[np.ndarray, ...], last: tuple[np.ndarray, ...], num_counts: int,
+                    unsplit: tuple[bool, ...] = ()) -> np.ndarray:
+    """The pipeline's flush (max over stages; free transfers, no chunks) with m = 1..``num_counts`` micro-batches,
+    m - 1 full ones and a last one of each variant, shape ``(variants, num_counts)``: what ``replay_finish_s``
+    gives count by count, in one replay. ``full``: (fwd, bwd, moved) of a full micro-batch, each ``(depth,)``;
+    ``last``: the same of each variant's last micro-batch, each ``(variants, depth)``.
+
+    Bit for bit the per-count replays: the counts are independent rows of every array, a pad after a count's
+    actions neither computes nor waits (so its stage's end stays its last action's), and a count whose stages
+    have settled is re-evaluated to the values it holds (a stage's ends are a function of its neighbours')."""
+    fwd, bwd, moved = (np.stack(np.broadcast_arrays(f, x), axis=-1) for f, x in zip(full, last))  # (var, depth, 2)
+    table = np.stack([fwd, bwd, bwd - moved, moved, np.zeros_like(fwd)], axis=1)  # (var, code, depth, column)
+    depth = fwd.shape[-2]
+    structure = _counts_structure(schedule, depth, num_counts, tuple(unsplit))
+    durations = [table[:, codes, rows, cols] for codes, rows, cols, _ in structure]  # (var, count, action)
+    prefix = [np.cumsum(d, axis=-1) for d in durations]
+    ends = [c.copy() for c in prefix]
+    lead = fwd.shape[0]
+    order = list(range(depth)) + list(range(depth - 2, 0, -1))
+    version = [0] * depth
+    seen: list[tuple[int, ...] | None] = [None] * depth
+    sources = [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)]
+    while True:
+        moved_any = False
+        for s in order + [0] if depth > 1 else [0]:
+            now = tuple(version[src] for src in sources[s])
+            if seen[s] == now:
+                continue
+            seen[s] = now
+            arrive = np.zeros(durations[s].shape)
+            flat = arrive.reshape(lead, -1)
+            for src, at, of in structure[s][3]:
+                flat[:, at] = ends[src].reshape(lead, -1)[:, of]
+            c = prefix[s]
+            new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
+            if not np.array_equal(new, ends[s]):
+                ends[s] = new
+                version[s] += 1
+                moved_any = True
+        if not moved_any:
+            return np.stack([e[..., -1] for e in ends], axis=-1).max(axis=-1)
 
 
 def stage_finish_of(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,

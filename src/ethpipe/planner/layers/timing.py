@@ -21,7 +21,7 @@ import numpy as np
 from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import equal_sizes_makespans, steady_lines
-from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
+from ethpipe.cost.schedule_time import replay_counts_s, stage_finish_of
 from ethpipe.plan import Pipeline
 from ethpipe.schedule import DEFAULT_SCHEDULE, SPLIT_SCHEDULES
 from ethpipe.planner.layers.partition import Partition, StageOption
@@ -256,13 +256,10 @@ class PipelineTiming:
         b = self.micro_batch
         depth = self.rows(b)[0].shape[0]
         self._m_lines = 2 * depth + 3
-        columns = []
-        for m in range(1, self._m_lines):
-            arrays = [np.stack([a] * b) for a in self._matrices([b] * m)]  # (last size, depth, m)
-            for k, last in enumerate(self._matrices(list(range(1, b + 1)))):
-                arrays[k][:, :, -1] = last.T
-            columns.append(replay_finish_s(self.schedule, *arrays, unsplit=self.unsplit).max(axis=-1))
-        self._table = np.maximum.accumulate(np.concatenate(columns))
+        full = tuple(v[:, 0] for v in self._matrices([b]))
+        last = tuple(v.T for v in self._matrices(list(range(1, b + 1))))  # (last size, depth)
+        columns = replay_counts_s(self.schedule, full, last, self._m_lines - 1, self.unsplit).T  # (count, last size)
+        self._table = np.maximum.accumulate(columns.ravel())
         f, bw = (v[:, -1] for v in self._matrices([b])[:2])
         slope = float(np.max(f + bw))
         self._c = (columns[-1] - (self._m_lines - 1) * slope)[:, None]
