@@ -136,3 +136,20 @@ def test_a_calibration_file_with_an_exponent_out_of_range_is_refused_in_one_line
         calibration_from_dict(data)
     data["gpus"]["t4"]["load_exponent"] = 0.05
     assert calibration_from_dict(data).gpus["t4"].load_exponent == 0.05
+
+
+def test_a_plans_record_keeps_what_an_unmeasured_slot_powered_cards_exponent_is_made_of() -> None:
+    """The plan records the calibration of its own GPU types (``compute_model_record``), which ``ethpipe simulate``
+    prices the plan with; a slot-powered card nobody measured takes the measured slot-powered cards' mean, so the
+    record keeps those cards' factors too, or the reloaded plan would price it at full clocks."""
+    from ethpipe.planner import compute_model_record
+
+    shipped = shipped_calibration()
+    assert shipped.gpus["l4"].num_observations and shipped.gpus["l4"].load_exponent > 0
+    without_t4 = dataclasses.replace(shipped, gpus={g: f for g, f in shipped.gpus.items() if g != "t4"})
+    clu = cluster_from_dict({"nodes": [{"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100}]})
+    cost = CostModel(clu, load_model_spec("llama2-7b"), 4096, dtype_bytes=2, dtype="fp16", calibration=without_t4)
+    recorded = calibration_from_dict(compute_model_record(cost)["calibration"])
+    assert recorded.load_exponent(T4) == without_t4.load_exponent(T4) == shipped.gpus["l4"].load_exponent
+    measured = CostModel(clu, load_model_spec("llama2-7b"), 4096, dtype_bytes=2, dtype="fp16", calibration=shipped)
+    assert set(calibration_from_dict(compute_model_record(measured)["calibration"]).gpus) == {"t4"}  # its own only

@@ -10,11 +10,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from ethpipe.catalog import check_one_world
+from ethpipe.catalog import check_one_world, gpu_catalog
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.cost.hardware import Calibration, shipped_calibration
 from ethpipe.cost.profile import MeasuredProfile
+from ethpipe.cost.sustained import slot_powered
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
@@ -204,6 +205,10 @@ def compute_model_record(cost: CostModel) -> dict:
     cal = cost.calibration or shipped_calibration()
     types = set(cost.device_speeds())
     ids = {cost.gpu(t).id for t in types}
+    if any(slot_powered(cost.gpu(t)) and not getattr(cal.gpus.get(cost.gpu(t).id), "num_observations", 0)
+           for t in types):  # its load exponent is the measured slot-powered cards' mean: keep what it is made of
+        catalog = gpu_catalog()
+        ids |= {g for g, f in cal.gpus.items() if f.num_observations and g in catalog and slot_powered(catalog[g])}
     record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback,
                          {t: d for t, d in cal.devices.items() if t in types},
                          {g: f for g, f in cal.gpus.items() if g in ids})
