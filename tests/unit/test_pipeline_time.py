@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from ethpipe.cost.pipeline import equal_sizes_makespans, stage_finish_s, steady_lines
+from ethpipe.cost.pipeline import equal_sizes_makespans, lines_that_can_lead, stage_finish_s, steady_lines
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.sim import simulate
 
@@ -77,3 +77,29 @@ def test_fast_table_agrees_and_is_linear_when_steady() -> None:
         if m >= fwd.shape[0] + 2:
             c, slope = steady_lines(fwd[:, 0], bwd[:, 0], fwd[None, :, -1], bwd[None, :, -1])
             assert np.max(c[0] + m * slope) == pytest.approx(fast)
+
+
+def test_the_steady_lines_left_out_never_hold_the_max_bit_for_bit() -> None:
+    """``lines_that_can_lead`` drops lines from T(n)'s extension; the max over the rest must equal the max over all
+    with ``==`` for every m of the range: on 1F1B's own steady lines of random pipelines (ties included: equal
+    stages give equal lines), and on random lines crossing inside the range. It must also drop something, or
+    it buys nothing. Fails if the lines are compared at the range's first end only."""
+    rng = np.random.default_rng(7)
+    dropped = 0
+    for trial in range(300):
+        depth, rows = int(rng.integers(1, 33)), int(rng.integers(1, 5))
+        if trial % 2:
+            f = rng.uniform(0.5, 2.0, depth) if trial % 3 else np.full(depth, 1.0)
+            b = f * rng.uniform(1.5, 3.0, depth)
+            scale = np.arange(1, rows + 1)[:, None] / rows
+            c, slope = steady_lines(f, b, f[None, :] * scale, b[None, :] * scale)
+        else:
+            c, slope = rng.uniform(-50, 50, (rows, 2 * depth)), rng.uniform(0.0, 3.0, 2 * depth)
+        lo = float(rng.integers(1, 40))
+        m = np.arange(lo, lo + float(rng.integers(1, 4000)))
+        keep = lines_that_can_lead(c, slope, m[0], m[-1])
+        dropped += slope.size - keep.size
+        every = np.max(c[None, :, :] + m[:, None, None] * slope[None, None, :], axis=-1)
+        kept = np.max(c[None, :, keep] + m[:, None, None] * slope[None, None, keep], axis=-1)
+        assert np.array_equal(every, kept), trial
+    assert dropped > 0

@@ -13,7 +13,8 @@ numpy operations per stage, over all the variants being priced at once (the data
 last micro-batches).
 
 ``cost/pipeline.py`` prices 1F1B in closed form; this replay prices the split-backward schedules
-(zb-h1) and the interleaved one (rows per virtual stage; the ring's wrap-around is one more dependency), for which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches (every count in one
+(zb-h1) and the interleaved one (rows per virtual stage; the ring's wrap-around is one more dependency), for
+which ``PipelineTiming`` tabulates ``T(n)`` up to ``2 depth + 2`` micro-batches (every count in one
 replay, ``replay_counts_s``: one count at a time was a sixth of planning time at 1024-4096 GPUs) and extends
 it by the bottleneck stage's per-micro-batch work (the steady state's growth rate; checked against the
 simulator in tests/unit/test_schedule_time.py).
@@ -110,10 +111,12 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
             return np.stack([e[..., -1] for e in ends], axis=-1)
 
 
-@lru_cache(maxsize=64)  # up to ~15 MB each (30 stages): a planning uses a few depths
+Waits = tuple[tuple[int, np.ndarray, np.ndarray], ...]
+
+
+@lru_cache(maxsize=64)  # 2-6 MB each at 30-40 stages; one per (depth, recomputing stages)
 def _counts_structure(schedule: str, depth: int, num_counts: int, unsplit: tuple[bool, ...]
-                      ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, tuple[tuple[int, np.ndarray, np.ndarray], ...]],
-                                 ...]:
+                      ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, Waits], ...]:
     """``_structure`` of every micro-batch count m = 1..num_counts at once: per stage, (code, row, column) as
     (count, action) arrays (column 1: the count's last micro-batch, 0: a full one; past a count's own actions, a
     no-compute pad) and per neighbour it waits for, (flat index of the waiting actions, flat index of the actions
@@ -122,9 +125,9 @@ def _counts_structure(schedule: str, depth: int, num_counts: int, unsplit: tuple
     widths = [max(len(st[s][0]) for st in per_count) for s in range(depth)]
     out = []
     for s, width in enumerate(widths):
-        codes = np.full((num_counts, width), _PAD)
-        rows = np.zeros((num_counts, width), dtype=int)
-        cols = np.zeros((num_counts, width), dtype=int)
+        codes = np.full((num_counts, width), _PAD, dtype=np.int8)
+        rows = np.zeros((num_counts, width), dtype=np.int32)
+        cols = np.zeros((num_counts, width), dtype=np.int8)
         waits: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         for m, st in enumerate(per_count):
             code, row, mb, deps = st[s]
@@ -133,7 +136,8 @@ def _counts_structure(schedule: str, depth: int, num_counts: int, unsplit: tuple
                 at, of = waits.setdefault(src, ([], []))
                 at.append(m * width + np.flatnonzero(mask))
                 of.append(m * widths[src] + dep)
-        out.append((codes, rows, cols, tuple((src, np.concatenate(at), np.concatenate(of))
+        out.append((codes, rows, cols, tuple((src, np.concatenate(at).astype(np.int32),
+                                              np.concatenate(of).astype(np.int32))
                                              for src, (at, of) in sorted(waits.items()))))
     return tuple(out)
 
@@ -148,7 +152,8 @@ def replay_counts_s(schedule: str, full: tuple[np.ndarray, ...], last: tuple[np.
     Bit for bit the per-count replays: the counts are independent rows of every array, a pad after a count's
     actions neither computes nor waits (so its stage's end stays its last action's), and a count whose stages
     have settled is re-evaluated to the values it holds (a stage's ends are a function of its neighbours')."""
-    fwd, bwd, moved = (np.stack(np.broadcast_arrays(f, x), axis=-1) for f, x in zip(full, last))  # (var, depth, 2)
+    fwd, bwd, moved = (np.stack(np.broadcast_arrays(np.asarray(f, dtype=float), np.asarray(x, dtype=float)), axis=-1)
+                       for f, x in zip(full, last))  # (variants, depth, full or last)
     table = np.stack([fwd, bwd, bwd - moved, moved, np.zeros_like(fwd)], axis=1)  # (var, code, depth, column)
     depth = fwd.shape[-2]
     structure = _counts_structure(schedule, depth, num_counts, tuple(unsplit))

@@ -20,7 +20,7 @@ import numpy as np
 
 from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.pipeline import equal_sizes_makespans, steady_lines
+from ethpipe.cost.pipeline import equal_sizes_makespans, lines_that_can_lead, steady_lines
 from ethpipe.cost.schedule_time import replay_counts_s, stage_finish_of
 from ethpipe.plan import Pipeline
 from ethpipe.schedule import DEFAULT_SCHEDULE, SPLIT_SCHEDULES
@@ -271,7 +271,8 @@ class PipelineTiming:
         if upper > table.size:
             b = self.micro_batch
             m = np.arange(table.size // b + 1, -(-upper // b) + 1, dtype=float)
-            lines = np.max(self._c[None, :, :] + m[:, None, None] * self._slope[None, None, :], axis=-1)
+            keep = lines_that_can_lead(self._c, self._slope, m[0], m[-1]) if m.size > 1 else slice(None)
+            lines = np.max(self._c[None, :, keep] + m[:, None, None] * self._slope[None, None, keep], axis=-1)
             self._table = table = np.maximum.accumulate(np.concatenate([table, lines.ravel()]))
         return table
 
