@@ -22,6 +22,7 @@ simulator in tests/unit/test_schedule_time.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -84,13 +85,28 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
     table = np.stack([fwd, bwd, bwd - moved, moved], axis=-3)  # (..., 4, depth * chunks, m)
     structure = _structure(schedule, depth, m, tuple(unsplit), num_chunks)
     durations = [table[..., codes, rows, mbs] for codes, rows, mbs, _ in structure]
+
+    def arrivals(s: int, ends: list[np.ndarray]) -> np.ndarray:
+        arrive = np.zeros(durations[s].shape)
+        for src, mask, deps in structure[s][3]:
+            arrive[..., mask] = ends[src][..., deps]
+        return arrive
+    ends = _settle(durations, [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)], arrivals)
+    return np.stack([e[..., -1] for e in ends], axis=-1)
+
+
+def _settle(durations: list[np.ndarray], sources: list[tuple[int, ...]],
+            arrivals: Callable[[int, list[np.ndarray]], np.ndarray]) -> list[np.ndarray]:
+    """Each stage's action ends (module docstring): from no waiting at all (a lower bound), stages re-evaluated up
+    and down until nothing moves. ``sources[s]``: the stages stage s waits for; ``arrivals(s, ends)``: when each
+    of its actions' inputs arrive, given the others' ends."""
+    depth = len(durations)
     prefix = [np.cumsum(d, axis=-1) for d in durations]
-    ends = [c.copy() for c in prefix]  # no waiting: a lower bound that the sweeps raise to the longest path
+    ends = [c.copy() for c in prefix]
     order = list(range(depth)) + list(range(depth - 2, 0, -1))
     # A stage's ends are a function of its neighbours' alone: re-evaluated only when one of them moved since.
     version = [0] * depth
     seen: list[tuple[int, ...] | None] = [None] * depth
-    sources = [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)]
     while True:
         moved_any = False
         for s in order + [0] if depth > 1 else [0]:
@@ -98,17 +114,14 @@ def replay_finish_s(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.n
             if seen[s] == now:
                 continue
             seen[s] = now
-            arrive = np.zeros(durations[s].shape)
-            for src, mask, deps in structure[s][3]:
-                arrive[..., mask] = ends[src][..., deps]
             c = prefix[s]
-            new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
+            new = c + np.maximum.accumulate(np.maximum(arrivals(s, ends) - (c - durations[s]), 0.0), axis=-1)
             if not np.array_equal(new, ends[s]):
                 ends[s] = new
                 version[s] += 1
                 moved_any = True
         if not moved_any:
-            return np.stack([e[..., -1] for e in ends], axis=-1)
+            return ends
 
 
 Waits = tuple[tuple[int, np.ndarray, np.ndarray], ...]
@@ -158,32 +171,16 @@ def replay_counts_s(schedule: str, full: tuple[np.ndarray, ...], last: tuple[np.
     depth = fwd.shape[-2]
     structure = _counts_structure(schedule, depth, num_counts, tuple(unsplit))
     durations = [table[:, codes, rows, cols] for codes, rows, cols, _ in structure]  # (var, count, action)
-    prefix = [np.cumsum(d, axis=-1) for d in durations]
-    ends = [c.copy() for c in prefix]
     lead = fwd.shape[0]
-    order = list(range(depth)) + list(range(depth - 2, 0, -1))
-    version = [0] * depth
-    seen: list[tuple[int, ...] | None] = [None] * depth
-    sources = [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)]
-    while True:
-        moved_any = False
-        for s in order + [0] if depth > 1 else [0]:
-            now = tuple(version[src] for src in sources[s])
-            if seen[s] == now:
-                continue
-            seen[s] = now
-            arrive = np.zeros(durations[s].shape)
-            flat = arrive.reshape(lead, -1)
-            for src, at, of in structure[s][3]:
-                flat[:, at] = ends[src].reshape(lead, -1)[:, of]
-            c = prefix[s]
-            new = c + np.maximum.accumulate(np.maximum(arrive - (c - durations[s]), 0.0), axis=-1)
-            if not np.array_equal(new, ends[s]):
-                ends[s] = new
-                version[s] += 1
-                moved_any = True
-        if not moved_any:
-            return np.stack([e[..., -1] for e in ends], axis=-1).max(axis=-1)
+
+    def arrivals(s: int, ends: list[np.ndarray]) -> np.ndarray:
+        arrive = np.zeros(durations[s].shape)
+        flat = arrive.reshape(lead, -1)
+        for src, at, of in structure[s][3]:
+            flat[:, at] = ends[src].reshape(lead, -1)[:, of]
+        return arrive
+    ends = _settle(durations, [tuple(src for src, _, _ in structure[s][3]) for s in range(depth)], arrivals)
+    return np.stack([e[..., -1] for e in ends], axis=-1).max(axis=-1)
 
 
 def stage_finish_of(schedule: str, fwd: np.ndarray, bwd: np.ndarray, moved: np.ndarray | None = None,
