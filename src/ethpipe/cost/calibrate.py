@@ -45,7 +45,7 @@ from ethpipe.cost.hardware import (
     pass_s,
 )
 from ethpipe.cost.profile import LAYER_KINDS, MeasuredProfile
-from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_EXPONENT_SD, slot_powered, sustained_s
+from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_EXPONENT_SD, slot_powered_id, sustained_s
 from ethpipe.errors import UserError
 from ethpipe.model_spec import spec_from_dict
 
@@ -186,8 +186,7 @@ class _Problem:
         floor = k[:, 4]
         gpus = tuple(sorted({o.gpu for o in obs}))
         gpu_index = {g: i for i, g in enumerate(gpus)}
-        catalog = gpu_catalog()
-        slot = tuple(i for i, g in enumerate(gpus) if g in catalog and slot_powered(catalog[g]))
+        slot = tuple(i for i, g in enumerate(gpus) if slot_powered_id(g))
         return cls(families, np.array([index[o.arch] for o in obs]), gpus, np.array([gpu_index[o.gpu] for o in obs]),
                    slot,
                    np.array([o.measured_s for o in obs]),

@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from ethpipe.catalog import GpuSpec, gpu_catalog
+from ethpipe.catalog import GpuSpec
 from ethpipe.cost.ops import Kernel
-from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_REF_S, sample_floor_s, slot_powered, sustained_s
+from ethpipe.cost.sustained import LOAD_EXPONENT_MAX, LOAD_REF_S, sample_floor_s, slot_powered, slot_powered_id, sustained_s
 from ethpipe.errors import UserError, parse_error_summary
 
 CALIBRATION_VERSION = 5  # 2: roofline kernels and a fallback family; 3: TF32 apart from 16-bit tensor cores;
@@ -154,10 +154,12 @@ class Calibration:
         factor = self.gpus.get(gpu.id)
         if factor is not None and factor.num_observations:
             return factor.load_exponent
-        catalog = gpu_catalog()
-        measured = [f.load_exponent for g, f in self.gpus.items()
-                    if f.num_observations and g in catalog and slot_powered(catalog[g])]
+        measured = [f.load_exponent for f in self.measured_slot_powered().values()]
         return sum(measured) / len(measured) if measured else 0.0
+
+    def measured_slot_powered(self) -> dict[str, GpuFactor]:
+        """The measured slot-powered cards' factors: what an unmeasured one's load exponent is made of."""
+        return {g: f for g, f in self.gpus.items() if f.num_observations and slot_powered_id(g)}
 
     def price_source(self, gpu_id: str, arch: str) -> str:
         """Where a GPU type's compute price comes from: its own measurements, its family's, or the fallback."""

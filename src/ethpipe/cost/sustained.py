@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ethpipe.catalog import GpuSpec
+from ethpipe.catalog import GpuSpec, gpu_catalog
 
 SLOT_POWER_W = 75.0
 LOAD_REF_S = 1e-3  # a pass shorter than this runs at the card's clocks (no sustained load)
@@ -25,6 +25,12 @@ LOAD_EXPONENT_MAX = 0.25
 def slot_powered(gpu: GpuSpec) -> bool:
     """A card whose published board power fits the PCIe slot's 75 W (an unknown power is not)."""
     return 0.0 < gpu.tdp_w <= SLOT_POWER_W
+
+
+def slot_powered_id(gpu_id: str) -> bool:
+    """``slot_powered`` of a catalog GPU named by id (an id the catalog lacks is not)."""
+    gpu = gpu_catalog().get(gpu_id)
+    return gpu is not None and slot_powered(gpu)
 
 
 def sustained_s(seconds: float | np.ndarray, exponent: float | np.ndarray) -> float | np.ndarray:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from ethpipe.catalog import check_one_world, gpu_catalog
+from ethpipe.catalog import check_one_world
 from ethpipe.cluster import Cluster
 from ethpipe.cost.model import CostModel, dtype_bytes
 from ethpipe.cost.hardware import Calibration, shipped_calibration
@@ -207,8 +207,7 @@ def compute_model_record(cost: CostModel) -> dict:
     ids = {cost.gpu(t).id for t in types}
     if any(slot_powered(cost.gpu(t)) and not getattr(cal.gpus.get(cost.gpu(t).id), "num_observations", 0)
            for t in types):  # its load exponent is the measured slot-powered cards' mean: keep what it is made of
-        catalog = gpu_catalog()
-        ids |= {g for g, f in cal.gpus.items() if f.num_observations and g in catalog and slot_powered(catalog[g])}
+        ids |= set(cal.measured_slot_powered())
     record = Calibration({a: c for a, c in cal.architectures.items() if a in used}, cal.source, cal.fallback,
                          {t: d for t, d in cal.devices.items() if t in types},
                          {g: f for g, f in cal.gpus.items() if g in ids})

@@ -260,8 +260,7 @@ class PipelineTiming:
         last = tuple(v.T for v in self._matrices(list(range(1, b + 1))))  # (last size, depth)
         columns = replay_counts_s(self.schedule, full, last, self._m_lines - 1, self.unsplit).T  # (count, last size)
         self._table = np.maximum.accumulate(columns.ravel())
-        f, bw = (v[:, -1] for v in self._matrices([b])[:2])
-        slope = float(np.max(f + bw))
+        slope = float(np.max(full[0] + full[1]))  # a full micro-batch's F + B on the bottleneck stage
         self._c = (columns[-1] - (self._m_lines - 1) * slope)[:, None]
         self._slope = np.array([slope])
 
