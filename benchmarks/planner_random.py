@@ -14,6 +14,7 @@ read against this machine's speed at the moment. Writes planner_random.json and 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import random
@@ -83,7 +84,7 @@ def plan_case(cluster: Cluster, model: str, seq: int, batch: int, grad_reduce: s
     return {"planning_s": planning_s, "iteration_s": p["iteration_time_s"], "balance_efficiency": p["balance_efficiency"],
             "factors": {k: p["efficiency_factors"][k] for k in FACTORS if k in p["efficiency_factors"]},
             "num_pipelines": len(plan.pipelines), "idle_devices": len(plan.idle_devices),
-            "shard_optimizer": plan.shard_optimizer}
+            "shard_optimizer": plan.shard_optimizer, "sublayer_cuts": plan.extra["search"].get("sublayer_cuts")}
 
 
 def run(seed: int, num_clusters: int, show: bool = True) -> dict:
@@ -132,6 +133,18 @@ def summary(data: dict) -> dict:
                                  "num_cases": len(gains), "num_losses": len(losses),
                                  "losses_unsharded": sum(1 for r, _ in losses if not r.get("shard_optimizer", False)),
                                  "losses_default_sharded": sum(1 for _, d in losses if d.get("shard_optimizer", False))}
+    cut = {}
+    for label in [f"{n}/GPU" for n in SAMPLES_PER_GPU]:  # each plan against itself in whole layers (its record)
+        records = [r["sublayer_cuts"] for r in rows if r["batch"] == label and r.get("sublayer_cuts")]
+        kept = [c["whole_layers_s"] / c["half_layers_s"] for c in records if c["kept"]]
+        if records:
+            cut[label] = {"num_cases": len(records), "num_kept": len(kept),
+                          "median_gain": statistics.median([*kept, *[1.0] * (len(records) - len(kept))]),
+                          "median_gain_kept": statistics.median(kept) if kept else 1.0, "max_gain": max(kept, default=1.0),
+                          "why_not": dict(collections.Counter(c["why_not"].split(":")[0] for c in records
+                                                              if not c["kept"]))}
+    if cut:
+        out["sublayer_cut_gain"] = cut
     return out
 
 
@@ -164,6 +177,12 @@ def write_report(data: dict, command: str, out_dir: Path) -> None:
                      f"1%: in {gain['losses_unsharded']} of them the bf16 plan is unsharded, and in "
                      f"{gain['losses_default_sharded']} the default plan shards its optimizer (the bf16 copy's 2 bytes "
                      "per parameter, counted for the whole step, take memory a sharded plan needed).")
+    for label, c in s.get("sublayer_cut_gain", {}).items():
+        why = ", ".join(f"{n} {k}" for k, n in sorted(c["why_not"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"- Sub-layer cuts at {label} (stages may end between a layer's attention and its MLP; each "
+                     f"plan against itself in whole layers, `search.sublayer_cuts`): kept in {c['num_kept']} of "
+                     f"{c['num_cases']} cases, x{c['median_gain_kept']:.3f} median where kept (max "
+                     f"x{c['max_gain']:.3f}), x{c['median_gain']:.3f} median over all; whole layers stayed: {why}.")
     lines += ["", "Efficiency factors (each in (0, 1]; their product is the balance efficiency; "
               "`docs/cost-model.md`, \"Efficiency factors\"): median and worst over the cases.", "",
               "| batch | " + " | ".join(FACTORS) + " |", "|---|" + "---|" * len(FACTORS)]

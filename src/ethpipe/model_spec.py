@@ -102,17 +102,25 @@ class ModelSpec:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
     def params_per_layer(self) -> int:
+        return self.attention_params_per_layer() + self.mlp_params_per_layer()
+
+    def attention_params_per_layer(self) -> int:
+        """A layer's attention half: its norm and the q, k, v and output projections (``ethpipe.sublayers``)."""
         h = self.hidden_size
         attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.attention_bias:
             attn += self.q_dim + 2 * self.kv_dim + h
         elif self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim
+        return attn + self._norm_params()
+
+    def mlp_params_per_layer(self) -> int:
+        """A layer's MLP half: its norm and the MLP's matrices."""
         num_mats = 3 if self.activation == "swiglu" else 2
-        mlp = num_mats * h * self.ffn_hidden_size
+        mlp = num_mats * self.hidden_size * self.ffn_hidden_size
         if self.mlp_bias:
-            mlp += (num_mats - 1) * self.ffn_hidden_size + h
-        return attn + mlp + 2 * self._norm_params()
+            mlp += (num_mats - 1) * self.ffn_hidden_size + self.hidden_size
+        return mlp + self._norm_params()
 
     def embedding_params(self) -> int:
         """Token embedding (+ learned positions): lives on a pipeline's first stage."""

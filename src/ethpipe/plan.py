@@ -56,7 +56,13 @@ class Plan:
 
     @property
     def num_layers(self) -> int:
+        """Units the stages tile: decoder layers, or half layers where ``sublayers`` is 2."""
         return self.pipelines[0].stages[-1].layer_ranges[-1][1]
+
+    @property
+    def sublayers(self) -> int:
+        """The unit of every layer index in the plan (``ethpipe.sublayers``): 1 = layers, 2 = half layers."""
+        return self.pipelines[0].stages[0].sublayers
 
     @property
     def idle_device_indices(self) -> tuple[int, ...]:
@@ -128,6 +134,8 @@ class Plan:
             ],
             "blocks": [{"layers": list(b.layers), "ranks": list(b.ranks)} for b in self.blocks],
         }
+        if self.sublayers != 1:
+            out["sublayers"] = self.sublayers
         if self.model_spec is not None:
             out["model_spec"] = self.model_spec.to_dict()
         if self.cluster is not None:
@@ -172,6 +180,8 @@ def layout_key(plan: Plan) -> int:
     """A checksum of the plan's stages (ranks, devices, layers, TP, chunks, schedules), not of its data split: the
     steps of a run measured under one layout (rebalancing moves only the split) carry it in their metrics
     (``layout``), so a fit of a run's steps takes those of the plan it is given and no other."""
-    stages = [[p.schedule, [[list(s.ranks), s.device, list(s.layers), s.tp, [list(c) for c in s.chunks]]
-                            for s in p.stages]] for p in plan.pipelines]
+    stages: list = [[p.schedule, [[list(s.ranks), s.device, list(s.layers), s.tp, [list(c) for c in s.chunks]]
+                                  for s in p.stages]] for p in plan.pipelines]
+    if plan.sublayers != 1:
+        stages.append(plan.sublayers)
     return zlib.crc32(json.dumps(stages).encode())

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ethpipe.sublayers import attention_units
+
 PLAN_VERSION = 1
 
 _T = TypeVar("_T")
@@ -39,6 +41,9 @@ class Stage:
     recompute: bool = False
     # An interleaved pipeline's stage holds several model chunks: their layer ranges, chunk 0 first (= layers).
     chunks: tuple[tuple[int, int], ...] = ()
+    # The unit of ``layers`` and ``chunks``: 1 = decoder layers; 2 = half layers, so a stage may end between a
+    # layer's attention and its MLP (``ethpipe.sublayers``). Every stage of a plan has the plan's.
+    sublayers: int = 1
 
     # Derived from frozen fields, computed once per stage (the planner reads them millions of times).
     @_derived
@@ -53,7 +58,21 @@ class Stage:
 
     @_derived
     def num_layers(self) -> int:
+        """Units held: decoder layers, or half layers with ``sublayers`` 2."""
         return sum(self.chunk_layers)
+
+    @_derived
+    def halves(self) -> tuple[int, int]:
+        """(attention halves, MLP halves) the stage runs: a whole layer is one of each."""
+        if self.sublayers == 1:
+            return self.num_layers, self.num_layers
+        attention = sum(attention_units(lo, hi, 2) for lo, hi in self.layer_ranges)
+        return attention, self.num_layers - attention
+
+    @property
+    def whole_layers(self) -> bool:
+        """Whether the stage holds whole decoder layers only (then ``num_layers`` of them)."""
+        return self.sublayers == 1
 
     def holds(self, layer: int) -> bool:
         if not self.chunks:  # the common case, on the planner's hot path
@@ -62,7 +81,7 @@ class Stage:
 
     def chunk(self, c: int) -> Stage:
         """Model chunk ``c`` as a one-range stage (what the cost model prices per chunk)."""
-        return Stage(self.ranks, self.device, self.layer_ranges[c], self.tp, self.recompute)
+        return Stage(self.ranks, self.device, self.layer_ranges[c], self.tp, self.recompute, sublayers=self.sublayers)
 
 
 @dataclass(frozen=True)
@@ -121,6 +140,16 @@ class IdleDevice:
     device_index: int  # index in the cluster's device order (``cluster_from_dict(plan.cluster).devices``)
     device: str  # its GPU type id
     reason: str
+
+
+def in_half_layers(pipelines: Sequence[Pipeline]) -> tuple[Pipeline, ...]:
+    """The same pipelines with their layer ranges counted in half layers (``Stage.sublayers`` 2): the cuts a
+    planner may then move by half a layer (``ethpipe.sublayers``)."""
+    def half(st: Stage) -> Stage:
+        assert st.sublayers == 1, "already in half layers"
+        return Stage(st.ranks, st.device, (2 * st.layers[0], 2 * st.layers[1]), st.tp, st.recompute,
+                     tuple((2 * lo, 2 * hi) for lo, hi in st.chunks), 2)
+    return tuple(Pipeline(tuple(half(st) for st in p.stages), p.micro_batch_sizes, p.schedule) for p in pipelines)
 
 
 def compute_blocks(pipelines: tuple[Pipeline, ...] | list[Pipeline]) -> tuple[Block, ...]:

@@ -2,7 +2,8 @@
 
 A stage is ``device[ tpT] Llo-hi[*]``: its device type, its tensor-parallel degree where above 1, its layers as an
 inclusive range (``L0-18`` is layers 0 through 18; an interleaved stage's chunks joined by ``+``), ``*`` where it
-recomputes activations. A pipeline is its stages joined by ``->``. Identical pipelines (same stages, micro-batches
+recomputes activations (a stage cut inside a layer: ``L7m-11a``, ``layers_text``). A pipeline is its stages joined
+by ``->``. Identical pipelines (same stages, micro-batches
 and schedule) are printed once, with the indices they cover: a 1024-GPU plan of 512 equal pipelines is one row.
 """
 
@@ -13,14 +14,24 @@ from collections.abc import Sequence
 from ethpipe.plan import Pipeline, Plan, Stage
 
 
-def layers_text(ranges: Sequence[tuple[int, int]]) -> str:
-    """[(0, 19)] -> 'L0-18'; [(5, 6)] -> 'L5'; chunks [(0, 7), (17, 23)] -> 'L0-6+L17-22'."""
-    return "+".join(f"L{lo}" if hi - lo == 1 else f"L{lo}-{hi - 1}" for lo, hi in ranges)
+def layers_text(ranges: Sequence[tuple[int, int]], sublayers: int = 1) -> str:
+    """[(0, 19)] -> 'L0-18'; [(5, 6)] -> 'L5'; chunks [(0, 7), (17, 23)] -> 'L0-6+L17-22'. In half layers
+    (``sublayers`` 2) an end inside a layer says which half: [(15, 23)] -> 'L7m-11a' (layer 7's MLP through layer
+    11's attention), [(14, 16)] -> 'L7', [(15, 16)] -> 'L7m'."""
+    if sublayers == 1:
+        return "+".join(f"L{lo}" if hi - lo == 1 else f"L{lo}-{hi - 1}" for lo, hi in ranges)
+    out = []
+    for lo, hi in ranges:
+        start = f"{lo // 2}{'m' if lo % 2 else ''}"
+        end = f"{(hi - 1) // 2}{'a' if hi % 2 else ''}"
+        out.append(f"L{lo // 2}{'m' if lo % 2 else 'a' if hi - lo == 1 else ''}" if (hi - 1) // 2 == lo // 2
+                   else f"L{start}-{end}")
+    return "+".join(out)
 
 
 def stage_text(stage: Stage) -> str:
     tp = f" tp{stage.tp}" if stage.tp > 1 else ""
-    return f"{stage.device}{tp} {layers_text(stage.layer_ranges)}{'*' if stage.recompute else ''}"
+    return f"{stage.device}{tp} {layers_text(stage.layer_ranges, stage.sublayers)}{'*' if stage.recompute else ''}"
 
 
 def pipeline_text(pipe: Pipeline) -> str:

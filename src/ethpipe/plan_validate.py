@@ -14,9 +14,10 @@ from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, interleaved_fits
 from ethpipe.plan_parts import PLAN_VERSION, Block, IdleDevice, Pipeline, Stage, compute_blocks
+from ethpipe.sublayers import SUBLAYER_CHOICES
 
 _KNOWN = {"version", "method", "model", "global_batch_size", "seq_len", "pipelines", "blocks",
-          "model_spec", "cluster", "predicted", "idle_devices", "shard_optimizer", "shard_weights"}
+          "model_spec", "cluster", "predicted", "idle_devices", "shard_optimizer", "shard_weights", "sublayers"}
 
 
 def _req(data: dict[str, Any], key: str, where: str) -> Any:
@@ -32,7 +33,7 @@ def _pos_int(value: Any, where: str, allow_zero: bool = False) -> int:
     return value
 
 
-def _stage(data: Any, where: str) -> Stage:
+def _stage(data: Any, where: str, sublayers: int) -> Stage:
     if not isinstance(data, dict):
         raise UserError(f"plan field '{where}' must be an object with ranks, device, layers")
     ranks = _req(data, "ranks", where + ".")
@@ -55,7 +56,8 @@ def _stage(data: Any, where: str) -> Stage:
     device = data.get("device", "cpu")
     if not isinstance(device, str):
         raise UserError(f"plan field '{where}.device' must be a GPU type id string")
-    return Stage(ranks_t, device, chunks[0], tp, bool(data.get("recompute", False)), chunks if len(chunks) > 1 else ())
+    return Stage(ranks_t, device, chunks[0], tp, bool(data.get("recompute", False)), chunks if len(chunks) > 1 else (),
+                 sublayers)
 
 
 def _range(layers: Any, where: str) -> tuple[int, int]:
@@ -67,13 +69,13 @@ def _range(layers: Any, where: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _pipeline(data: Any, where: str) -> Pipeline:
+def _pipeline(data: Any, where: str, sublayers: int) -> Pipeline:
     if not isinstance(data, dict):
         raise UserError(f"plan field '{where}' must be an object with stages and micro_batch_sizes")
     stages = _req(data, "stages", where + ".")
     if not isinstance(stages, list) or not stages:
         raise UserError(f"plan field '{where}.stages' must be a non-empty list")
-    parsed = tuple(_stage(s, f"{where}.stages[{i}]") for i, s in enumerate(stages))
+    parsed = tuple(_stage(s, f"{where}.stages[{i}]", sublayers) for i, s in enumerate(stages))
     mbs = _req(data, "micro_batch_sizes", where + ".")
     if not isinstance(mbs, list) or not mbs:
         raise UserError(f"plan field '{where}.micro_batch_sizes' must be a non-empty list of sizes")
@@ -97,7 +99,10 @@ def _pipeline(data: Any, where: str) -> Pipeline:
     return Pipeline(parsed, sizes, schedule)
 
 
-def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int) -> None:
+def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int, sublayers: int) -> None:
+    """Each pipeline's stages tile the model's ``num_layers`` x ``sublayers`` units."""
+    unit = "layers" if sublayers == 1 else "half layers"
+    num_layers *= sublayers
     for p_idx, pipe in enumerate(pipes):
         expect = 0
         for c in range(pipe.num_chunks):  # virtual-stage order: chunk 0 of every stage, then chunk 1, ...
@@ -112,7 +117,7 @@ def _check_layers(pipes: tuple[Pipeline, ...], num_layers: int) -> None:
                 expect = hi
         if expect != num_layers:
             raise UserError(
-                f"plan field 'pipelines[{p_idx}]' covers layers [0, {expect}) but the model has {num_layers} layers"
+                f"plan field 'pipelines[{p_idx}]' covers {unit} [0, {expect}) but the model has {num_layers} {unit}"
             )
 
 
@@ -215,8 +220,12 @@ def plan_fields(data: Any) -> dict[str, Any]:
     raw_pipes = _req(data, "pipelines", "")
     if not isinstance(raw_pipes, list) or not raw_pipes:
         raise UserError("plan field 'pipelines' must be a non-empty list")
-    pipes = tuple(_pipeline(p, f"pipelines[{i}]") for i, p in enumerate(raw_pipes))
-    num_layers = pipes[0].stages[-1].layer_ranges[-1][1]
+    sublayers = data.get("sublayers", 1)
+    if sublayers not in SUBLAYER_CHOICES or isinstance(sublayers, bool):
+        raise UserError(f"plan field 'sublayers' must be 1 (layer ranges count layers) or 2 (they count half layers), "
+                        f"got {sublayers!r}")
+    pipes = tuple(_pipeline(p, f"pipelines[{i}]", sublayers) for i, p in enumerate(raw_pipes))
+    num_layers = pipes[0].stages[-1].layer_ranges[-1][1] // sublayers
     if spec is None:
         try:
             from ethpipe.model_load import load_model_spec
@@ -226,7 +235,7 @@ def plan_fields(data: Any) -> dict[str, Any]:
             pass  # model resolved later by whoever needs it; layer tiling is still checked
     else:
         num_layers = spec.num_layers
-    _check_layers(pipes, num_layers)
+    _check_layers(pipes, num_layers, sublayers)
     _check_ranks(pipes)
     if spec is not None:
         check_tp(pipes, spec)

@@ -28,3 +28,14 @@ def make_plan(spec: ModelSpec, pipelines: list[tuple[list[StageDef], tuple[int, 
     batch = sum(sum(sizes) for _, sizes in pipelines)
     return Plan("custom", spec.name, batch, seq_len, tuple(pipes), compute_blocks(pipes), model_spec=spec,
                 extra=extra or {})
+
+
+def half_layer_plan(spec: ModelSpec, pipelines: list[tuple[list[tuple[int, tuple[int, int], bool]], tuple[int, ...],
+                                                         str]], seq_len: int = 16) -> Plan:
+    """A plan cut in half layers (``ethpipe.sublayers``): pipelines [([(rank, (lo, hi), recompute), ...],
+    micro_batch_sizes, schedule), ...], ranges in half layers."""
+    pipes = tuple(Pipeline(tuple(Stage((r,), "cpu", rng, 1, rc, sublayers=2) for r, rng, rc in stages), tuple(sizes),
+                           schedule) for stages, sizes, schedule in pipelines)
+    batch = sum(p.num_samples for p in pipes)
+    plan = Plan("custom", spec.name, batch, seq_len, pipes, compute_blocks(pipes), model_spec=spec)
+    return Plan.from_dict(plan.to_dict())  # validated as a plan file is

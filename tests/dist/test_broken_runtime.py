@@ -8,7 +8,9 @@ exactness test uses (``exactness.py``):
 - weight decay on norm gains and biases (the optimizer grouping is wrong): parameters;
 - loss scaled by 1 / samples instead of 1 / tokens: loss and gradient norm (AdamW is nearly
   scale invariant, so the parameters alone would barely see it);
-- one block's all-reduce skipped: gradient norm and parameters.
+- one block's all-reduce skipped: gradient norm and parameters;
+- a stage cut inside a layer (``ethpipe.sublayers``) whose lone half skips its residual add, on a plan in half
+  layers whose correct run passes: loss and parameters.
 """
 
 from __future__ import annotations
@@ -26,19 +28,23 @@ from safetensors.torch import load_file
 import ethpipe.runtime.sync.stage_optim as stage_optim
 import ethpipe.runtime.step as step_module
 from ethpipe.tokens.texts import prepare_tokens
+from ethpipe.runtime.model.decoder import DecoderLayer
 from ethpipe.runtime.sync.buckets import GradBuckets
 from ethpipe.runtime.config import ADAM_BETAS, ADAM_EPS
 from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import fails, assert_params_match, assert_stats_match
 from .harness import run_ranks
-from .plans import LLAMA_LIKE, make_plan
+from .plans import LLAMA_LIKE, half_layer_plan, make_plan
 from .reference import reference_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
 
 STEPS, LR = 3, 1e-3
 PLAN = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1)), ([(2, (0, 6))], (2, 1))])
+# The same samples and ranks, the first pipeline cut between layer 3's attention (rank 0) and its MLP (rank 1).
+HALF_PLAN = half_layer_plan(LLAMA_LIKE, [([(0, (0, 7), False), (1, (7, 12), False)], (2, 1), "1f1b"),
+                                         ([(2, (0, 12), False)], (2, 1), "1f1b")])
 
 
 def _decay_everything(module: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -69,21 +75,33 @@ def _break(variant: str) -> None:
             real_issue(self, bucket)
 
         GradBuckets._issue = issue  # type: ignore[method-assign]
+    elif variant == "lone-half-without-residual":
+        real_forward = DecoderLayer.forward
+
+        def forward(self: DecoderLayer, x: torch.Tensor, rope: Any) -> torch.Tensor:
+            if len(self.parts) == 1:  # a stage's lone attention or MLP half: the branch replaces the stream
+                return real_forward(self, x, rope) - x
+            return real_forward(self, x, rope)
+
+        DecoderLayer.forward = forward  # type: ignore[method-assign]
     else:
-        assert variant == "correct", variant
+        assert variant in ("correct", "correct-half-layers"), variant
 
 
-VARIANTS = ("correct", "weight-decay-on-norms", "loss-per-sample", "block-1-allreduce-skipped")
+VARIANTS = ("correct", "weight-decay-on-norms", "loss-per-sample", "block-1-allreduce-skipped", "correct-half-layers",
+            "lone-half-without-residual")
+HALF_LAYERS = ("correct-half-layers", "lone-half-without-residual")  # trained on HALF_PLAN
 
 
 def _worker(rank: int, world_size: int, data: str, out_dir: str) -> None:
-    originals = (stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue)
+    originals = (stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue, DecoderLayer.forward)
     for variant in VARIANTS:
-        stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue = originals  # type: ignore
+        (stage_optim.make_optimizer, step_module.run_stage_step, GradBuckets._issue,  # type: ignore
+         DecoderLayer.forward) = originals
         _break(variant)
         config = TrainConfig(data=data, steps=STEPS, lr=LR, progress=False, timeout_s=60.0, dtype="fp64",
                              save_final=str(Path(out_dir, f"{variant}.safetensors")))
-        records = train(PLAN, config, rank, world_size)
+        records = train(HALF_PLAN if variant in HALF_LAYERS else PLAN, config, rank, world_size)
         if rank == 0:
             Path(out_dir, f"{variant}.json").write_text(json.dumps(records))
 
@@ -105,3 +123,5 @@ def test_each_check_fails_on_a_broken_runtime(tmp_path: Path) -> None:
     assert caught["weight-decay-on-norms"][1], "weight decay on norms not caught by the parameter check"
     assert caught["loss-per-sample"][0], "a 1/samples loss scale not caught by the loss/grad-norm check"
     assert caught["block-1-allreduce-skipped"] == (True, True), caught["block-1-allreduce-skipped"]
+    assert caught["correct-half-layers"] == (False, False), "a plan cut in half layers must pass every check"
+    assert caught["lone-half-without-residual"] == (True, True), caught["lone-half-without-residual"]

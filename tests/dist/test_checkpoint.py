@@ -1,8 +1,8 @@
 """Training checkpoints survive plan changes, crashes mid-save and export (issue 4).
 
 One module fixture runs every training scenario in three forked worlds (3, 2 and 4 ranks):
-- pair 1 (llama-like, clipping): A = two pipelines (depth 2 + depth 1) -> B = one pipeline of depth 3
-  (a pipeline removed, depths and split changed); same world size, so A, B, the uninterrupted run
+- pair 1 (llama-like, clipping): A = two pipelines (depth 2 + depth 1) -> B = one pipeline of depth 3 cut in
+  half layers (a pipeline removed, depths and split changed, stages ending inside layers); same world size, so A, B, the uninterrupted run
   and the crash scenario share one world;
 - pair 2 (gpt-like: learned positions, biases; shuffled data): A = one pipeline of depth 2 (2 ranks)
   -> B = three pipelines of depths 1, 2, 1 (4 ranks; pipelines added, layer split changed).
@@ -36,7 +36,7 @@ from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import PARAM_ATOL, assert_params_match
 from .harness import load_everything, run_ranks
-from .plans import GPT_LIKE, LLAMA_LIKE, make_plan
+from .plans import GPT_LIKE, LLAMA_LIKE, half_layer_plan, make_plan
 from .reference import reference_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
@@ -47,7 +47,8 @@ LR = 1e-3
 STEPS = 4
 
 PLAN_1A = make_plan(LLAMA_LIKE, [([(0, (0, 3)), (1, (3, 6))], (2, 1)), ([(2, (0, 6))], (2, 1))])
-PLAN_1B = make_plan(LLAMA_LIKE, [([(0, (0, 2)), (1, (2, 4)), (2, (4, 6))], (3, 3))])
+# In half layers (``ethpipe.sublayers``): stage 0 ends after layer 2's attention, stage 1 after layer 4's.
+PLAN_1B = half_layer_plan(LLAMA_LIKE, [([(0, (0, 5), False), (1, (5, 9), False), (2, (9, 12), False)], (3, 3), "1f1b")])
 PLAN_2A = make_plan(GPT_LIKE, [([(0, (0, 4)), (1, (4, 6))], (4, 2))])
 PLAN_2B = make_plan(GPT_LIKE, [([(0, (0, 6))], (2,)), ([(1, (0, 1)), (2, (1, 6))], (1, 1)), ([(3, (0, 6))], (2,))])
 
@@ -212,7 +213,7 @@ def test_inspect_shows_step_plan_and_cursor(runs: dict[str, Any]) -> None:
     assert info["checkpoints"] == [2, 4] and info["size_bytes"] > 0
     table = CliRunner().invoke(app, ["inspect", str(ckpt)], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "next sample 24" in table.output
-    assert "cpu L0-1 -> cpu L2-3 -> cpu L4-5" in table.output  # the plan's notation (plan_text.py)
+    assert "cpu L0-2a -> cpu L2m-4a -> cpu L4m-5" in table.output  # the plan's notation (plan_text.py)
 
 
 def _one_line_error(args: list[str]) -> str:

@@ -1,10 +1,11 @@
 """Every plan shape trains to the same parameters as plain single-process PyTorch (docs/design.md §2.2).
 
-Six plans run one after another in the SAME six forked processes (fresh groups per plan),
+Seven plans run one after another in the SAME six forked processes (fresh groups per plan),
 so the whole check costs one spawn; the fourth leaves two of its cluster's eight devices idle
 (no rank: to the runtime it is just a six-rank world). The last two are laid out by ETH itself on
 real GPU clusters (``planned``: a hybrid of mixed and per-type pipelines, and one pipeline with a
-TP degree per device type), then trained on a small model with the same number of layers. Parameters, per-step losses and gradient norms are
+TP degree per device type), then trained on a small model with the same number of layers; the seventh cuts stages
+inside layers (``ethpipe.sublayers``). Parameters, per-step losses and gradient norms are
 compared with a single-process AdamW reference on the same global batches and init, in
 float64 with the tolerances derived in ``exactness.py``.
 """
@@ -33,7 +34,7 @@ from ethpipe.runtime.train import TrainConfig, train
 
 from .exactness import assert_matches_reference
 from .harness import run_ranks
-from .plans import GPT_LIKE, LLAMA_LIKE, make_plan
+from .plans import GPT_LIKE, LLAMA_LIKE, half_layer_plan, make_plan
 from .reference import reference_train
 
 pytestmark = [pytest.mark.dist, pytest.mark.exactness]
@@ -99,6 +100,14 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
     idle = Plan.from_dict(json.loads(idle.to_json()))  # validated as a plan file is
     assert idle.idle_device_indices == (4, 5) and idle.world_size == 6
     hybrid, per_type = _planned_plans()
+    # Stages that end inside a layer (12 half layers): pipelines cut at different halves, so a gradient block is one
+    # MLP half ([7, 8)) held by stages at different depths; a recomputing half-layer stage; zb-h1's split backward.
+    halves = half_layer_plan(LLAMA_LIKE, [
+        ([(0, (0, 3), False), (1, (3, 8), False), (2, (8, 12), False)], (2, 1, 1), "zb-h1"),
+        ([(3, (0, 7), True), (4, (7, 12), False)], (2, 2), "1f1b"),
+        ([(5, (0, 12), False)], (1,), "1f1b"),
+    ])
+    assert [b.layers for b in halves.blocks] == [(0, 3), (3, 7), (7, 8), (8, 12)]
     init_file = str(tmp / "init.safetensors")
     save_atomic(build_full_model(GPT_LIKE, seed=7).state_dict(), init_file)
     return [
@@ -118,6 +127,8 @@ def _scenarios(tmp: Path, data: str) -> list[tuple[str, object, TrainConfig, dic
          dict(clip_grad=0.05, betas=(0.8, 0.99), eps=1e-6, warmup_steps=1, wsd_decay_fraction=0.5, min_lr_ratio=0.2)),
         ("planned-hybrid", hybrid, TrainConfig(**common, save_final=str(tmp / "e.safetensors")), {}),
         ("planned-per-type-tp", per_type, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "f.safetensors")),
+         dict(clip_grad=0.05)),
+        ("half-layer-cuts", halves, TrainConfig(**common, clip_grad=0.05, save_final=str(tmp / "g.safetensors")),
          dict(clip_grad=0.05)),
     ]
 

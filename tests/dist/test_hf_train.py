@@ -63,7 +63,7 @@ def _read_own_tensors(rank: int, world_size: int, hf_dir: str, plan_json: str, o
     pos = plan.position_of(rank)
     pipe = plan.pipelines[pos.pipeline]
     stage = build_stage(plan.resolve_model(), pipe.stages[pos.stage].layers, pos.stage == 0,
-                        pos.stage == pipe.depth - 1, seed=99)
+                        pos.stage == pipe.depth - 1, seed=99, sublayers=plan.sublayers)
     stats = load_stage(stage, hf_dir)
     _, full = load_full(hf_dir)
     same = all(torch.equal(v, full[k]) for k, v in stage.state_dict().items())

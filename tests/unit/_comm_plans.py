@@ -73,7 +73,7 @@ def stage_buckets(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTE
     stage = pipe.stages[pos.stage]
     with torch.device("meta"):
         module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
-                         tp=TPGroup(None, pos.tp_rank, stage.tp), chunks=stage.chunks)
+                         tp=TPGroup(None, pos.tp_rank, stage.tp), chunks=stage.chunks, sublayers=stage.sublayers)
     _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), spec.tie_embeddings)
     params = dict(module.named_parameters())
     buckets = (ShardedBuckets(params, units, {}, rank, {}, bucket_bytes) if sharded

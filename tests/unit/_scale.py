@@ -132,7 +132,8 @@ def count_rank(plan: Plan, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, 
             groups = build_groups(plan, rank, TIMEOUT, tied)
             with torch.device("meta"):
                 module = Decoder(spec, stage.layers, pos.stage == 0, pos.stage == pipe.depth - 1,
-                                 tp=TPGroup(groups.tp_group, pos.tp_rank, stage.tp), chunks=stage.chunks)
+                                 tp=TPGroup(groups.tp_group, pos.tp_rank, stage.tp), chunks=stage.chunks,
+                                 sublayers=stage.sublayers)
             _, units = stage_sync_units(plan, rank, module, state_dict_shapes(spec), tied)
             params = dict(module.named_parameters())
             weights = dict(enumerate(plan.shard_weights)) if plan.shard_weights else {}

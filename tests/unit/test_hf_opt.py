@@ -247,7 +247,7 @@ def test_plan_model_opt_directory(tmp_path) -> None:
     plan = Plan.load(out)
     assert plan.model_spec == load_model_spec(str(path)) == open_hf(path).spec
     assert plan.model_spec.position_offset == 2 and plan.model_spec.activation == "relu"
-    assert sum(s.layers[1] - s.layers[0] for s in plan.pipelines[0].stages) == 3
+    assert sum(s.layers[1] - s.layers[0] for s in plan.pipelines[0].stages) == 3 * plan.sublayers
 
 
 

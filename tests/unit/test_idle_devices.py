@@ -22,6 +22,7 @@ from ethpipe.model_load import load_model_spec
 from ethpipe.plan import IdleDevice, Plan
 from ethpipe.planner import PlannerOptions, estimate_iteration_s, make_plan
 from ethpipe.planner.devices import eth, idle
+from ethpipe.planner.search.incumbent import incumbent_bar_s
 from ethpipe.planner.search.ahead import MISSING, Ahead
 from ethpipe.planner.devices.eth import plan_eth
 from ethpipe.planner.devices.idle import plan_with_idle
@@ -147,6 +148,9 @@ def test_eth_leaves_the_slow_nodes_idle_when_faster(idle_plan: Plan) -> None:
     assert idle_plan.world_size == 4 and idle_plan.idle_device_indices == (0, 1, 2, 3)
     fast_s, every_s = idle_plan.predicted["iteration_time_s"], every.predicted["iteration_time_s"]
     assert fast_s <= every_s
+    # The idle search compares plans in whole layers (sub-layer cuts come after it: ``planner.make_plan``)
+    cuts = every.extra["search"]["sublayer_cuts"]
+    every_s = cuts["whole_layers_s"]
     reason = f"idle: plan without slow predicted {fast_s:.4g} s vs {every_s:.4g} s with it"
     assert {d.reason for d in idle_plan.idle_devices} == {reason}
     tried = idle_plan.extra["search"]["idle"]
@@ -333,11 +337,12 @@ def test_a_child_that_cannot_answer_leaves_the_call_to_this_process() -> None:
 
 def test_plan_eth_with_an_incumbent_is_the_same_plan_or_none() -> None:
     """Pruning against another cluster's time is sound: a looser incumbent gives the unpruned plan, a
-    tighter one than the best plan gives None."""
+    tighter one than the best plan gives None. Looser than the plan's bar (``incumbent_bar_s``: its time in whole
+    layers where it is cut inside layers, which is what the search's whole-layer scores are compared with)."""
     cost = CostModel(cluster_from_dict(SLOW_FIRST), TINY, SEQ)
     free = plan_eth(cost, 8, max_tp=1)
     best_s = free.predicted["iteration_time_s"]
-    loose = plan_eth(cost, 8, max_tp=1, incumbent_s=best_s * 1.01)
+    loose = plan_eth(cost, 8, max_tp=1, incumbent_s=incumbent_bar_s(free, best_s) * 1.01)
     assert loose is not None and loose.pipelines == free.pipelines
     assert plan_eth(cost, 8, max_tp=1, incumbent_s=best_s) is None
 

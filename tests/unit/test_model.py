@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ethpipe.model_spec import ModelSpec, model_presets
-from ethpipe.runtime.model.decoder import build_full_model, build_stage, cpu_kernel_cache_dir, state_dict_shapes
+from ethpipe.runtime.model.decoder import build_full_model, build_stage, state_dict_shapes
+from ethpipe.runtime.model.kernel_modes import cpu_kernel_cache_dir
 
 SPEC = ModelSpec(name="u", num_layers=4, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48,
                  vocab_size=97, max_seq_len=32)

@@ -43,7 +43,9 @@ def test_scenario_set() -> None:
 def test_resplit_keeps_layers_and_batch_and_moves_data_off_the_slowed_type() -> None:
     clu, spec = _a100_v100(), load_model_spec("llama2-7b")
     # 1F1B pipelines: an interleaved pipeline keeps its samples (its micro-batch count is constrained)
-    plan = make_plan(clu, spec, 64, 4096, options=PlannerOptions(allow_mixed=False), schedules=("1f1b",))
+    # Whole layers: cut inside layers, one mixed layer-balanced replica wins here, and no pipeline is the V100s' own.
+    plan = make_plan(clu, spec, 64, 4096, options=PlannerOptions(allow_mixed=False, sublayer_cuts=False),
+                     schedules=("1f1b",))
     cost = CostModel.for_plan(plan)
     slow = resplit(plan, perturbed(cost, Scenario("v100 slow", ((V100, 0.7),))))
     assert [[s.layers for s in p.stages] for p in slow.pipelines] == [[s.layers for s in p.stages] for p in plan.pipelines]

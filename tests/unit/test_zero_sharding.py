@@ -226,15 +226,16 @@ def test_sharding_can_leave_idle_the_devices_the_unsharded_plan_used() -> None:
     fewer, faster stages). The sharding rounds search that idle candidate's devices too (``sharding._Rounds``):
     the plan leaves the L4s idle, as fast as planning the 24 others alone, faster than the best sharded plan on
     every device (by 0.3% with the shipped prices), which is what searching the unsharded plan's devices only
-    gave."""
+    gave. In whole layers: cut inside layers, the unsharded plan without the L4s is the faster one already."""
     spec = load_model_spec("llama2-13b")
-    unsharded = make_plan(H100_A100_L4, spec, 128, 4096, shard_optimizer=False)
+    whole = PlannerOptions(sublayer_cuts=False)
+    unsharded = make_plan(H100_A100_L4, spec, 128, 4096, shard_optimizer=False, options=whole)
     assert not unsharded.idle_devices
     near_s = unsharded.extra["search"]["idle"]["candidates"][0]["near_s"]
     assert near_s <= 1.01 * unsharded.predicted["iteration_time_s"]
-    plan = make_plan(H100_A100_L4, spec, 128, 4096)
-    every = make_plan(H100_A100_L4, spec, 128, 4096, options=PlannerOptions(allow_idle=False))
-    alone = make_plan(cluster_from_dict({"nodes": H100_A100_L4.source["nodes"][:2]}), spec, 128, 4096)
+    plan = make_plan(H100_A100_L4, spec, 128, 4096, options=whole)
+    every = make_plan(H100_A100_L4, spec, 128, 4096, options=PlannerOptions(allow_idle=False, sublayer_cuts=False))
+    alone = make_plan(cluster_from_dict({"nodes": H100_A100_L4.source["nodes"][:2]}), spec, 128, 4096, options=whole)
     assert plan.shard_optimizer and every.shard_optimizer
     assert {d.device for d in plan.idle_devices} == {"l4"}
     assert all(d.reason.startswith("idle: sharded") for d in plan.idle_devices)

@@ -137,7 +137,8 @@ def inspect(
     if info["shard_optimizer"]:
         head.add_row("optimizer", "AdamW state sharded across pipelines (saved whole, loads under any plan)")
     console.print(head)
-    pipes = Table(title="plan that wrote it", caption="stage: device[ tpT] Lfirst-last layer (* = recompute)")
+    pipes = Table(title="plan that wrote it",
+                  caption="stage: device[ tpT] Lfirst-last layer (* = recompute; 7a / 7m: layer 7's attention / MLP half)")
     for column in ("pipelines", "stages", "samples each", "micro-batches"):
         pipes.add_column(column)
     for indices, pipe in pipeline_groups(Plan.from_dict(info["plan"]).pipelines):

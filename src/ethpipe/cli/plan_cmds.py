@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ethpipe.atomic import atomic_path
 from ethpipe.cli.app import app, console, user_errors
-from ethpipe.cli.plan_lines import idle_lines, nodes_line, reduce_bound_line, sharding_line
+from ethpipe.cli.plan_lines import idle_lines, nodes_line, reduce_bound_line, sharding_line, sublayer_line
 from ethpipe.cli.run_config import config_option
 from ethpipe.plan_text import micro_batches_text, pipeline_groups, pipeline_text
 from ethpipe.errors import UserError
@@ -88,7 +88,8 @@ def _summary(plan: Any) -> Table:
     pred = plan.predicted
     mem = {d["rank"]: d for d in pred["devices"]}
     table = Table(title=f"{plan.method} plan: {plan.model}, batch {plan.global_batch_size} x {plan.seq_len} tokens",
-                  caption="stage: device[ tpT] Lfirst-last layer (* = recompute); identical pipelines share a row")
+                  caption="stage: device[ tpT] Lfirst-last layer (* = recompute; 7a / 7m: layer 7's attention / MLP half); "
+                          "identical pipelines share a row")
     for col in ("pipelines", "stages", "samples each", "micro-batches", "schedule", "time s", "min headroom"):
         table.add_column(col, justify="left" if col == "stages" else "right")
     times = pred["pipeline_times_s"]
@@ -139,6 +140,10 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
          no_idle: Annotated[bool, typer.Option("--no-idle", help="Use every device, also where the planner would "
                                                                 "leave some idle (docs/plan-format.md, \"Idle "
                                                                 "devices\").")] = False,
+         sublayer_cuts: Annotated[bool, typer.Option(
+             "--sublayer-cuts/--no-sublayer-cuts",
+             help="eth: let a stage end between a layer's attention and its MLP where that is faster (printed "
+                  "L7m-11a); --no-sublayer-cuts: whole layers only.")] = True,
          out: Annotated[Optional[Path], typer.Option("--out", help="Write the plan JSON here.")] = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan JSON instead of the table.")] = False,
          config_file: Annotated[Optional[Path], config_option(annotated=True)] = None,
@@ -154,7 +159,8 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
         return make_plan(clu, spec, global_batch, seq_len, method, max_tp=max_tp, profiles=profiles,
                          recompute=recompute, dtype=dtype, tf32=tf32, calibration=calibration,
                          robust=robust, attention=attention, shard_optimizer=shard_optimizer,
-                         schedules=parse_schedules(schedules), options=PlannerOptions(allow_idle=not no_idle),
+                         schedules=parse_schedules(schedules),
+                         options=PlannerOptions(allow_idle=not no_idle, sublayer_cuts=sublayer_cuts),
                          grad_reduce=reduce)
 
     result = planned(grad_reduce)
@@ -178,6 +184,9 @@ def plan(ctx: typer.Context, cluster: ClusterOpt, model: ModelOpt, global_batch:
     if grad_reduce != "fp32":
         console.print(reduce_bound_line(result), highlight=False)
     console.print(nodes_line(result), highlight=False)
+    cuts = sublayer_line(result)
+    if cuts:
+        console.print(cuts, highlight=False)
     factors = result.predicted.get("efficiency_factors")
     if factors:
         from ethpipe.planner.efficiency import format_factors

@@ -97,3 +97,14 @@ def sharding_line(plan: Plan) -> str:
     if not record:
         return "optimizer state: whole on every rank (--no-shard-optimizer)"
     return "optimizer state: whole on every rank" + (f" (sharded: {sharded:.3f} s, slower)" if sharded else "")
+
+
+def sublayer_line(plan: Plan) -> str | None:
+    """Whether stages end inside layers, and the plan's time in whole layers (None: not tried)."""
+    record = (plan.extra.get("search") or {}).get("sublayer_cuts")
+    if not record:
+        return None
+    if record["kept"]:
+        return (f"stages cut inside layers (a = attention, m = MLP half): {record['half_layers_s']:.4g} s, "
+                f"{record['whole_layers_s']:.4g} s in whole layers")
+    return f"stages hold whole layers: {record['why_not']}"

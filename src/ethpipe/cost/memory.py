@@ -118,7 +118,7 @@ def head_activation_bytes_materialised(model: ModelSpec, seq_len: int, dtype_byt
 
 
 def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int,
-                                   gqa_expanded: bool = False) -> float:
+                                   gqa_expanded: bool = False, half: str | None = None) -> float:
     """What ethpipe's own runtime (runtime/model/decoder.py) keeps for backward per decoder block and sample.
 
     Counted from autograd's saved tensors (tests/unit/test_activation_inventory.py fits nothing: it
@@ -135,15 +135,21 @@ def runtime_block_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: 
     per stage) and the autocast weight copies (``autocast_weight_bytes``) are counted elsewhere.
     ``gqa_expanded``: a GPU that runs SDPA's memory-efficient kernel gets K and V expanded to the query heads
     (``runtime/model/attention.py``), and SDPA keeps those: 2q instead of 2kv.
+    ``half`` ("attn" or "mlp"): that half's tensors only (one norm each; ``ethpipe.sublayers``); the halves sum to
+    the block.
     """
     h, rms = model.hidden_size, model.norm == "rmsnorm"
-    split = (3 if model.position == "rope" else 2) * model.q_dim + 2 * (model.q_dim if gqa_expanded else model.kv_dim)
-    split += {"swiglu": 4, "relu": 1}.get(model.activation, 2) * model.ffn_hidden_size
-    small = 2 if rms else 4
+    attn_split = ((3 if model.position == "rope" else 2) * model.q_dim
+                  + 2 * (model.q_dim if gqa_expanded else model.kv_dim))
+    mlp_split = {"swiglu": 4, "relu": 1}.get(model.activation, 2) * model.ffn_hidden_size
+    split = attn_split if half == "attn" else mlp_split if half == "mlp" else attn_split + mlp_split
+    heads = 0 if half == "mlp" else model.num_heads
+    norms = 1 if half else 2
+    small = (1 if rms else 2) * norms
     if dtype_bytes >= 4:
-        return seq_len * dtype_bytes * ((6 if rms else 4) * h + small + (split + model.num_heads) / tp)
-    wide = (4 if rms else 2) * h + small + model.num_heads / tp
-    return seq_len * (dtype_bytes * (2 * h + split / tp) + 4 * wide)
+        return seq_len * dtype_bytes * ((3 if rms else 2) * norms * h + small + (split + heads) / tp)
+    wide = (2 if rms else 1) * norms * h + small + heads / tp
+    return seq_len * (dtype_bytes * (norms * h + split / tp) + 4 * wide)
 
 
 def runtime_head_activation_bytes(model: ModelSpec, seq_len: int, dtype_bytes: int, tp: int) -> float:

@@ -1,10 +1,9 @@
 """The cost model every planner method, the estimator and the simulator share (docs/design.md §2.3).
 
-Pure and torch-free. Compute is analytic (FLOPs / achievable FLOP/s + a per-kernel-group
-overhead) unless a measured profile is given for a device type, in which case the profile's
-per-layer times win (scaled by the FLOPs ratio when it was taken on another model or sequence
-length). Stage costs are exposed both per ``Stage`` and as (fixed, per-layer) terms, because
-decoder blocks are identical: that linearity is what makes the exact partition search cheap.
+Pure and torch-free. Compute is per kernel (``cost/hardware.py``), or a measured profile's per-layer times where
+one is given for a device type (scaled by the FLOPs ratio when taken on another model or sequence length), or
+analytic. Stage costs are exposed both per ``Stage`` and as (fixed, per-layer) terms, because decoder blocks are
+identical: that linearity is what makes the exact partition search cheap (half layers: ``sublayer_pricing.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from ethpipe.cost import comm, compute, links, memory, ops
 from ethpipe.cost.model_comm import CommPricing
 from ethpipe.cost.model_memory import MemoryPricing
 from ethpipe.cost.split_pricing import SplitPricing
+from ethpipe.cost.sublayer_pricing import SublayerPricing
 from ethpipe.cost.p2p import P2pFlows, p2p_flows
 from ethpipe.cost.hardware import (
     Calibration, DeviceCompute, KernelLines, has_hardware_model, recorded_calibration, shipped_calibration,
@@ -45,7 +45,6 @@ def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
     return types
 
 
-
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -57,7 +56,7 @@ def dtype_bytes(dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class CostModel(MemoryPricing, SplitPricing, CommPricing):
+class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
     cluster: Cluster
     model: ModelSpec
     seq_len: int
@@ -82,10 +81,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         if self.seq_len <= 0:
             raise UserError(f"seq_len must be a positive integer, got {self.seq_len}")
         if self.seq_len > self.model.max_seq_len:
-            raise UserError(
-                f"seq_len {self.seq_len} exceeds {self.model.name}'s max_seq_len {self.model.max_seq_len}: "
-                "use a shorter --seq-len"
-            )
+            raise UserError(f"seq_len {self.seq_len} exceeds {self.model.name}'s max_seq_len "
+                            f"{self.model.max_seq_len}: use a shorter --seq-len")
         gpus = _gpu_types(self.cluster)
         for name in self.profiles or {}:
             if name not in gpus:
@@ -361,8 +358,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         return memo[key]  # type: ignore[no-any-return]
 
     def end_times_s(self, device_type: str, micro_batch: int, tp: int, *, first: bool, last: bool) -> tuple[float, float]:
-        """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage), with their TP
-        all-reduces."""
+        """(fwd, bwd) seconds of the embedding (first stage) and final norm + head (last stage), TP comm included."""
         fwd = bwd = 0.0
         for kind in ("embedding",) * first + ("head",) * last:
             f, b = self._compute_s(device_type, kind, micro_batch, tp)
@@ -376,18 +372,22 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing):
         d, tp, b = stage.device, stage.tp, micro_batch
         if tp <= 1:
             return 0.0, 0.0
-        fwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, False)
+        layers = stage.num_layers / stage.sublayers  # each half runs one of a block's two all-reduces
+        fwd = layers * self._tp_comm_s(d, tp, "block", b, False)
         again = fwd * ops.RECOMPUTE_TP_ALLREDUCES / 2 if stage.recompute else 0.0  # ``recompute_s``'s comm
-        bwd = stage.num_layers * self._tp_comm_s(d, tp, "block", b, True) + again
+        bwd = layers * self._tp_comm_s(d, tp, "block", b, True) + again
         for kind in ("embedding",) * first + ("head",) * last:
             fwd += self._tp_comm_s(d, tp, kind, b, False)
             bwd += self._tp_comm_s(d, tp, kind, b, True)
         return fwd, bwd
 
     def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
-        """(fwd, bwd) seconds of one micro-batch on ``stage`` (no p2p)."""
-        lf, lb = self.layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)
+        """(fwd, bwd) seconds of one micro-batch on ``stage`` (no p2p; half layers: ``half_stage_compute_s``)."""
         ef, eb = self.end_times_s(stage.device, micro_batch, stage.tp, first=first, last=last)
+        if stage.sublayers != 1:
+            lf, lb = self.half_stage_compute_s(stage, micro_batch)
+            return lf + ef, lb + eb
+        lf, lb = self.layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)
         return stage.num_layers * lf + ef, stage.num_layers * lb + eb
 
     # -- communication -----------------------------------------------------------------

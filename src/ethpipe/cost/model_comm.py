@@ -109,7 +109,7 @@ class CommPricing:
         if self.optimizer_holders <= 1:
             return [0.0] * len(plan.blocks)
         shapes = block_sync_shapes(plan, self.cluster, lambda b, first, last: self.block_grad_bytes(
-            b, first=first, last=last))
+            b, first=first, last=last, sublayers=plan.sublayers))
         return [self.gather_s(shape) for shape in shapes]
 
     def tied_gather_s(self, plan: Plan) -> float:
@@ -127,5 +127,5 @@ class CommPricing:
         The one pricing of gradient sync: the planner's estimate and the simulator both call it.
         """
         shapes = block_sync_shapes(plan, self.cluster, lambda b, first, last: self.block_grad_bytes(
-            b, first=first, last=last))
+            b, first=first, last=last, sublayers=plan.sublayers))
         return [self.sync_s(shape) for shape in shapes]

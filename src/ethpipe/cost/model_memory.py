@@ -12,6 +12,7 @@ from ethpipe.cost import memory, ops
 from ethpipe.cost.profile import MeasuredProfile
 from ethpipe.model_spec import ModelSpec, spec_from_dict
 from ethpipe.plan import Block, Stage
+from ethpipe.sublayers import attention_units, layer_parts
 
 # The runtime's AdamW step over fp32 weights (the master copy), gradients and moments: one fused kernel on a GPU
 # reads w, g, m, v and writes w, m, v (counted: tests/unit/test_counted_work.py).
@@ -27,12 +28,20 @@ class MemoryPricing:
     dtype_bytes: int
     profiles: Mapping[str, MeasuredProfile] | None
 
-    def stage_params(self, num_layers: int, *, first: bool, last: bool) -> int:
-        key = ("params", num_layers, first, last)
+    def layers_params(self, num_layers: int, halves: tuple[int, int] | None = None) -> int:
+        """Parameters of ``num_layers`` whole layers, or of ``halves`` (attention halves, MLP halves)."""
+        m = self.model
+        if halves is None:
+            return num_layers * m.params_per_layer()
+        return halves[0] * m.attention_params_per_layer() + halves[1] * m.mlp_params_per_layer()
+
+    def stage_params(self, num_layers: int, *, first: bool, last: bool, halves: tuple[int, int] | None = None) -> int:
+        """A stage's parameters: its layers' (``halves``: a sub-layer stage's, ``Stage.halves``) and its ends'."""
+        key = ("params", num_layers, first, last, halves)
         memo = self._memo  # type: ignore[attr-defined]
         if key not in memo:
             m = self.model
-            memo[key] = num_layers * m.params_per_layer() + (m.embedding_params() if first else 0) + (
+            memo[key] = self.layers_params(num_layers, halves) + (m.embedding_params() if first else 0) + (
                 m.head_params() if last else 0)
         return memo[key]
 
@@ -42,37 +51,42 @@ class MemoryPricing:
         ``grad_reduce`` bf16 (``memory.GRAD_REDUCE_BYTES``)."""
         return memory.GRAD_REDUCE_BYTES[self.grad_reduce]  # type: ignore[attr-defined]
 
-    def grad_sync_bytes(self, num_layers: int, *, first: bool, last: bool) -> int:
+    def grad_sync_bytes(self, num_layers: int, *, first: bool, last: bool, halves: tuple[int, int] | None = None
+                        ) -> int:
         """Gradient bytes the block sync moves for ``num_layers`` layers, plus the embedding / norm+head at the
         ends; a tied matrix is synced apart (``tied_grad_bytes``), so it is left out of both ends."""
-        params = self.stage_params(num_layers, first=first, last=last)
+        params = self.stage_params(num_layers, first=first, last=last, halves=halves)
         if self.model.tie_embeddings:
             params -= (first + last) * self.model.vocab_size * self.model.hidden_size
         return params * self.grad_bytes
 
-    def block_grad_bytes(self, block: Block, *, first: bool, last: bool) -> int:
-        """Gradient bytes of a block (``grad_sync_bytes`` of its layers)."""
-        return self.grad_sync_bytes(block.layers[1] - block.layers[0], first=first, last=last)
+    def block_grad_bytes(self, block: Block, *, first: bool, last: bool, sublayers: int = 1) -> int:
+        """Gradient bytes of a block (``grad_sync_bytes`` of its layers, or half layers with ``sublayers`` 2)."""
+        lo, hi = block.layers
+        attention = attention_units(lo, hi, sublayers)
+        halves = None if sublayers == 1 else (attention, hi - lo - attention)
+        return self.grad_sync_bytes(hi - lo, first=first, last=last, halves=halves)
 
     def tied_grad_bytes(self) -> int:
         """The tied embedding matrix's gradient bytes (0 for an untied model)."""
         m = self.model
         return m.vocab_size * m.hidden_size * self.grad_bytes if m.tie_embeddings else 0
 
-    def cast_params(self, num_layers: int, *, last: bool) -> int:
+    def cast_params(self, num_layers: int, *, last: bool, halves: tuple[int, int] | None = None) -> int:
         """The parameters a 16-bit step copies to 16-bit (``runtime/model/weight_cast.py``): every block's and the
         head's (a tied head's copy of the embedding matrix); a first stage's embedding is looked up in fp32."""
         m = self.model
-        return num_layers * m.params_per_layer() + (m.head_params() if last else 0)
+        return self.layers_params(num_layers, halves) + (m.head_params() if last else 0)
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """A stage's once-per-step work: the AdamW update of its parameters (sharded over ``optimizer_holders``:
         each holder updates its shard only) and, in 16-bit, the one copy of each weight to 16-bit the step
         makes (``ops.WEIGHT_CAST_BYTES``, ``cast_params``)."""
-        stage_params = self.stage_params(stage.num_layers, first=first, last=last) / stage.tp  # type: ignore[attr-defined]
+        halves = None if stage.sublayers == 1 else stage.halves
+        stage_params = self.stage_params(stage.num_layers, first=first, last=last, halves=halves) / stage.tp  # type: ignore[attr-defined]
         params = stage_params / self.optimizer_holders
         bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS
-        cast = self.cast_params(stage.num_layers, last=last) / stage.tp
+        cast = self.cast_params(stage.num_layers, last=last, halves=halves) / stage.tp
         cast_s = cast * ops.WEIGHT_CAST_BYTES / (bw * 1e9) if self.dtype_bytes < 4 else 0.0
         prof = self.profiles.get(stage.device) if self.profiles else None
         if prof is not None:
@@ -137,7 +151,8 @@ class MemoryPricing:
         memo[key] = (layer_params, per_layer_rest, end_params, tuple(fixed_rest))
         return memo[key]  # type: ignore[no-any-return]
 
-    def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int) -> float:
+    def _activation_bytes(self, device: str | None, kind: str, micro_batch: int, tp: int,
+                          half: str | None = None) -> float:
         """ethpipe's own runtime's saved tensors (``memory.runtime_*``), plus the s x s scores where the
         plan forces materialised attention (SDPA's fused kernels keep none); a measured profile rescales them."""
         m, s, d = self.model, self.seq_len, self.dtype_bytes
@@ -146,18 +161,18 @@ class MemoryPricing:
         expanded = attention is not None and ops.gqa_expanded(attention, m.q_dim, m.kv_dim)
 
         def analytic(spec: ModelSpec, seq_len: int, dtype_bytes: int, tp: int, scores_kept: bool,
-                     gqa_expanded: bool = False) -> float:
+                     gqa_expanded: bool = False, part: str | None = None) -> float:
             if kind != "block":
                 return memory.runtime_head_activation_bytes(spec, seq_len, dtype_bytes, tp)
-            scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if scores_kept else 0.0
-            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp, gqa_expanded) + scores
+            scores = memory.score_bytes(spec, seq_len, dtype_bytes, tp) if scores_kept and part != "mlp" else 0.0
+            return memory.runtime_block_activation_bytes(spec, seq_len, dtype_bytes, tp, gqa_expanded, part) + scores
 
-        ours = analytic(m, s, d, tp, materialised, expanded) * micro_batch
+        ours = analytic(m, s, d, tp, materialised, expanded, half) * micro_batch
         prof = self.profiles.get(device) if self.profiles and device else None
         measured = prof.activation_bytes(kind, micro_batch) if prof is not None else None  # type: ignore[arg-type]
         if prof is None or measured is None:
             return ours
-        theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1,
+        theirs = analytic(spec_from_dict(prof.model), prof.seq_len, prof.dtype_bytes, 1,  # measured: a whole block
                           prof.attention == "materialised", self._profile_expanded(device, prof)) * micro_batch
         return measured * ours / theirs
 
@@ -188,4 +203,20 @@ class MemoryPricing:
         if last and live_heads is not None and live_heads > 1:
             fixed += (live_heads - 1) * self._activation_bytes(stage.device, "head", micro_batch, stage.tp)
         held = pending_weights * self.held_grad_bytes(stage, micro_batch, last) if pending_weights else 0  # type: ignore[attr-defined]
-        return int(fixed + stage.num_layers * per_layer) + held
+        layers = (stage.num_layers * per_layer if stage.sublayers == 1 else
+                  self._half_layers_bytes(stage, micro_batch, in_flight))
+        return int(fixed + layers) + held
+
+    def _half_layers_bytes(self, stage: Stage, micro_batch: int, in_flight: float) -> float:
+        """A sub-layer stage's layers' share of ``stage_memory_bytes`` (``_memory_parts``'s per-layer terms, per
+        half): their parameters' state and autocast copies, and each in-flight micro-batch's saved activations, or
+        under recompute the input of each layer module it runs (a lone half is a module of its own)."""
+        m, tp, b = self.model, stage.tp, micro_batch
+        params = self.layers_params(stage.num_layers, stage.halves)
+        total = self._state_bpp * params / tp + memory.autocast_weight_bytes(params, self.dtype_bytes, tp)  # type: ignore[attr-defined]
+        if stage.recompute:
+            modules = sum(len(layer_parts(lo, hi, stage.sublayers)) for lo, hi in stage.layer_ranges)
+            return total + in_flight * modules * memory.block_input_bytes(m, self.seq_len, self.dtype_bytes) * b
+        kept = sum(n * self._activation_bytes(stage.device, "block", b, tp, half)
+                   for n, half in zip(stage.halves, ("attn", "mlp")))
+        return total + in_flight * kept

@@ -111,10 +111,13 @@ def _linear(name: str, tokens: float, k_in: float, n_out: float, e: int, backwar
 
 
 def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                  attention: Attention, backward: bool, code: str = "ethpipe", stream_bytes: int | None = None
-                  ) -> list[Kernel]:
+                  attention: Attention, backward: bool, code: str = "ethpipe", stream_bytes: int | None = None,
+                  half: str | None = None) -> list[Kernel]:
     """Kernels of one decoder block's forward (or backward) on one TP rank, as ``code`` runs its elementwise
-    work (``cost/elementwise.py``; ``stream_bytes``: the residual stream's dtype, default the compute dtype)."""
+    work (``cost/elementwise.py``; ``stream_bytes``: the residual stream's dtype, default the compute dtype).
+    ``half``: "attn" or "mlp", that half's kernels only (a stage cut between them, ``ethpipe.sublayers``): the two
+    lists partition the block's."""
+    assert half in (None, "attn", "mlp"), half
     if code not in LAYER_CODES:
         raise ValueError(f"layer code must be one of {', '.join(LAYER_CODES)}, got {code!r}")
     m, s, e, t = model, seq_len, elem_bytes, tp
@@ -137,21 +140,28 @@ def block_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, ele
             "mlp_residual", "fc2", "act", "fc1", "mlp_grad_sum", "mlp_cast", "mlp_norm", "stream_grad_sum",
             "attn_residual", "proj", "attention", "rope", "qkv", "attn_grad_sum", "attn_cast", "attn_norm",
             "stream_grad_sum_attn", "bias_grad"]
+        if half is not None:
+            order = [name for name in order if (name in ATTENTION_STEPS) == (half == "attn")]
         return [k for name in order for k in steps.get(name, [])]
     th = tokens * h * e
     norm = mem("norm", (4 if backward else 2) * th)
     residual = mem("residual", 3 * th)
-    ks: list[Kernel] = [norm, *gemms["qkv"]]
+    attn_half: list[Kernel] = [norm, *gemms["qkv"]]
     if m.position == "rope":
-        ks.append(mem("rope", 2 * tokens * (q + kv) * e))
-    ks += [*attn, *gemms["proj"], residual, norm, *gemms["fc1"]]
+        attn_half.append(mem("rope", 2 * tokens * (q + kv) * e))
+    attn_half += [*attn, *gemms["proj"], residual]
     act_passes = (5 if backward else 3) if m.activation == "swiglu" else (3 if backward else 2)
-    ks.append(mem("act", act_passes * tokens * f * e))
-    ks += [*gemms["fc2"], residual]
+    mlp_half = [norm, *gemms["fc1"], mem("act", act_passes * tokens * f * e), *gemms["fc2"], residual]
+    ks = attn_half if half == "attn" else mlp_half if half == "mlp" else attn_half + mlp_half
     if backward:
         ks = [Kernel(k.name, k.kind, k.flops, k.num_bytes * BWD_ELEMENTWISE_FACTOR) if k.kind == "mem" else k
               for k in ks]
     return ks
+
+
+# The steps of a block's attention half (``block_kernels``'s names); the others are its MLP half's.
+ATTENTION_STEPS = frozenset(("attn_norm", "attn_cast", "qkv", "rope", "attention", "proj", "attn_row_bias",
+                             "attn_residual", "attn_grad_sum", "stream_grad_sum_attn", "bias_grad"))
 
 
 def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: float, q: float, kv: float, e: int,
@@ -218,7 +228,7 @@ def head_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem
 
 
 def grad_accumulation_kernels(kind: str, model: ModelSpec, tp: int, elem_bytes: int,
-                              accumulation: str = "cast_add") -> list[Kernel]:
+                              accumulation: str = "cast_add", half: str | None = None) -> list[Kernel]:
     """What a runtime does per parameter and micro-batch after its backward GEMMs: the new gradient added into
     the parameter's ``.grad`` (fp32 under 16-bit precision), as ``accumulation`` does it
     (``GRAD_ACCUM_BYTES_16BIT``); in one dtype the add (3 x its bytes). The embedding's gradient is dense
@@ -231,19 +241,21 @@ def grad_accumulation_kernels(kind: str, model: ModelSpec, tp: int, elem_bytes: 
     wide = max(elem_bytes, 4)
     if kind == "embedding":
         return [mem("embed.grad_accum", model.embedding_params() / tp * (wide + 3 * wide))]
-    params = model.params_per_layer() if kind == "block" else model.head_params()
+    params = ((model.attention_params_per_layer() if half == "attn" else model.mlp_params_per_layer() if half
+               else model.params_per_layer()) if kind == "block" else model.head_params())
     per_param = GRAD_ACCUM_BYTES_16BIT[accumulation] if elem_bytes < 4 else 3 * elem_bytes
     return [mem("grad_accum", params / tp * per_param)]
 
 
 def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
                   attention: Attention, backward: bool, accumulation: str = "cast_add",
-                  code: str = "ethpipe") -> list[Kernel]:
+                  code: str = "ethpipe", half: str | None = None) -> list[Kernel]:
     """One layer pass's kernels as a runtime runs them (``accumulation``: how its backward puts each new
     gradient into ``.grad``, ethpipe's runtime by default; ``code``: whose elementwise kernels,
-    ``cost/elementwise.py``)."""
+    ``cost/elementwise.py``; ``half``: a block's attention or MLP half only, ``block_kernels``)."""
+    assert half is None or kind == "block", (kind, half)
     if kind == "block":
-        ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward, code)
+        ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, backward, code, half=half)
     elif kind == "head":
         ks = head_kernels(model, seq_len, micro_batch, tp, elem_bytes, backward, code)
     elif kind == "embedding":
@@ -251,7 +263,7 @@ def layer_kernels(kind: str, model: ModelSpec, seq_len: int, micro_batch: int, t
     else:
         raise ValueError(f"unknown layer kind '{kind}'")
     if backward:
-        ks = ks + grad_accumulation_kernels(kind, model, tp, elem_bytes, accumulation)
+        ks = ks + grad_accumulation_kernels(kind, model, tp, elem_bytes, accumulation, half)
     return ks
 
 

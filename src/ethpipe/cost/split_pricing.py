@@ -36,8 +36,9 @@ class SplitPricing:
         if stage.recompute:
             return 0.0
         d, tp, b = stage.device, stage.tp, micro_batch
-        moved = 0.0
-        for kind, count in (("block", stage.num_layers), ("embedding", int(first)), ("head", int(last))):
+        half = stage.sublayers != 1  # half layers: each half's own W share (``sublayer_pricing.py``)
+        moved = self.half_weight_grad_s(stage, b) if half else 0.0  # type: ignore[attr-defined]
+        for kind, count in (("block", 0 if half else stage.num_layers), ("embedding", int(first)), ("head", int(last))):
             if count:
                 _, bwd = self._compute_s(d, kind, b, tp)  # type: ignore[attr-defined]
                 moved += count * bwd * self.weight_grad_share(d, kind, b, tp)
@@ -55,7 +56,11 @@ class SplitPricing:
         m, tp = self.model, stage.tp  # type: ignore[attr-defined]
         q, kv = m.num_heads * m.head_dim_resolved, m.num_kv_heads * m.head_dim_resolved
         mlp_in = (2 if m.activation == "swiglu" else 1) * m.ffn_hidden_size
-        per_token = stage.num_layers * (4 * m.hidden_size + (q + 2 * kv + mlp_in) / tp)
+        if stage.sublayers == 1:
+            per_token = stage.num_layers * (4 * m.hidden_size + (q + 2 * kv + mlp_in) / tp)
+        else:  # an attention half records its norm's, q, k, v's and projection's; an MLP half the rest
+            num_attn, num_mlp = stage.halves
+            per_token = num_attn * (2 * m.hidden_size + (q + 2 * kv) / tp) + num_mlp * (2 * m.hidden_size + mlp_in / tp)
         if last:
             per_token += m.hidden_size + m.vocab_size / tp
         tokens = micro_batch * self.seq_len  # type: ignore[attr-defined]

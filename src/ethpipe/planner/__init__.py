@@ -21,6 +21,7 @@ from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
 from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, ideal_time_s
 from ethpipe.planner.layers.interleave import with_interleaving
+from ethpipe.planner.layers.sublayer_cuts import with_sublayer_cuts
 from ethpipe.planner.layers.schedules import with_schedules
 from ethpipe.planner.search.options import PlannerOptions
 from ethpipe.precision import AUTO, plan_dtype, plan_gpus, without_bf16
@@ -151,18 +152,26 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
             assert found is not None, "with nothing to beat, a plan or Infeasible"
             return found, on
 
-        if shard_optimizer:
-            def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
-                return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
-                                robust=robust, cache=cache_of(on),
-                                incumbent_s=incumbent_s, schedules=searched)
+        def refine_on(on: CostModel, incumbent_s: float) -> Plan | None:
+            return plan_eth(on, global_batch_size, max_tp=max_tp, recompute=recompute, options=options,
+                            robust=robust, cache=cache_of(on), incumbent_s=incumbent_s, schedules=searched)
 
-            plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not (options or PlannerOptions()).block_sync,
-                                       robust=robust, refine_fn=refine_on)
+        eth_options = options or PlannerOptions()
+
+        def finish(plan: Plan, on: CostModel) -> Plan:
+            """The decided plan's last two passes (sharded or not is compared after them: ``with_sharding``)."""
+            if "interleaved" in chosen and not robust:  # its pipelines, and why each kept its schedule
+                plan = with_interleaving(plan, on, flat_sync=not eth_options.block_sync)
+            if eth_options.sublayer_cuts and eth_options.balance_layers and not robust:  # stages inside layers
+                plan = with_sublayer_cuts(plan, on, flat_sync=not eth_options.block_sync)
+            return plan
+
+        if shard_optimizer:
+            plan, cost = with_sharding(cost, plan_eth_on, flat_sync=not eth_options.block_sync,
+                                       robust=robust, refine_fn=refine_on, finish_fn=finish)
         else:
             plan, cost = plan_eth_on(cost)
-        if "interleaved" in chosen and not robust:  # the final plan's pipelines, and why each kept its schedule
-            plan = with_interleaving(plan, cost, flat_sync=not (options or PlannerOptions()).block_sync)
+            plan = finish(plan, cost)
     else:
         from ethpipe.planner.baselines.baselines import plan_layer_balanced, plan_uniform
 

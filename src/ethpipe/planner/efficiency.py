@@ -38,8 +38,8 @@ FACTORS = ("idle", "compute", "layer_granularity", "bubble", "p2p", "data_balanc
 def _compute_only_flush_s(plan: Plan, cost: CostModel, p: int, cache: dict) -> float:
     """Pipeline p's flush with every receive removed (stage compute only), by the same closed form."""
     pipe = plan.pipelines[p]
-    key = (tuple((s.device, s.tp, s.chunk_layers, s.recompute) for s in pipe.stages), pipe.micro_batch_sizes,
-           pipe.schedule)
+    key = (tuple((s.device, s.tp, s.chunk_layers if s.sublayers == 1 else s.layer_ranges, s.recompute)
+                 for s in pipe.stages), pipe.micro_batch_sizes, pipe.schedule)
     if key not in cache:
         cache[key] = _flush_s(pipe, cost)
     return cache[key]

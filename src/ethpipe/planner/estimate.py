@@ -169,7 +169,8 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
         pipe = plan.pipelines[first_of[c]]
         for s, stage in enumerate(pipe.stages):
             first, last = s == 0, s == pipe.depth - 1
-            opt_key = ("opt", stage.device, stage.tp, stage.num_layers, first, last)
+            opt_key = ("opt", stage.device, stage.tp, stage.num_layers if stage.sublayers == 1 else stage.halves, first,
+                       last)
             if opt_key not in cache:
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
@@ -182,8 +183,8 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
         for s, stage in enumerate(pipe.stages):
             first, last = s == 0, s == pipe.depth - 1
             held = held_of(pipe, s)
-            detail_key = ("detail", stage.device, stage.tp, stage.chunk_layers, stage.recompute, first, last,
-                          pipe.micro_batch_sizes, held)  # identical stages of identical pipelines: once
+            detail_key = ("detail", stage.device, stage.tp, stage.layer_ranges if stage.sublayers != 1 else
+                          stage.chunk_layers, stage.recompute, first, last, pipe.micro_batch_sizes, held)  # once
             if detail_key not in cache:
                 cache[detail_key] = (
                     stage_bytes(cost, pipe, s, max(pipe.micro_batch_sizes), held),

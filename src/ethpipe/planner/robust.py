@@ -22,7 +22,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.planner.estimate import estimate_iteration_s
-from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, split_sizes, timing_of_layers
+from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, layer_count, split_sizes, timing_of_layers
 
 SLOW_SPEED = 0.7  # -30%
 FAST_SPEED = 1.3  # +30%
@@ -80,10 +80,11 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
         links = tuple((cost.cluster.link_gbps(a.ranks[0], b.ranks[0]), cost.cluster.link_latency_s(a.ranks[0], b.ranks[0]))
                       for a, b in zip(slots, slots[1:]))
         b = max(pipe.micro_batch_sizes)
-        key = (tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages), links, b, pipe.schedule)
+        layers = [layer_count(s) for s in pipe.stages]
+        key = (tuple((s.device, s.tp, n, s.recompute) for s, n in zip(pipe.stages, layers)), links, b, pipe.schedule)
         if key not in groups:
             groups[key] = []
-            layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
+            rc = [s.recompute for s in pipe.stages]
             timings.append(timing_of_layers(cost, slots, layers, rc, b, b if whole else 1, pipe.schedule))
         groups[key].append(p)
     members = list(groups.values())

@@ -181,7 +181,8 @@ def build_stage_run(plan: Plan, config: TrainConfig, spec: ModelSpec, data: Toke
     loaded = start.step_dir is not None or config.init_from is not None
     module = build_stage(spec, stage.layers, first, last, seed=config.seed, device=device,
                          recompute=config.recompute or stage.recompute, dtype=param_dtype, tp=tp,
-                         chunks=stage.chunks, init=not loaded, fp32_residual=config.fp32_residual)
+                         chunks=stage.chunks, init=not loaded, fp32_residual=config.fp32_residual,
+                         sublayers=stage.sublayers)
     if config.init_from is not None and start.step_dir is None:
         watchdog.beat(f"loading --init-from {config.init_from}")
         load_into(module, config.init_from)

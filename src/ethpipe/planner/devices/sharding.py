@@ -36,11 +36,16 @@ EVERY_DEVICE_WITHIN = 1.25
 
 PlanFn = Callable[[CostModel], tuple[Plan, CostModel]]
 RefineFn = Callable[[CostModel, float], "Plan | None"]
+FinishFn = Callable[[Plan, CostModel], Plan]
 
 
 def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: bool = False,
-                  refine_fn: RefineFn | None = None, *, ahead: bool | None = None) -> tuple[Plan, CostModel]:
+                  refine_fn: RefineFn | None = None, *, ahead: bool | None = None,
+                  finish_fn: FinishFn | None = None) -> tuple[Plan, CostModel]:
     """The faster of ``plan_fn(cost)`` unsharded and sharded (module docstring); the plan records which, and why.
+    ``finish_fn(plan, cost)``: what the caller does to the chosen plan afterwards (interleaving, sub-layer cuts:
+    ``planner.make_plan``), done to the unsharded plan and the best sharded one before they are compared, so the
+    choice is the faster finished plan.
     ``robust``: compared by their worst cases (``planner/robust.py``), as the robust search compares plans.
     ``refine_fn(cost, incumbent_s)``: one search on ``cost``'s devices that returns None unless it beats
     ``incumbent_s``; where given, the sharded rounds search the devices the unsharded plan chose and the device
@@ -99,6 +104,8 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     if plain is None and best is None:
         assert error is not None
         raise error
+    if finish_fn is not None:
+        plain, best = ((finish_fn(*c), c[1]) if c is not None else None for c in (plain, best))
     use_best = plain is None or (best is not None and _score(best[0], robust) < _score(plain[0], robust))
     choice = best if use_best else plain
     assert choice is not None

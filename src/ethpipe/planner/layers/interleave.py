@@ -67,7 +67,7 @@ def interleaved_of(pipe: Pipeline, num_chunks: int = NUM_CHUNKS) -> Pipeline | N
         for s in range(depth):
             ranges[s][c] = (start, start + per_chunk[s][c])
             start += per_chunk[s][c]
-    stages = tuple(Stage(st.ranks, st.device, ranges[s][0], st.tp, st.recompute, tuple(ranges[s]))
+    stages = tuple(Stage(st.ranks, st.device, ranges[s][0], st.tp, st.recompute, tuple(ranges[s]), st.sublayers)
                    for s, st in enumerate(pipe.stages))
     return Pipeline(stages, sizes, "interleaved")
 

@@ -24,7 +24,7 @@ from ethpipe.planner.estimate import PlanLayout, estimate_iteration_s, plan_layo
 from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.planner.layers.interleave import try_interleaving
 from ethpipe.planner.layers.timing import (
-    PipelineTiming, StageSlot, action_times_s, split_sizes, timing_of_layers, weight_times_s,
+    PipelineTiming, StageSlot, action_times_s, layer_count, split_sizes, timing_of_layers, weight_times_s,
 )
 from ethpipe.planner.samples.balance import balance_samples
 from ethpipe.cost.plan_memory import fits
@@ -69,7 +69,7 @@ def pipeline_timings(cost: CostModel, pipe: Pipeline, schedules: Sequence[str], 
     times depend on: ``estimate.PlanLayout.keys``, its links' NIC sharing included) across layouts and
     optimizer-holder counts: a split schedule's table is an exact replay, the dearest part of a re-split."""
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
-    layers, rc = [s.num_layers for s in pipe.stages], [s.recompute for s in pipe.stages]
+    layers, rc = [layer_count(s) for s in pipe.stages], [s.recompute for s in pipe.stages]
     b = max(pipe.micro_batch_sizes)
     store = memo if memo is not None and key is not None else {}
     fitting = [sch for sch in schedules if fits(cost, pipe, sch)]  # memory: this holder count's own

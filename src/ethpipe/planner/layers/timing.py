@@ -22,7 +22,7 @@ from ethpipe.cluster import Device
 from ethpipe.cost.model import CostModel
 from ethpipe.cost.pipeline import equal_sizes_makespans, lines_that_can_lead, steady_lines
 from ethpipe.cost.schedule_time import replay_counts_s, stage_finish_of
-from ethpipe.plan import Pipeline
+from ethpipe.plan import Pipeline, Stage
 from ethpipe.schedule import DEFAULT_SCHEDULE, SPLIT_SCHEDULES
 from ethpipe.planner.layers.partition import Partition, StageOption
 
@@ -106,16 +106,45 @@ def _stage_terms(cost: CostModel, slot: StageSlot, micro_batch: int, recompute: 
     return ends, terms
 
 
-def action_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
-                   micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
+# A stage's layers as the timing rows count them: whole layers, or (attention halves, MLP halves) where the plan
+# cuts inside layers (``Stage.halves``, ``ethpipe.sublayers``).
+LayerCount = int | tuple[int, int]
+
+
+def layer_count(stage: Stage) -> LayerCount:
+    """A one-chunk stage's ``LayerCount``."""
+    return stage.num_layers if stage.sublayers == 1 else stage.halves
+
+
+def _layers_s(cost: CostModel, slot: StageSlot, count: LayerCount, recompute: bool,
+              micro_batch: int) -> tuple[float, float]:
+    """(fwd, bwd) seconds of a stage's layers for one micro-batch (``LayerCount``)."""
+    if isinstance(count, tuple):
+        (af, ab), (mf, mb) = cost.half_layer_times_s(slot.device, micro_batch, slot.tp, recompute)
+        return count[0] * af + count[1] * mf, count[0] * ab + count[1] * mb
+    lf, lb = cost.layer_times_s(slot.device, micro_batch, slot.tp, recompute)
+    return count * lf, count * lb
+
+
+def _stage_of(slot: StageSlot, count: LayerCount, recompute: bool) -> Stage:
+    """A stage holding ``count`` (any layer range of those halves prices the same)."""
+    if not isinstance(count, tuple):
+        return Stage(slot.ranks, slot.device, (0, count), slot.tp, recompute)
+    attn, mlp = count
+    start = 1 if mlp > attn else 0  # a lone MLP half first, a lone attention half last
+    return Stage(slot.ranks, slot.device, (start, start + attn + mlp), slot.tp, recompute, sublayers=2)
+
+
+def action_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[LayerCount],
+                   recompute: Sequence[bool], micro_batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Per stage: (receive + forward, receive + backward) seconds of one ``micro_batch``-sample micro-batch."""
     depth = len(slots)
     fwd, bwd = np.empty(depth), np.empty(depth)
     for i, slot in enumerate(slots):
-        lf, lb = cost.layer_times_s(slot.device, micro_batch, slot.tp, recompute[i])
+        lf, lb = _layers_s(cost, slot, layers[i], recompute[i], micro_batch)
         ef, eb = cost.end_times_s(slot.device, micro_batch, slot.tp, first=i == 0, last=i == depth - 1)
-        fwd[i] = layers[i] * lf + ef + _recv_fwd_s(cost, slots, i, micro_batch)
-        bwd[i] = layers[i] * lb + eb + _recv_bwd_s(cost, slots, i, micro_batch)
+        fwd[i] = lf + ef + _recv_fwd_s(cost, slots, i, micro_batch)
+        bwd[i] = lb + eb + _recv_bwd_s(cost, slots, i, micro_batch)
     return fwd, bwd
 
 
@@ -128,25 +157,24 @@ def recv_times_s(cost: CostModel, slots: Sequence[StageSlot], micro_batch: int) 
             np.array([_recv_bwd_s(cost, slots, i, micro_batch) for i in range(depth)]))
 
 
-def weight_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[int], recompute: Sequence[bool],
-                   micro_batch: int) -> tuple[np.ndarray]:
+def weight_times_s(cost: CostModel, slots: Sequence[StageSlot], layers: Sequence[LayerCount],
+                   recompute: Sequence[bool], micro_batch: int) -> tuple[np.ndarray]:
     """Per stage: the seconds of a split backward's W (``CostModel.weight_grad_s``; 0 where it recomputes)."""
-    from ethpipe.plan import Stage
-
     depth = len(slots)
-    moved = np.array([cost.weight_grad_s(Stage(slot.ranks, slot.device, (0, layers[i]), slot.tp, recompute[i]),
-                                         micro_batch, first=i == 0, last=i == depth - 1)
+    moved = np.array([cost.weight_grad_s(_stage_of(slot, layers[i], recompute[i]), micro_batch, first=i == 0,
+                                         last=i == depth - 1)
                       for i, slot in enumerate(slots)])
     return (moved,)
 
 
-def virtual_stages(pipe: Pipeline) -> tuple[list[StageSlot], list[int], list[bool]]:
+def virtual_stages(pipe: Pipeline) -> tuple[list[StageSlot], list[LayerCount], list[bool]]:
     """A pipeline's stages as the cost model's rows: (slot, layers, recompute) per stage, or per virtual
     stage when interleaved (chunk c of stage s is row ``c * depth + s``: the embedding in row 0, the head in
     the last, and row ``c * depth`` receiving from the last stage)."""
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
     rows = [(vs % pipe.depth, vs // pipe.depth) for vs in range(pipe.depth * pipe.num_chunks)]
-    layers = [pipe.stages[s].chunk_layers[c] for s, c in rows]
+    layers: list[LayerCount] = [pipe.stages[s].chunk_layers[c] if pipe.stages[s].sublayers == 1 else
+                                pipe.stages[s].chunk(c).halves for s, c in rows]
     return [slots[s] for s, _ in rows], layers, [pipe.stages[s].recompute for s, _ in rows]
 
 

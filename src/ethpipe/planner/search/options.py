@@ -31,6 +31,8 @@ class PlannerOptions:
       their own pipelines (``planner/devices/hybrid.py``). False: mixed pipelines span all pools or the needy ones.
     * ``split_pools``: a pool's nodes may be shared by its two best shapes (``planner/devices/hybrid.py``).
       False: one template per pool.
+    * ``sublayer_cuts``: the final plan's stages may end between a layer's attention and its MLP where that is
+      predicted faster (``planner/layers/sublayer_cuts.py``). False: whole layers only.
     """
 
     fine_grained: bool = True
@@ -41,6 +43,7 @@ class PlannerOptions:
     per_type_tp: bool = True
     hybrid: bool = True
     split_pools: bool = True
+    sublayer_cuts: bool = True
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:

@@ -22,6 +22,7 @@ from ethpipe.atomic import atomic_path
 from ethpipe.errors import UserError
 from ethpipe.model_spec import ModelSpec
 from ethpipe.plan import Plan
+from ethpipe.sublayers import unit_of_parameter
 from ethpipe.runtime.checkpoint.stream import write_safetensors
 from ethpipe.runtime.model.decoder import state_dict_shapes
 from ethpipe.runtime.model.tensor_parallel import gather_full, local_slice, shard_dim
@@ -127,8 +128,8 @@ def owner_stage(plan: Plan, name: str) -> int:
     """The stage of pipeline 0 that holds global parameter ``name`` (a tied matrix: the first stage's copy)."""
     stages = plan.pipelines[0].stages
     if name.startswith("layers."):
-        layer = int(name.split(".")[1])
-        return next(i for i, s in enumerate(stages) if s.holds(layer))
+        unit = unit_of_parameter(name, plan.sublayers)
+        return next(i for i, s in enumerate(stages) if s.holds(unit))
     return 0 if name.startswith(("tok_emb.", "pos_emb.")) else len(stages) - 1
 
 

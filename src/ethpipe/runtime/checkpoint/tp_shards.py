@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ethpipe.plan import Plan
+from ethpipe.sublayers import unit_of_parameter
 from ethpipe.plan_parts import layer_owners
 from ethpipe.runtime.model.tensor_parallel import TPGroup, shard_dim
 
@@ -71,11 +72,12 @@ class KeyWriters:
                 if part not in best or tp < best[part][0]:
                     best[part] = (tp, (p, s))
         self._best = best
+        self._sublayers = plan.sublayers
 
     def writes(self, name: str) -> bool:
         """Whether this rank presents parameter ``name`` (global, sharded) to DCP's save."""
         if name.startswith("layers."):
-            part: object = int(name.split(".", 2)[1])
+            part: object = unit_of_parameter(name, self._sublayers)
         else:
             part = "emb" if name.startswith("tok_emb.") else "head"
         tp, stage = self._best[part]

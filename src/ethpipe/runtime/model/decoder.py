@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +26,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ethpipe.model_spec import ModelSpec
 from ethpipe.model_load import load_model_spec
+from ethpipe.sublayers import PARTS, layer_parts
 from ethpipe.runtime.model.attention import causal_attention, expand_kv
+from ethpipe.runtime.model.kernel_modes import cpu_kernel_cache_dir
 from ethpipe.runtime.model.weight_cast import WeightCast, bind_weight_cast, cast
 from ethpipe.runtime.model.tensor_parallel import (
     TPGroup, VocabParallelEmbedding, linear, local_slice, tp_input, vocab_parallel_cross_entropy_sum,
@@ -169,16 +170,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None) -> None:
+    """One decoder block, or one of its halves (``parts``: a stage cut between its attention and its MLP,
+    ``ethpipe.sublayers``): the same modules under the same names either way."""
+
+    def __init__(self, spec: ModelSpec, tp: TPGroup | None = None, parts: tuple[str, ...] = PARTS) -> None:
         super().__init__()
-        self.attn_norm = make_norm(spec)
-        self.attn = Attention(spec, tp)
-        self.mlp_norm = make_norm(spec)
-        self.mlp = MLP(spec, tp)
+        self.parts = parts
+        if "attn" in parts:
+            self.attn_norm = make_norm(spec)
+            self.attn = Attention(spec, tp)
+        if "mlp" in parts:
+            self.mlp_norm = make_norm(spec)
+            self.mlp = MLP(spec, tp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        if "attn" in self.parts:
+            x = x + self.attn(self.attn_norm(x), rope)
+        if "mlp" in self.parts:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
 
 
 class TiedHead(nn.Module):
@@ -213,15 +223,20 @@ class Decoder(nn.Module):
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool,
                  recompute: bool = False, tp: TPGroup | None = None,
-                 chunks: tuple[tuple[int, int], ...] = (), fp32_residual: bool = False) -> None:
+                 chunks: tuple[tuple[int, int], ...] = (), fp32_residual: bool = False, sublayers: int = 1) -> None:
         super().__init__()
         # Under 16-bit autocast the residual stream runs in the compute dtype (Megatron's default); True keeps it
         # in fp32 (``--fp32-residual``). Norms compute in fp32 either way; outside autocast nothing is cast.
         self.fp32_residual = fp32_residual
         ranges = chunks or (layers,)
         for lo, hi in ranges:
-            if not 0 <= lo < hi <= spec.num_layers:
-                raise ValueError(f"layer range {[lo, hi]} is outside the model's [0, {spec.num_layers})")
+            if not 0 <= lo < hi <= spec.num_layers * sublayers:
+                raise ValueError(f"layer range {[lo, hi]} is outside the model's [0, {spec.num_layers * sublayers})")
+        # Per chunk, the layers it runs with their halves (``ethpipe.sublayers``; whole layers unless sublayers 2).
+        self.chunk_parts = [layer_parts(lo, hi, sublayers) for lo, hi in ranges]
+        held = [k for parts in self.chunk_parts for k, _ in parts]
+        if len(set(held)) != len(held):
+            raise ValueError(f"a layer is split between two chunks of one stage ({list(ranges)}): not supported")
         self.spec, self.layer_range, self.first, self.last = spec, ranges[0], first, last
         self.chunk_ranges = ranges  # an interleaved stage's model chunks: ``forward(x, chunk)`` runs one
         self.recompute = recompute
@@ -233,7 +248,8 @@ class Decoder(nn.Module):
                             nn.Embedding(spec.vocab_size, spec.hidden_size))
         if first and spec.position == "learned":  # OPT's table has position_offset unused rows first
             self.pos_emb = nn.Embedding(spec.max_seq_len + spec.position_offset, spec.hidden_size)
-        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp) for lo, hi in ranges for k in range(lo, hi)})
+        self.layers = nn.ModuleDict({str(k): DecoderLayer(spec, self.tp, held_parts)
+                                     for parts in self.chunk_parts for k, held_parts in parts})
         if last:
             self.norm = make_norm(spec)
             self.head: nn.Module = (TiedHead(self.tok_emb) if tied else
@@ -255,8 +271,7 @@ class Decoder(nn.Module):
             x = h
         x = self._stream(x)
         rope = self.rope(seq_len, x.device) if self.spec.position == "rope" else None
-        lo, hi = self.chunk_ranges[chunk]
-        for k in range(lo, hi):
+        for k, _ in self.chunk_parts[chunk]:
             layer = self.layers[str(k)]
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, rope, use_reentrant=False)
@@ -323,7 +338,8 @@ def init_parameter(spec: ModelSpec, name: str, param: torch.Tensor, seed: int,
 def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, seed: int = 0,
                 device: torch.device | str = "cpu", recompute: bool = False,
                 dtype: torch.dtype = torch.float32, tp: TPGroup | None = None,
-                chunks: tuple[tuple[int, int], ...] = (), init: bool = True, fp32_residual: bool = False) -> Decoder:
+                chunks: tuple[tuple[int, int], ...] = (), init: bool = True, fp32_residual: bool = False,
+                sublayers: int = 1) -> Decoder:
     """One pipeline stage: built on meta, then only its own parameters are allocated and initialised.
 
     ``dtype`` is the parameters' (fp32, or fp64 for exactness checks); the init draws fp32
@@ -334,7 +350,7 @@ def build_stage(spec: ModelSpec, layers: tuple[int, int], first: bool, last: boo
     """
     with torch.device("meta"):
         module = Decoder(spec, layers, first, last, recompute=recompute, tp=tp, chunks=chunks,
-                         fp32_residual=fp32_residual).to(dtype)
+                         fp32_residual=fp32_residual, sublayers=sublayers).to(dtype)
     module = module.to_empty(device=device)
     if not init:
         return module
@@ -368,16 +384,6 @@ def compile_blocks(module: Decoder) -> None:
     for layer in module.layers.values():
         bind_weight_cast(layer, None)  # inductor traces autocast's casts, not a custom Function's side effect
         layer.compile()
-
-
-def cpu_kernel_cache_dir(chosen: str | None) -> str:
-    """Inductor's cache folder for a CPU run: a subfolder per ATen CPU capability of the folder in force (the
-    user's ``TORCHINDUCTOR_CACHE_DIR``, or torch's default). Inductor's caches are not keyed by the capability
-    (torch 2.13): C++ generated for AVX2 and reused under ``ATEN_CPU_CAPABILITY=default`` fails to build
-    ("'at::vec' has not been declared"). Idempotent."""
-    base = chosen or os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}")
-    leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
-    return base if os.path.basename(os.path.normpath(base)) == leaf else os.path.join(base, leaf)
 
 
 def build_full_model(model: str | ModelSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> Decoder:

@@ -6,6 +6,8 @@ profiler sets the same ones for a profile and puts them back (``set_switches`` r
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Sequence
 
 import torch
@@ -88,3 +90,13 @@ def apply_kernel_modes(plan: Plan, device: torch.device) -> None:
     """Everything a rank sets before training so its kernels are the ones the plan was priced with."""
     apply_tf32(plan, device)
     apply_attention(plan, device)
+
+
+def cpu_kernel_cache_dir(chosen: str | None) -> str:
+    """Inductor's cache folder for a CPU run: a subfolder per ATen CPU capability of the folder in force (the
+    user's ``TORCHINDUCTOR_CACHE_DIR``, or torch's default). Inductor's caches are not keyed by the capability
+    (torch 2.13): C++ generated for AVX2 and reused under ``ATEN_CPU_CAPABILITY=default`` fails to build
+    ("'at::vec' has not been declared"). Idempotent."""
+    base = chosen or os.path.join(tempfile.gettempdir(), f"torchinductor_{os.getuid()}")
+    leaf = f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return base if os.path.basename(os.path.normpath(base)) == leaf else os.path.join(base, leaf)

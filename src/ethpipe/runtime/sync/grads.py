@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ethpipe.plan import Plan
+from ethpipe.sublayers import unit_of_parameter
 from ethpipe.runtime.model.decoder import TIED_WEIGHT
 from ethpipe.runtime.sync.layout import SyncUnit, sync_units, tied_stages, tied_units
 from ethpipe.runtime.model.tensor_parallel import shard_dim
@@ -31,8 +32,8 @@ _LAST_PARTS = ("norm.", "head.")
 def block_of_parameter(plan: Plan, name: str) -> int:
     """Which block a global parameter name belongs to (embeddings: block 0; norm/head: last)."""
     if name.startswith("layers."):
-        layer = int(name.split(".")[1])
-        return next(i for i, b in enumerate(plan.blocks) if b.layers[0] <= layer < b.layers[1])
+        unit = unit_of_parameter(name, plan.sublayers)
+        return next(i for i, b in enumerate(plan.blocks) if b.layers[0] <= unit < b.layers[1])
     if name.startswith(_FIRST_PARTS):
         return 0
     assert name.startswith(_LAST_PARTS), name
