@@ -226,3 +226,4 @@ def test_ethpipe_plan_says_where_stages_end_inside_layers(tmp_path) -> None:
     assert whole.exit_code == 0, whole.output
     assert "sublayers" not in json.loads((tmp_path / "whole.json").read_text())
     assert "inside layers" not in whole.output
+

@@ -97,14 +97,20 @@ class Shortfall:
     usable_bytes: int
 
 
+def held_at_most(pipe: Pipeline, stage: int, schedule: str | None = None) -> Held:
+    """``Held`` of a stage under ``schedule`` (default: its pipeline's) at ``depth`` micro-batches or more, the most
+    any sample count reaches (a re-split of the batch, ``--rebalance``, cannot make it hold more)."""
+    st = pipe.stages[stage]
+    return _held(schedule or pipe.schedule, pipe.depth, stage, max(pipe.depth, pipe.num_microbatches),
+                 not st.recompute, st.chunk_layers)
+
+
 def fits(cost: CostModel, pipe: Pipeline, schedule: str) -> bool:
     """Whether ``pipe`` may run ``schedule`` (the planner's level 2 asks): every stage fits its device with the
-    schedule's in-flight micro-batches at the pipeline's micro-batch size (at ``depth`` micro-batches or more,
-    the most any sample count reaches)."""
-    b, m = max(pipe.micro_batch_sizes), max(pipe.depth, pipe.num_microbatches)
+    schedule's in-flight micro-batches at the pipeline's micro-batch size (``held_at_most``)."""
+    b = max(pipe.micro_batch_sizes)
     for s, stage in enumerate(pipe.stages):
-        held = _held(schedule, pipe.depth, s, m, not stage.recompute, stage.chunk_layers)
-        if stage_bytes(cost, pipe, s, b, held) > cost.usable_memory_bytes(stage.device):
+        if stage_bytes(cost, pipe, s, b, held_at_most(pipe, s, schedule)) > cost.usable_memory_bytes(stage.device):
             return False
     return True
 

@@ -81,7 +81,7 @@ def _pipeline_key(pipe: Pipeline, cost: CostModel, links: dict) -> tuple:
     heads = [st.ranks[0] for st in stages]
     depth = len(stages)
     ring = heads * pipe.num_chunks if pipe.num_chunks > 1 else heads  # the rows' order (``virtual_stages``)
-    return (tuple((s.device, s.tp, s.layers, s.chunks, s.recompute) for s in stages),
+    return (tuple((s.device, s.tp, s.layers, s.chunks, s.recompute, s.sublayers) for s in stages),
             tuple(_link(cost, a, b, links) for a, b in zip(ring[:depth], ring[1:depth + 1])))
 
 

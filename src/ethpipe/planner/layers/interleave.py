@@ -77,6 +77,10 @@ def try_interleaving(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: b
     """``plan`` with each distinct pipeline shape interleaved where that is predicted faster and fits memory
     (module docstring), and its predicted iteration seconds (``plan_s``: ``plan``'s). ``reasons``, if given,
     gets why each pipeline that stays as it was stays (by pipeline index)."""
+    if plan.sublayers != 1:  # chunks of whole layers only: a layer split between two chunks of a stage cannot run
+        if reasons is not None:
+            reasons.update(dict.fromkeys(range(len(plan.pipelines)), "its stages end inside layers"))
+        return plan, plan_s
     shapes: dict[tuple, list[int]] = {}
     for p, pipe in enumerate(plan.pipelines):
         shapes.setdefault((tuple((s.device, s.tp, s.num_layers, s.recompute) for s in pipe.stages),

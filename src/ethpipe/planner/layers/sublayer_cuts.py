@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ethpipe.cost.model import CostModel
-from ethpipe.cost.plan_memory import held_of
+from ethpipe.cost.plan_memory import held_at_most
 from ethpipe.plan import Pipeline, Plan, compute_blocks
 from ethpipe.plan_parts import in_half_layers
 from ethpipe.planner.estimate import estimate_iteration_s
@@ -86,11 +86,14 @@ class _Cuts:
     num_units: int
 
     def window(self, j: int, placed: Sequence[int]) -> range:
+        """Where cut j may go: within ``WINDOW`` of it, after the cut before it as placed and before the next cut
+        as it is (so the cuts as they are stay reachable: no cut crowds a later one out of its window)."""
         cut = self.cuts[j]
+        after = placed[-1] + 1 if placed else 1
         if self.fixed[j]:
-            return range(cut, cut + 1)
-        return range(max(cut - WINDOW, placed[-1] + 1 if placed else 1),
-                     min(cut + WINDOW, self.num_units - (len(self.cuts) - j)) + 1)
+            return range(cut, cut + 1) if after <= cut else range(0)
+        before = self.cuts[j + 1] - 1 if j + 1 < len(self.cuts) else self.num_units - 1
+        return range(max(cut - WINDOW, after), min(cut + WINDOW, before) + 1)
 
     def completion(self, placed: list[int], limit: float) -> list[int] | None:
         """``placed`` (the first cuts' positions) completed with every stage within ``limit`` x its pipeline's
@@ -121,8 +124,9 @@ class _Cuts:
 
 
 def _memory_check(cost: CostModel, pipe: Pipeline, s: int) -> Callable[[int, int], bool]:
-    """Whether stage ``s`` of ``pipe`` fits its device's memory holding units [lo, hi) (memoised)."""
-    b, held, usable = max(pipe.micro_batch_sizes), held_of(pipe, s), cost.usable_memory_bytes(pipe.stages[s].device)
+    """Whether stage ``s`` of ``pipe`` fits its device's memory holding units [lo, hi) (memoised), at any split of
+    the batch (``plan_memory.held_at_most``: what level 2 checks, so a ``--rebalance`` cannot run it out)."""
+    b, held, usable = max(pipe.micro_batch_sizes), held_at_most(pipe, s), cost.usable_memory_bytes(pipe.stages[s].device)
 
     @functools.lru_cache(maxsize=None)
     def fits(lo: int, hi: int) -> bool:
@@ -156,7 +160,7 @@ def shared_cuts(cost: CostModel, pipes: Sequence[Pipeline], num_units: int) -> d
     problem = _Cuts(cuts, endings, tail, fixed, num_units)
     low, high = 0.0, 1.0  # at 1 every pipeline's slowest stage is its scale
     if problem.completion([], high) is None:
-        return {}  # the cuts as they are may not fit memory as the runtime counts it, or crowd one another
+        return {}  # the cuts as they are may not fit memory at every batch split as a half-layer stage counts it
     for _ in range(BISECTION_STEPS):
         mid = (low + high) / 2
         if problem.completion([], mid) is None:
@@ -189,7 +193,7 @@ def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: 
     shapes: dict[tuple, Pipeline] = {}
     for pipe in halves:  # identical pipelines but for their ranks: priced once
         shapes.setdefault((tuple((s.device, s.tp, s.recompute, s.layer_ranges) for s in pipe.stages),
-                           pipe.micro_batch_sizes), pipe)
+                           pipe.micro_batch_sizes, pipe.schedule), pipe)
     moves = shared_cuts(cost, list(shapes.values()), plan.num_layers * 2)
     if all(old == new for old, new in moves.items()):
         return plan, plan_s, "whole layers balance best (within memory)"

@@ -236,7 +236,8 @@ class Decoder(nn.Module):
         self.chunk_parts = [layer_parts(lo, hi, sublayers) for lo, hi in ranges]
         held = [k for parts in self.chunk_parts for k, _ in parts]
         if len(set(held)) != len(held):
-            raise ValueError(f"a layer is split between two chunks of one stage ({list(ranges)}): not supported")
+            raise ValueError(f"a layer is split between two chunks of one stage ({list(ranges)}): a valid plan's "
+                             "chunks of one stage are other stages apart")
         self.spec, self.layer_range, self.first, self.last = spec, ranges[0], first, last
         self.chunk_ranges = ranges  # an interleaved stage's model chunks: ``forward(x, chunk)`` runs one
         self.recompute = recompute
