@@ -23,6 +23,7 @@ VARIANTS: tuple[tuple[str, dict[str, Any], bool], ...] = (
     ("homogeneous pipelines only", {"allow_mixed": False}, False),
     ("data balancing alone", {"balance": "data"}, False),
     ("layer balancing alone", {"balance": "layers"}, False),
+    ("whole layers only (no sub-layer cuts)", {"sublayer_cuts": False}, False),
 )
 REPLAY_FLAT = "eth plan replayed with flat sync"
 

@@ -71,7 +71,10 @@ def test_the_planner_spends_the_freed_memory_and_says_so() -> None:
     plan = make_plan(V100S, spec, 64, 4096, max_tp=1)
     assert not plain.shard_optimizer and plan.shard_optimizer
     record = plan.extra["search"]["shard_optimizer"]
-    assert record["chosen"] and record["unsharded_iteration_s"] == pytest.approx(plain.predicted["iteration_time_s"])
+    # as compared: finished (interleaved, cut inside layers) unless too slow for that to make it win (``_finished``)
+    unfinished_s = plain.extra["search"]["sublayer_cuts"]["whole_layers_s"]
+    assert record["chosen"] and record["unsharded_iteration_s"] in (
+        pytest.approx(plain.predicted["iteration_time_s"]), pytest.approx(unfinished_s))
     assert plan.predicted["iteration_time_s"] < plain.predicted["iteration_time_s"]
 
     def recomputing(p: Plan) -> int:

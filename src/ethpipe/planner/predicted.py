@@ -7,12 +7,14 @@ from ethpipe.cost.compute import model_train_flops
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Plan
 from ethpipe.planner.efficiency import efficiency_factors
-from ethpipe.planner.estimate import estimate_plan, full_ideal_time_s
+from ethpipe.planner.estimate import Estimate, estimate_plan, full_ideal_time_s
 
 
-def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, flat_sync: bool = False) -> dict:
-    """What `ethpipe plan` writes under ``predicted``: times, throughput, efficiency, per device."""
-    est = estimate_plan(plan, cost, flat_sync=flat_sync)
+def predicted_metrics(plan: Plan, cost: CostModel, planning_time_s: float, *, flat_sync: bool = False,
+                      est: Estimate | None = None) -> dict:
+    """What `ethpipe plan` writes under ``predicted``: times, throughput, efficiency, per device (``est``: the plan's
+    detailed estimate, where the caller has it)."""
+    est = est or estimate_plan(plan, cost, flat_sync=flat_sync)
     it = est.iteration_time_s
     ideal = full_ideal_time_s(cost, plan.global_batch_size)
     flops = model_train_flops(cost.model, cost.seq_len, plan.global_batch_size)

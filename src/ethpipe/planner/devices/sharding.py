@@ -104,8 +104,8 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     if plain is None and best is None:
         assert error is not None
         raise error
-    if finish_fn is not None:
-        plain, best = ((finish_fn(*c), c[1]) if c is not None else None for c in (plain, best))
+    if finish_fn is not None and not robust:
+        plain, best = _finished(plain, best, finish_fn)
     use_best = plain is None or (best is not None and _score(best[0], robust) < _score(plain[0], robust))
     choice = best if use_best else plain
     assert choice is not None
@@ -117,6 +117,27 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     predicted = {**choice[0].predicted, "planning_time_s": time.perf_counter() - started}  # both searches
     plan = dataclasses.replace(choice[0], extra={**choice[0].extra, "search": search}, predicted=predicted)
     return plan, choice[1]
+
+
+# Finishing (interleaving, sub-layer cuts) gained at most 12% on the measured plans (llama2-13b on 32 V100-32:
+# 17.14 -> 15.08 s interleaved; sub-layer cuts <= 8% on planner_random): a plan slower than the other one finished
+# by more than this is not finished just to lose.
+FINISH_GAIN_BOUND = 1.15
+
+
+def _finished(plain: tuple[Plan, CostModel] | None, best: tuple[Plan, CostModel] | None, finish_fn: FinishFn
+              ) -> tuple[tuple[Plan, CostModel] | None, tuple[Plan, CostModel] | None]:
+    """The unsharded plan and the best sharded one finished for their comparison: the faster first, the other
+    only where finishing could make it win (``FINISH_GAIN_BOUND``; else it is returned as it is, and loses)."""
+    pair = [plain, best]
+    order = sorted((i for i in (0, 1) if pair[i] is not None), key=lambda i: _time_s(pair[i][0]))  # type: ignore[index]
+    done_s = None
+    for i in order:
+        plan, on = pair[i]  # type: ignore[misc]
+        if done_s is None or _time_s(plan) < FINISH_GAIN_BOUND * done_s:
+            pair[i] = (finish_fn(plan, on), on)
+            done_s = min(done_s, _time_s(pair[i][0])) if done_s is not None else _time_s(pair[i][0])
+    return pair[0], pair[1]
 
 
 class _Rounds:

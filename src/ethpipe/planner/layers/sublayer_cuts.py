@@ -30,7 +30,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import held_at_most
 from ethpipe.plan import Pipeline, Plan, compute_blocks
 from ethpipe.plan_parts import in_half_layers
-from ethpipe.planner.estimate import estimate_iteration_s
+from ethpipe.planner.estimate import Estimate, estimate_plan
 from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.sublayers import attention_units
 
@@ -184,11 +184,11 @@ def _moved(pipe: Pipeline, moves: dict[int, int]) -> Pipeline:
 
 
 def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: bool = False
-                      ) -> tuple[Plan, float, str]:
-    """``plan`` re-cut in half layers where that is predicted faster (module docstring), its predicted iteration
-    seconds (``plan_s``: ``plan``'s) and, where it stays as it was, why."""
+                      ) -> tuple[Plan, Estimate | None, str]:
+    """``plan`` re-cut in half layers where that is predicted faster (module docstring) with its detailed estimate,
+    or ``plan`` (predicted ``plan_s``), None and why it stays as it is."""
     if plan.sublayers != 1:
-        return plan, plan_s, "already in half layers"
+        return plan, None, "already in half layers"
     halves = in_half_layers(plan.pipelines)
     shapes: dict[tuple, Pipeline] = {}
     for pipe in halves:  # identical pipelines but for their ranks: priced once
@@ -196,13 +196,13 @@ def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: 
                            pipe.micro_batch_sizes, pipe.schedule), pipe)
     moves = shared_cuts(cost, list(shapes.values()), plan.num_layers * 2)
     if all(old == new for old, new in moves.items()):
-        return plan, plan_s, "whole layers balance best (within memory)"
+        return plan, None, "whole layers balance best (within memory)"
     pipelines = tuple(_moved(p, moves) for p in halves)
     trial = dataclasses.replace(plan, pipelines=pipelines, blocks=compute_blocks(pipelines), predicted=None)
-    trial_s = estimate_iteration_s(trial, cost, flat_sync=flat_sync)
-    if trial_s < plan_s * (1 - MIN_GAIN):
-        return trial, trial_s, ""
-    return plan, plan_s, f"not faster: {trial_s:.4g} s in half layers, {plan_s:.4g} s in whole ones"
+    est = estimate_plan(trial, cost, flat_sync=flat_sync)
+    if est.iteration_time_s < plan_s * (1 - MIN_GAIN):
+        return trial, est, ""
+    return plan, None, f"not faster: {est.iteration_time_s:.4g} s in half layers, {plan_s:.4g} s in whole ones"
 
 
 def with_sublayer_cuts(plan: Plan, cost: CostModel, *, flat_sync: bool = False) -> Plan:
@@ -211,12 +211,12 @@ def with_sublayer_cuts(plan: Plan, cost: CostModel, *, flat_sync: bool = False) 
     half layers)."""
     started = time.perf_counter()
     whole_s = float(plan.predicted["iteration_time_s"])
-    chosen, chosen_s, why = try_sublayer_cuts(plan, cost, whole_s, flat_sync=flat_sync)
-    record: dict = {"kept": chosen is not plan, "whole_layers_s": whole_s}
-    record.update({"half_layers_s": chosen_s} if chosen is not plan else {"why_not": why})
+    chosen, est, why = try_sublayer_cuts(plan, cost, whole_s, flat_sync=flat_sync)
+    record: dict = {"kept": est is not None, "whole_layers_s": whole_s}
+    record.update({"half_layers_s": est.iteration_time_s} if est is not None else {"why_not": why})
     old = plan.predicted or {}
     planning_s = float(old.get("planning_time_s", 0.0)) + time.perf_counter() - started
-    predicted = ({**old, **predicted_metrics(chosen, cost, planning_s, flat_sync=flat_sync)} if chosen is not plan
-                 else {**old, "planning_time_s": planning_s})
+    predicted = ({**old, **predicted_metrics(chosen, cost, planning_s, flat_sync=flat_sync, est=est)}
+                 if est is not None else {**old, "planning_time_s": planning_s})
     search = {**(chosen.extra.get("search") or {}), "sublayer_cuts": record}
     return dataclasses.replace(chosen, predicted=predicted, extra={**chosen.extra, "search": search})
