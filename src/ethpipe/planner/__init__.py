@@ -158,9 +158,10 @@ def make_plan(cluster: Cluster, model: ModelSpec, global_batch_size: int, seq_le
 
         eth_options = options or PlannerOptions()
 
-        def finish(plan: Plan, on: CostModel) -> Plan:
-            """The decided plan's last two passes (sharded or not is compared after them: ``with_sharding``)."""
-            if "interleaved" in chosen and not robust:  # its pipelines, and why each kept its schedule
+        def finish(plan: Plan, on: CostModel, full: bool = True) -> Plan:
+            """The decided plan's last two passes (sharded or not is compared after them: ``with_sharding``;
+            ``full`` False: the cuts alone)."""
+            if "interleaved" in chosen and not robust and full:  # its pipelines, and why each kept its schedule
                 plan = with_interleaving(plan, on, flat_sync=not eth_options.block_sync)
             if eth_options.sublayer_cuts and eth_options.balance_layers and not robust:  # stages inside layers
                 plan = with_sublayer_cuts(plan, on, flat_sync=not eth_options.block_sync)
