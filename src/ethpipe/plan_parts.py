@@ -69,11 +69,6 @@ class Stage:
         attention = sum(attention_units(lo, hi, 2) for lo, hi in self.layer_ranges)
         return attention, self.num_layers - attention
 
-    @property
-    def whole_layers(self) -> bool:
-        """Whether the stage holds whole decoder layers only (then ``num_layers`` of them)."""
-        return self.sublayers == 1
-
     def holds(self, layer: int) -> bool:
         if not self.chunks:  # the common case, on the planner's hot path
             return self.layers[0] <= layer < self.layers[1]
