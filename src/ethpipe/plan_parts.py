@@ -69,6 +69,12 @@ class Stage:
         attention = sum(attention_units(lo, hi, 2) for lo, hi in self.layer_ranges)
         return attention, self.num_layers - attention
 
+    @_derived
+    def lone_attention(self) -> int:
+        """Chunks that end inside a layer, after its attention half: that half runs without its layer's MLP
+        (what a recomputing stage re-runs of it differs, ``ops.recompute_kernels``)."""
+        return 0 if self.sublayers == 1 else sum(hi % 2 for _, hi in self.layer_ranges)
+
     def holds(self, layer: int) -> bool:
         if not self.chunks:  # the common case, on the planner's hot path
             return self.layers[0] <= layer < self.layers[1]

@@ -210,6 +210,7 @@ def test_inspect_shows_step_plan_and_cursor(runs: dict[str, Any]) -> None:
     info = json.loads(result.output)
     assert info["step"] == STEPS and info["next_sample"] == STEPS * PLAN_1A.global_batch_size
     assert [p["depth"] for p in info["pipelines"]] == [3] and info["world_size"] == 3
+    assert info["sublayers"] == 2 and info["pipelines"][0]["layers"][0] == [[0, 5]]  # in half layers, said so
     assert info["checkpoints"] == [2, 4] and info["size_bytes"] > 0
     table = CliRunner().invoke(app, ["inspect", str(ckpt)], env={"COLUMNS": "200"})
     assert table.exit_code == 0 and "next sample 24" in table.output

@@ -120,6 +120,10 @@ def test_calibrate_from_run_writes_a_catalog_that_plan_and_replan_use(tmp_path: 
                               "--out", str(tmp_path / "fitted.yaml")], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert "predicted vs measured per stage" in res.output and "fast" in res.output
+    from ethpipe.plan_text import layers_text
+
+    first = plan.pipelines[0].stages[0]
+    assert layers_text(first.layer_ranges, first.sublayers) in res.output  # the stage's layers as `plan` names them
     devices = yaml.safe_load((tmp_path / "fitted.yaml").read_text())["devices"]
     assert devices["fast"]["fwd_scale"] == pytest.approx(2.0, rel=0.03)
     planned = runner.invoke(app, ["plan", "--cluster", DEMO, "--model", "tiny", "--global-batch", "24", "--seq-len",

@@ -19,7 +19,7 @@ from ethpipe.cost.model import CostModel
 from ethpipe.errors import UserError
 from ethpipe.model_load import load_model_spec
 from ethpipe.model_spec import ModelSpec
-from ethpipe.plan import Plan, compute_blocks
+from ethpipe.plan import Plan, Stage, compute_blocks
 from ethpipe.plan_parts import in_half_layers
 from ethpipe.plan_text import layers_text
 from ethpipe.planner import PlannerOptions, estimate_plan, make_plan
@@ -71,10 +71,10 @@ def test_stages_in_half_layers_are_the_model_split(spec: ModelSpec) -> None:
         build_stage(spec, (0, 7), True, True, sublayers=2)
 
 
-def _half_stage(spec: ModelSpec, half: str) -> torch.nn.Module:
+def _half_stage(spec: ModelSpec, half: str, recompute: bool = False) -> torch.nn.Module:
     unit = 0 if half == "attn" else 1
     return build_stage(dataclasses.replace(spec, num_layers=1), (unit, unit + 1), first=False, last=False,
-                       sublayers=2)
+                       sublayers=2, recompute=recompute)
 
 
 @pytest.mark.parametrize("spec,half,autocast", list(itertools.product([GQA, GPT], ["attn", "mlp"], [False, True])),
@@ -180,6 +180,85 @@ def test_an_attention_and_an_mlp_half_add_up_to_a_layer() -> None:
     assert params[0] + params[1] == params[2] == cost.model.params_per_layer()
 
 
+@pytest.mark.parametrize("half", ["attn", "mlp"])
+def test_a_lone_recomputing_half_reruns_what_is_priced(half: str) -> None:
+    """torch's non-reentrant checkpoint stops a lone half's re-run before its last GEMM (the attention half's
+    output projection, the MLP half's fc2), as ``ops.recompute_kernels(half=...)`` prices it."""
+    from test_counted_work import LINEAR_GEMMS, _counted_flops, _priced_gemm_flops
+
+    spec = dataclasses.replace(GQA, num_layers=1)
+    plain, again = (_half_stage(spec, half, recompute=rc) for rc in (False, True))
+    (fwd, bwd), (fwd_r, bwd_r) = _counted_flops(plain, spec, False), _counted_flops(again, spec, False)
+    rerun = _priced_gemm_flops(ops.recompute_kernels(spec, SEQ, BATCH, 1, 4, "flash", half=half), LINEAR_GEMMS)
+    attention = 4.0 * BATCH * spec.num_heads * SEQ * SEQ * spec.head_dim_resolved if half == "attn" else 0.0
+    assert fwd_r == fwd and bwd_r == pytest.approx(bwd + rerun + attention, rel=1e-9)
+    assert rerun > 0 and {k.name for k in ops.recompute_kernels(spec, SEQ, BATCH, 1, 4, "flash", half=half)
+                          if k.kind == "gemm"} == ({"qkv", "flash_attn"} if half == "attn" else {"fc1"})
+
+
+def test_a_lone_recomputing_half_reruns_no_tp_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank of a tp-2 stage (torch's fake process group): recomputing, a whole layer re-runs one all-reduce
+    (after its attention), a lone attention or MLP half none, as ``CostModel.stage_tp_comm_s`` prices them."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ethpipe.runtime.model.tensor_parallel import TPGroup
+
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    spec = dataclasses.replace(GQA, num_layers=1)
+
+    def backward_all_reduces(units: tuple[int, int], recompute: bool) -> int:
+        stage = build_stage(spec, units, first=False, last=False, sublayers=2, recompute=recompute,
+                            tp=TPGroup(dist.group.WORLD, 0, 2))
+        out = stage(torch.randn(BATCH, SEQ, spec.hidden_size, requires_grad=True))
+        calls.clear()
+        out.sum().backward()
+        return len(calls)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        rerun = {units: backward_all_reduces(units, True) - backward_all_reduces(units, False)
+                 for units in ((0, 2), (0, 1), (1, 2))}
+    finally:
+        dist.destroy_process_group()
+    assert rerun == {(0, 2): 1, (0, 1): 0, (1, 2): 0}
+    for (lo, hi), n in rerun.items():  # the re-run all-reduces the pricing counts (``stage_tp_comm_s``)
+        stage = Stage((0, 1), "h100_sxm", (lo, hi), 2, True, sublayers=2)
+        assert (stage.halves[0] - stage.lone_attention) * ops.RECOMPUTE_TP_ALLREDUCES == n
+
+
+def test_half_stages_price_alike_everywhere_and_a_lone_attention_half_reruns_less() -> None:
+    """Every range in half layers, recomputing or not, tp 1 and 2: the planner's rows (``LayerCount``) price a
+    stage as ``CostModel.stage_compute_s`` does; a recomputing stage that ends after an attention half re-runs
+    neither its projection nor its all-reduce, and the TP comm a run's fit takes out says so."""
+    from ethpipe.planner.layers.timing import StageSlot, _layers_s, _stage_of, layer_count
+
+    cost = CostModel(CLUSTER, load_model_spec("llama3-8b"), 4096)
+    for (lo, hi), rc, tp in itertools.product([(0, 3), (1, 4), (1, 5), (0, 4), (2, 3), (1, 2), (3, 8)],
+                                              (False, True), (1, 2)):
+        stage = Stage(tuple(range(tp)), "h100_sxm", (lo, hi), tp, rc, sublayers=2)
+        slot = StageSlot(stage.device, tp, stage.ranks)
+        priced = cost.stage_compute_s(stage, 1, first=False, last=False)
+        assert _layers_s(cost, slot, layer_count(stage), rc, 1) == pytest.approx(priced, rel=1e-12)
+        rebuilt = _stage_of(slot, layer_count(stage), rc)
+        assert (rebuilt.halves, rebuilt.lone_attention) == (stage.halves, stage.lone_attention)
+        assert stage.lone_attention == hi % 2
+        saved = cost.lone_attention_saving_s(stage.device, 1, tp, rc)
+        assert (saved > 0) == rc
+        if rc and hi % 2:
+            ending = Stage(stage.ranks, stage.device, (lo, hi + 1), tp, rc, sublayers=2)  # the same, its MLP added
+            _, (_, mlp_b) = cost.half_layer_times_s(stage.device, 1, tp, True)
+            whole_b = cost.stage_compute_s(ending, 1, first=False, last=False)[1]
+            assert whole_b - mlp_b - priced[1] == pytest.approx(saved, rel=1e-9)
+        comm = cost.stage_tp_comm_s(stage, 1, first=False, last=False)
+        plain = cost.stage_tp_comm_s(dataclasses.replace(stage, recompute=False), 1, first=False, last=False)
+        per_allreduce = cost.stage_tp_comm_s(Stage(stage.ranks, stage.device, (0, 2), tp, False, sublayers=2), 1,
+                                             first=False, last=False)[0] / 2
+        assert comm[1] - plain[1] == pytest.approx(rc * (stage.halves[0] - hi % 2) * per_allreduce, abs=1e-15)
+
+
 def test_the_planner_cuts_inside_layers_where_that_is_faster() -> None:
     """llama3-8b at one sample per GPU: its 128k-vocabulary head is two layers' worth, which whole layers cannot
     balance; the plan in half layers is predicted faster than the same search in whole layers, which it
@@ -196,6 +275,50 @@ def test_the_planner_cuts_inside_layers_where_that_is_faster() -> None:
     loaded = Plan.from_dict(cut.to_dict())
     assert estimate_plan(loaded, CostModel.for_plan(loaded)).iteration_time_s == pytest.approx(
         cut.predicted["iteration_time_s"], rel=1e-9)
+
+
+def test_a_replan_keeps_the_plans_choice_of_sublayer_cuts() -> None:
+    """`ethpipe replan` plans with the options the old plan records (``search.options``), so a plan made with
+    `--no-sublayer-cuts` is re-planned in whole layers; a bad record is one clear error."""
+    from ethpipe.cli.replanning import recorded_options, replan
+
+    spec = load_model_spec("llama3-8b")
+    whole = make_plan(CLUSTER, spec, 48, 4096, options=PlannerOptions(sublayer_cuts=False))
+    assert recorded_options(whole, allow_idle=False) == PlannerOptions(sublayer_cuts=False, allow_idle=False)
+    again = replan(whole, CLUSTER)
+    assert "sublayer_cuts" not in again.extra["search"] and again.sublayers == 1
+    assert again.extra["search"]["options"]["sublayer_cuts"] is False
+    assert "sublayer_cuts" in replan(make_plan(CLUSTER, spec, 48, 4096), CLUSTER).extra["search"]  # tried
+    bad = dataclasses.replace(whole, extra={**whole.extra, "search": {"options": {"sublayer_cuts": "no"}}})
+    with pytest.raises(UserError, match="'search.options.sublayer_cuts' must be true or false"):
+        recorded_options(bad, allow_idle=True)
+
+
+def test_the_batch_is_re_split_for_the_cut_stages() -> None:
+    """gpt3-1.3b at one sample per GPU on 1024 GPUs of three types: the cuts shorten some pipelines' slowest
+    stages, and level 3 then gives those pipelines more samples; the plan so re-split is faster than the same cuts
+    at the whole-layer plan's split, and every rank still fits its memory."""
+    from ethpipe.planner.layers.sublayer_cuts import try_sublayer_cuts
+
+    cluster = cluster_from_dict({"nodes": [
+        {"gpu": "a100_80gb_sxm", "num_nodes": 45, "gpus_per_node": 8, "nic_gbit_s": 400},
+        {"gpu": "a100_pcie_80gb", "num_nodes": 47, "gpus_per_node": 8, "nic_gbit_s": 800},
+        {"gpu": "v100_16gb_pcie", "num_nodes": 72, "gpus_per_node": 4, "nic_gbit_s": 200}]})
+    whole = make_plan(cluster, load_model_spec("gpt3-1.3b"), cluster.num_devices, 2048,
+                      options=PlannerOptions(sublayer_cuts=False))
+    cost = CostModel.for_plan(whole)
+    cut, est, why = try_sublayer_cuts(whole, cost, whole.predicted["iteration_time_s"])
+    assert est is not None, why
+    assert any(a.num_samples != b.num_samples for a, b in zip(cut.pipelines, whole.pipelines))
+    assert sum(p.num_samples for p in cut.pipelines) == whole.global_batch_size
+    assert all(max(a.micro_batch_sizes) == max(b.micro_batch_sizes) and a.schedule == b.schedule
+               for a, b in zip(cut.pipelines, whole.pipelines))
+    at_old_split = dataclasses.replace(cut, pipelines=tuple(
+        dataclasses.replace(c, micro_batch_sizes=w.micro_batch_sizes) for c, w in zip(cut.pipelines, whole.pipelines)))
+    assert est.iteration_time_s < estimate_plan(at_old_split, cost).iteration_time_s < whole.predicted[
+        "iteration_time_s"]
+    devices = cost.cluster.devices
+    assert all(n <= cost.usable_memory_bytes(devices[r].gpu.id) for r, n in est.memory_bytes.items())
 
 
 def test_a_hand_edited_plan_in_half_layers_is_checked(whole_plan: Plan) -> None:

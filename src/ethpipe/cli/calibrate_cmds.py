@@ -45,6 +45,7 @@ def _calibrate_from_run(metrics: Path, plan_path: Path, out: Path) -> None:
     from ethpipe.cli.learn import fit_run, fitted_speeds
     from ethpipe.cost.run_fit import check_records
     from ethpipe.plan import Plan, write_text_atomic
+    from ethpipe.plan_text import layers_text
 
     if not metrics.is_file():
         raise UserError(f"metrics file '{metrics}' not found: give the --metrics file of an `ethpipe train` run")
@@ -59,7 +60,9 @@ def _calibrate_from_run(metrics: Path, plan_path: Path, out: Path) -> None:
     for col in ("pipe", "stage", "device", "layers", "measured s", "before", "after"):
         table.add_column(col, justify="left" if col == "device" else "right")
     for b, a in zip(fit.before, fit.after):
-        table.add_row(str(b["pipeline"]), str(b["stage"]), b["device"], str(b["num_layers"]), f"{b['measured_s']:.4f}",
+        stage = plan.pipelines[b["pipeline"]].stages[b["stage"]]
+        table.add_row(str(b["pipeline"]), str(b["stage"]), b["device"], layers_text(stage.layer_ranges, stage.sublayers),
+                      f"{b['measured_s']:.4f}",
                       f"{b['predicted_s']:.4f} ({100 * b['error']:+.1f}%)",
                       f"{a['predicted_s']:.4f} ({100 * a['error']:+.1f}%)")
     console.print(table)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ethpipe.cluster import Cluster, cluster_from_dict, load_cluster
 from ethpipe.cost import hardware
@@ -21,6 +21,9 @@ from ethpipe.plan import Plan
 from ethpipe.plan_text import plan_shape
 from ethpipe.precision import AUTO, plan_dtype, without_bf16
 
+if TYPE_CHECKING:
+    from ethpipe.planner import PlannerOptions
+
 
 def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration: Calibration | None = None,
            profiles: Mapping[str, MeasuredProfile] | None = None) -> Plan:
@@ -30,7 +33,7 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
 
     ``allow_idle=False`` when the world is already running on every device of ``cluster``; ``calibration``
     replaces the plan's own constants (a fit of the run: `ethpipe replan --catalog`, `train --replan-after`)."""
-    from ethpipe.planner import METHODS, PlannerOptions, make_plan
+    from ethpipe.planner import METHODS, make_plan
 
     method = old.method if old.method in METHODS else "eth"
     dtype = str(old.extra.get("dtype", AUTO))
@@ -42,7 +45,7 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
                            fix="re-make the plan with `ethpipe plan --dtype fp16` (or fp32) and train in that dtype")
     new = make_plan(cluster, old.resolve_model(), old.global_batch_size, old.seq_len, method, max_tp=1, dtype=dtype,
                     profiles=profiles,
-                    options=PlannerOptions(allow_idle=allow_idle), tf32=bool(old.extra.get("tf32", True)),
+                    options=recorded_options(old, allow_idle), tf32=bool(old.extra.get("tf32", True)),
                     calibration=calibration or recorded_calibration(old),
                     attention=str(old.extra.get("attention", "auto")),
                     schedules=recorded_schedules(old), grad_reduce=str(old.extra.get("grad_reduce", "fp32")),
@@ -53,6 +56,23 @@ def replan(old: Plan, cluster: Cluster, *, allow_idle: bool = True, calibration:
 
         new = dataclasses.replace(new, extra={**new.extra, "emulation": pinned_emulation(old)})
     return new
+
+
+def recorded_options(plan: Plan, allow_idle: bool) -> "PlannerOptions":
+    """The planner options ``plan`` was made with (``search.options``: a `--no-sublayer-cuts` plan is re-planned
+    without sub-layer cuts too), ``allow_idle`` decided by the caller (a running world uses every device). Plans
+    that record none, or fields this version does not know, fall back to the defaults field by field."""
+    recorded = (plan.extra.get("search") or {}).get("options")
+    if recorded is not None and not isinstance(recorded, Mapping):
+        raise UserError("plan field 'search.options' must be an object of planner options: fix it or delete it")
+    from ethpipe.planner import PlannerOptions
+
+    known = {f.name for f in dataclasses.fields(PlannerOptions)}
+    kept = {k: v for k, v in (recorded or {}).items() if k in known and k != "allow_idle"}
+    for k, v in kept.items():
+        if k != "balance" and not isinstance(v, bool):
+            raise UserError(f"plan field 'search.options.{k}' must be true or false, got {v!r}: fix it or delete it")
+    return PlannerOptions(**kept, allow_idle=allow_idle)
 
 
 def recorded_calibration(plan: Plan) -> Calibration | None:

@@ -373,9 +373,9 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
         if tp <= 1:
             return 0.0, 0.0
         layers = stage.num_layers / stage.sublayers  # each half runs one of a block's two all-reduces
-        fwd = layers * self._tp_comm_s(d, tp, "block", b, False)
-        again = fwd * ops.RECOMPUTE_TP_ALLREDUCES / 2 if stage.recompute else 0.0  # ``recompute_s``'s comm
-        bwd = layers * self._tp_comm_s(d, tp, "block", b, True) + again
+        fwd = layers * (per_layer := self._tp_comm_s(d, tp, "block", b, False))
+        rerun = stage.halves[0] - stage.lone_attention if stage.recompute else 0  # ``recompute_s``'s: a lone one, none
+        bwd = layers * self._tp_comm_s(d, tp, "block", b, True) + rerun * per_layer * ops.RECOMPUTE_TP_ALLREDUCES / 2
         for kind in ("embedding",) * first + ("head",) * last:
             fwd += self._tp_comm_s(d, tp, kind, b, False)
             bwd += self._tp_comm_s(d, tp, kind, b, True)

@@ -187,14 +187,18 @@ def _attention_kernels(micro_batch: int, s: int, heads: float, d: int, tokens: f
 
 
 def recompute_kernels(model: ModelSpec, seq_len: int, micro_batch: int, tp: int, elem_bytes: int,
-                      attention: Attention, code: str = "ethpipe") -> list[Kernel]:
+                      attention: Attention, code: str = "ethpipe", half: str | None = None) -> list[Kernel]:
     """What a recomputing block's backward runs again: torch's non-reentrant checkpoint stops once every tensor
     the backward needs is back, so the block's forward without its last GEMM (fc2: its output only feeds the
     residual add, whose backward needs neither input) and the last residual add; under TP, without the
-    all-reduce after fc2 (``RECOMPUTE_TP_ALLREDUCES``). Counted by tests/unit/test_counted_work.py."""
-    ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, False, code)
+    all-reduce after fc2 (``RECOMPUTE_TP_ALLREDUCES``). ``half``: a lone half layer checkpointed alone (a stage
+    cut inside a layer, ``ethpipe.sublayers``) stops the same way before its own last GEMM: a lone attention half
+    re-runs neither its output projection nor that projection's all-reduce. Counted by
+    tests/unit/test_counted_work.py and tests/unit/test_sublayers.py."""
+    ks = block_kernels(model, seq_len, micro_batch, tp, elem_bytes, attention, False, code, half=half)
+    last_gemm = "proj" if half == "attn" else "fc2"
     last_residual = max(i for i, k in enumerate(ks) if k.name == "residual")
-    return [k for i, k in enumerate(ks) if k.name != "fc2" and i != last_residual]
+    return [k for i, k in enumerate(ks) if k.name.split(".")[0] != last_gemm and i != last_residual]
 
 
 RECOMPUTE_TP_ALLREDUCES = 1  # after attention; the one after the MLP is not re-run

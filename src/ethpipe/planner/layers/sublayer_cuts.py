@@ -15,8 +15,9 @@ piece waiting for holders still busy with another (measured: planner_random plan
 priced up to 2.6x slower, their sync exposed 0.8 -> 4.6 s). The cuts minimise the largest ratio of a stage's
 compute (fwd + bwd of one micro-batch, its embedding or head included: ``CostModel.half_layer_times_s``) to its
 pipeline's slowest stage in whole layers; the plan so re-cut is kept if every stage still fits its memory and the
-whole plan (sync included) is predicted faster. The batch split is not re-balanced; interleaved pipelines keep
-their cuts, which also pins the cuts they share.
+whole plan (sync included) is predicted faster, with the batch re-split for the new stage times where that is
+faster still (level 3, each pipeline's micro-batch size and schedule kept). Interleaved pipelines keep their cuts,
+which also pins the cuts they share.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import held_at_most
 from ethpipe.plan import Pipeline, Plan, compute_blocks
 from ethpipe.plan_parts import in_half_layers
-from ethpipe.planner.estimate import Estimate, estimate_plan
+from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, plan_layout
 from ethpipe.planner.predicted import predicted_metrics
+from ethpipe.planner.robust import resplit
 from ethpipe.sublayers import attention_units
 
 # A re-cut plan must be predicted faster than this fraction of the whole-layer plan's time (a gain within rounding
@@ -42,21 +44,22 @@ BISECTION_STEPS = 40  # the limit to about 1e-12 of its range
 MIN_BOTTLENECK_GAIN = 0.01  # half layers must shorten some pipeline's slowest stage by this much to be priced
 
 
-def _unit_costs(cost: CostModel, pipe: Pipeline) -> list[tuple[float, float, float]]:
-    """Per stage (ends, attention half, MLP half) seconds of one micro-batch's forward and backward."""
+def _unit_costs(cost: CostModel, pipe: Pipeline) -> list[tuple[float, float, float, float]]:
+    """Per stage (ends, attention half, MLP half, less for an attention half that ends the stage) seconds of one
+    micro-batch's forward and backward."""
     b, depth = max(pipe.micro_batch_sizes), pipe.depth
     out = []
     for s, st in enumerate(pipe.stages):
         (af, ab), (mf, mb) = cost.half_layer_times_s(st.device, b, st.tp, st.recompute)
         ef, eb = cost.end_times_s(st.device, b, st.tp, first=s == 0, last=s == depth - 1)
-        out.append((ef + eb, af + ab, mf + mb))
+        out.append((ef + eb, af + ab, mf + mb, cost.lone_attention_saving_s(st.device, b, st.tp, st.recompute)))
     return out
 
 
-def _stage_s(costs: tuple[float, float, float], lo: int, hi: int) -> float:
-    ends, attn, mlp = costs
+def _stage_s(costs: tuple[float, float, float, float], lo: int, hi: int) -> float:
+    ends, attn, mlp, lone_saving = costs
     num_attn = attention_units(lo, hi, 2)
-    return ends + num_attn * attn + (hi - lo - num_attn) * mlp
+    return ends + num_attn * attn + (hi - lo - num_attn) * mlp - (hi % 2) * lone_saving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,7 @@ class _Ending:
     """A stage that ends at a cut: its costs, its pipeline's whole-layer bottleneck, the cut it starts at, and
     whether it fits its device's memory holding a unit range (memoised)."""
 
-    costs: tuple[float, float, float]
+    costs: tuple[float, float, float, float]
     scale_s: float
     start: int  # index of its first cut, -1 for unit 0
     fits: Callable[[int, int], bool]
@@ -183,6 +186,21 @@ def _moved(pipe: Pipeline, moves: dict[int, int]) -> Pipeline:
     return Pipeline(stages, pipe.micro_batch_sizes, pipe.schedule)
 
 
+def _resplit_if_faster(plan: Plan, cost: CostModel, flat_sync: bool) -> Plan:
+    """The re-cut plan with its batch re-split by level 3 for its new stage times (``robust.resplit``: each
+    pipeline keeps its micro-batch size and schedule), where that is predicted faster: a pipeline whose slowest stage
+    shortened then takes more samples instead of waiting for the others. Memory holds at any split (the cuts were
+    checked with ``held_at_most``)."""
+    if len(plan.pipelines) < 2:
+        return plan
+    split = resplit(plan, cost)
+    if all(a.micro_batch_sizes == b.micro_batch_sizes for a, b in zip(split.pipelines, plan.pipelines)):
+        return plan
+    layout = plan_layout(plan, cost)
+    own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync, layout=layout)
+    return split if estimate_iteration_s(split, cost, flat_sync=flat_sync, layout=layout) < own_s else plan
+
+
 def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: bool = False
                       ) -> tuple[Plan, Estimate | None, str]:
     """``plan`` re-cut in half layers where that is predicted faster (module docstring) with its detailed estimate,
@@ -198,7 +216,8 @@ def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: 
     if all(old == new for old, new in moves.items()):
         return plan, None, "whole layers balance best (within memory)"
     pipelines = tuple(_moved(p, moves) for p in halves)
-    trial = dataclasses.replace(plan, pipelines=pipelines, blocks=compute_blocks(pipelines), predicted=None)
+    trial = _resplit_if_faster(dataclasses.replace(plan, pipelines=pipelines, blocks=compute_blocks(pipelines),
+                                                   predicted=None), cost, flat_sync)
     est = estimate_plan(trial, cost, flat_sync=flat_sync)
     if est.iteration_time_s < plan_s * (1 - MIN_GAIN):
         return trial, est, ""
@@ -213,7 +232,9 @@ def with_sublayer_cuts(plan: Plan, cost: CostModel, *, flat_sync: bool = False) 
     whole_s = float(plan.predicted["iteration_time_s"])
     chosen, est, why = try_sublayer_cuts(plan, cost, whole_s, flat_sync=flat_sync)
     record: dict = {"kept": est is not None, "whole_layers_s": whole_s}
-    record.update({"half_layers_s": est.iteration_time_s} if est is not None else {"why_not": why})
+    record.update({"half_layers_s": est.iteration_time_s,
+                   "batch_resplit": any(a.num_samples != b.num_samples for a, b in zip(chosen.pipelines, plan.pipelines))}
+                  if est is not None else {"why_not": why})
     old = plan.predicted or {}
     planning_s = float(old.get("planning_time_s", 0.0)) + time.perf_counter() - started
     predicted = ({**old, **predicted_metrics(chosen, cost, planning_s, flat_sync=flat_sync, est=est)}

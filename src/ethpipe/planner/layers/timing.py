@@ -106,14 +106,14 @@ def _stage_terms(cost: CostModel, slot: StageSlot, micro_batch: int, recompute: 
     return ends, terms
 
 
-# A stage's layers as the timing rows count them: whole layers, or (attention halves, MLP halves) where the plan
-# cuts inside layers (``Stage.halves``, ``ethpipe.sublayers``).
-LayerCount = int | tuple[int, int]
+# A stage's layers as the timing rows count them: whole layers, or (attention halves, MLP halves, attention halves
+# that end it) where the plan cuts inside layers (``Stage.halves``, ``Stage.lone_attention``, ``ethpipe.sublayers``).
+LayerCount = int | tuple[int, int, int]
 
 
 def layer_count(stage: Stage) -> LayerCount:
     """A one-chunk stage's ``LayerCount``."""
-    return stage.num_layers if stage.sublayers == 1 else stage.halves
+    return stage.num_layers if stage.sublayers == 1 else (*stage.halves, stage.lone_attention)
 
 
 def _layers_s(cost: CostModel, slot: StageSlot, count: LayerCount, recompute: bool,
@@ -121,7 +121,8 @@ def _layers_s(cost: CostModel, slot: StageSlot, count: LayerCount, recompute: bo
     """(fwd, bwd) seconds of a stage's layers for one micro-batch (``LayerCount``)."""
     if isinstance(count, tuple):
         (af, ab), (mf, mb) = cost.half_layer_times_s(slot.device, micro_batch, slot.tp, recompute)
-        return count[0] * af + count[1] * mf, count[0] * ab + count[1] * mb
+        saved = count[2] * cost.lone_attention_saving_s(slot.device, micro_batch, slot.tp, recompute)
+        return count[0] * af + count[1] * mf, count[0] * ab + count[1] * mb - saved
     lf, lb = cost.layer_times_s(slot.device, micro_batch, slot.tp, recompute)
     return count * lf, count * lb
 
@@ -130,8 +131,8 @@ def _stage_of(slot: StageSlot, count: LayerCount, recompute: bool) -> Stage:
     """A stage holding ``count`` (any layer range of those halves prices the same)."""
     if not isinstance(count, tuple):
         return Stage(slot.ranks, slot.device, (0, count), slot.tp, recompute)
-    attn, mlp = count
-    start = 1 if mlp > attn else 0  # a lone MLP half first, a lone attention half last
+    attn, mlp, lone_attention = count
+    start = mlp - (attn - lone_attention)  # a lone MLP half first (1) or not (0)
     return Stage(slot.ranks, slot.device, (start, start + attn + mlp), slot.tp, recompute, sublayers=2)
 
 
@@ -174,7 +175,7 @@ def virtual_stages(pipe: Pipeline) -> tuple[list[StageSlot], list[LayerCount], l
     slots = [StageSlot(s.device, s.tp, s.ranks) for s in pipe.stages]
     rows = [(vs % pipe.depth, vs // pipe.depth) for vs in range(pipe.depth * pipe.num_chunks)]
     layers: list[LayerCount] = [pipe.stages[s].chunk_layers[c] if pipe.stages[s].sublayers == 1 else
-                                pipe.stages[s].chunk(c).halves for s, c in rows]
+                                layer_count(pipe.stages[s].chunk(c)) for s, c in rows]
     return [slots[s] for s, _ in rows], layers, [pipe.stages[s].recompute for s, _ in rows]
 
 

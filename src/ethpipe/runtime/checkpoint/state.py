@@ -298,6 +298,7 @@ def checkpoint_summary(path: str | Path) -> dict[str, Any]:
         "plan_method": plan.get("method"), "global_batch_size": plan.get("global_batch_size"),
         "seq_len": plan.get("seq_len"), "world_size": sum(len(r) for p in pipelines for r in p["ranks"]),
         "pipelines": pipelines, "plan": plan,
+        "sublayers": int(plan.get("sublayers", 1)),  # the unit of the pipelines' layer ranges: 2 = half layers
         "checkpoints": [step for step, _ in complete_checkpoints(step_dir.parent)],
         "settings": manifest.extra.get("settings") or {},  # what the run trained with (runtime/start/run_settings.py)
         "shard_optimizer": bool(plan.get("shard_optimizer", False)),
