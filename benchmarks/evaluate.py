@@ -32,6 +32,7 @@ from eval.common import Job, machine, timed, write_json  # noqa: E402
 from eval.render import SECTIONS, render  # noqa: E402
 from eval.scenarios import REPO  # noqa: E402
 from eval.summary import summarize  # noqa: E402
+from planner_scale import reference_loop_s  # noqa: E402
 
 QUICK_BUDGET_S = 2.0
 FULL_BUDGET_S = 10.0  # the exhaustive searches time out at any budget above 32 GPUs; 10 s bounds the run
@@ -65,6 +66,7 @@ def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, co
     started, t0 = dt.datetime.now(dt.timezone.utc), time.perf_counter()
     meta = {"command": command, "machine": machine(), "started": started.strftime("%Y-%m-%d %H:%M UTC"),
             "quick": quick}
+    loop_start_s = None if quick else reference_loop_s()  # this machine's speed: planning times read against it
     rows = _run_jobs({"throughput": throughput.jobs(quick), "search": search.jobs(quick, budget_s),
                       "ablation": ablation.jobs(quick), "sensitivity": sensitivity.jobs(quick)}, show_progress)
     results = {"throughput": throughput.finish(rows["throughput"], quick),
@@ -76,6 +78,8 @@ def evaluate(*, quick: bool, budget_s: float, docs: Path, measured_dir: Path, co
     meta["duration_s"] = time.perf_counter() - t0
     meta["section_s"] = {name: sum(r["job_wall_s"] for r in section) for name, section in rows.items()}
     meta["load_average_end"] = os.getloadavg()[0]
+    if loop_start_s is not None:
+        meta["reference_loop_s"] = [loop_start_s, reference_loop_s()]
     for name, data in results.items():
         write_json(docs / "benchmarks" / f"eval_{name}.json", {"meta": meta, **data})
     return render_docs(docs)

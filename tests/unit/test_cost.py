@@ -93,6 +93,23 @@ def test_profile_takes_precedence() -> None:
         CostModel(CLUSTER, L7, 2048, profiles={"h100_sxm": prof})
 
 
+def test_a_noisy_profile_extrapolates_to_what_a_size_costs() -> None:
+    """A short profile run's cold first size can read slower than the next: the fitted line then falls with the
+    micro-batch, and at larger sizes it reached 0 s. Unmeasured sizes stay at least the largest measured one's time
+    above the range, at least their share of the smallest's below it, and between the neighbours' times inside."""
+    def prof(points: dict[int, float]) -> MeasuredProfile:
+        return MeasuredProfile("cpu", "cpu", "fp32", L7.to_dict(), 4096,
+                               {"block": {b: LayerTiming(t, 2 * t) for b, t in points.items()}}, 1e-9)
+
+    noisy = prof({1: 1.0, 2: 0.7})
+    assert [noisy.layer_times_s("block", b)[0] for b in (4, 8)] == [0.7, 0.7]  # the line: 0.1 s and 0 s
+    affine = prof({2: 1.0, 4: 1.5, 8: 2.5})  # 0.5 s + 0.25 s per sample: the line itself wherever it is sane
+    assert [affine.layer_times_s("block", b)[0] for b in (1, 3, 16)] == pytest.approx([0.75, 1.25, 4.5])
+    dipped = prof({2: 1.0, 4: 2.0, 8: 1.6})  # a slow middle point
+    assert 1.0 <= dipped.layer_times_s("block", 3)[0] <= 2.0
+    assert prof({2: 1.0, 4: 0.2}).layer_times_s("block", 1)[0] >= 0.5  # at least half of size 2's
+
+
 def test_seq_len_checked() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         CostModel(CLUSTER, L7, 10**6)

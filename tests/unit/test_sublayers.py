@@ -319,6 +319,12 @@ def test_the_batch_is_re_split_for_the_cut_stages() -> None:
         "iteration_time_s"]
     devices = cost.cluster.devices
     assert all(n <= cost.usable_memory_bytes(devices[r].gpu.id) for r, n in est.memory_bytes.items())
+    from ethpipe.cli.plan_lines import sublayer_line
+    from ethpipe.planner.layers.sublayer_cuts import with_sublayer_cuts
+
+    recorded = with_sublayer_cuts(whole, cost)
+    assert recorded.extra["search"]["sublayer_cuts"]["batch_resplit"] is True
+    assert "the batch re-split for them" in sublayer_line(recorded)
 
 
 def test_a_hand_edited_plan_in_half_layers_is_checked(whole_plan: Plan) -> None:

@@ -105,6 +105,7 @@ def sublayer_line(plan: Plan) -> str | None:
     if not record:
         return None
     if record["kept"]:
-        return (f"stages cut inside layers (a = attention, m = MLP half): {record['half_layers_s']:.4g} s, "
+        split = ", the batch re-split for them" if record.get("batch_resplit") else ""
+        return (f"stages cut inside layers (a = attention, m = MLP half){split}: {record['half_layers_s']:.4g} s, "
                 f"{record['whole_layers_s']:.4g} s in whole layers")
     return f"stages hold whole layers: {record['why_not']}"

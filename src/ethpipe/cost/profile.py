@@ -115,6 +115,11 @@ class MeasuredProfile:
 
 
 def _fit(points: dict[int, LayerTiming], micro_batch: int, attr: str) -> float:
+    """An unmeasured micro-batch size: the least-squares line through the measured sizes, kept where a noisy
+    profile would bend it past what a size costs (a short `ethpipe profile` run's first, cold size can read
+    slower than the next one, and the line then fell to 0 at larger sizes): above the measured sizes at least the
+    largest one's value, below them at least its share of the smallest's, between two measured sizes between
+    their values."""
     xs = sorted(points)
     ys = [getattr(points[x], attr) for x in xs]
     if len(xs) == 1:
@@ -123,8 +128,14 @@ def _fit(points: dict[int, LayerTiming], micro_batch: int, attr: str) -> float:
     mean_x, mean_y = sum(xs) / n, sum(ys) / n
     var = sum((x - mean_x) ** 2 for x in xs)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
-    intercept = mean_y - slope * mean_x
-    return max(intercept + slope * micro_batch, 0.0)
+    line = mean_y - slope * mean_x + slope * micro_batch
+    if micro_batch > xs[-1]:
+        return max(line, ys[-1])
+    if micro_batch < xs[0]:
+        return max(line, ys[0] * micro_batch / xs[0])
+    right = next(i for i, x in enumerate(xs) if x > micro_batch)
+    low, high = sorted((ys[right - 1], ys[right]))
+    return min(max(line, low), high)
 
 
 def profile_from_dict(data: Any) -> MeasuredProfile:
