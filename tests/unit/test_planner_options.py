@@ -91,6 +91,35 @@ def test_layer_balance_alone_uses_equal_data() -> None:
     assert plan.extra["search"]["options"]["balance"] == "layers"
 
 
+def test_layer_balance_alone_keeps_equal_data_through_the_later_passes() -> None:
+    """The passes after the search re-split the batch (the schedules' best-of re-split, the sub-layer cuts' one):
+    a plan made to hold equal data per pipeline keeps its samples through both, where the same plan under ETH's
+    own options is re-split."""
+    import dataclasses
+
+    from ethpipe.plan import Pipeline
+    from ethpipe.planner.devices.grouping import equal_split
+    from ethpipe.planner.layers.schedules import choose_schedules
+    from ethpipe.planner.layers.sublayer_cuts import _resplit_if_faster
+    from ethpipe.planner.layers.timing import split_sizes
+
+    plan = _plan(PlannerOptions(allow_mixed=False))  # an A100 pipeline beside V100 ones
+    counts = equal_split(plan.global_batch_size, len(plan.pipelines))
+    assert sorted(p.num_samples for p in plan.pipelines) != sorted(counts)  # ETH's own split is not equal here
+    pipes = tuple(Pipeline(p.stages, split_sizes(n, max(p.micro_batch_sizes)), "1f1b")
+                  for p, n in zip(plan.pipelines, counts))
+    cost = CostModel.for_plan(plan)
+
+    def under(balance: str):  # noqa: ANN202
+        search = {**plan.extra["search"], "options": {**plan.extra["search"]["options"], "balance": balance}}
+        return dataclasses.replace(plan, pipelines=pipes, extra={**plan.extra, "search": search}, predicted=None)
+
+    for balance, kept in (("layers", True), ("data+layers", False)):
+        chosen, _ = choose_schedules(under(balance), cost, ("1f1b", "zb-h1"))
+        assert ([p.num_samples for p in chosen.pipelines] == counts) is kept
+        assert ([p.num_samples for p in _resplit_if_faster(under(balance), cost, False).pipelines] == counts) is kept
+
+
 def test_unknown_balance_mode() -> None:
     with pytest.raises(ValueError, match="balance 'both' is unknown"):
         PlannerOptions(balance="both")

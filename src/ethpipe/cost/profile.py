@@ -120,6 +120,8 @@ def _fit(points: dict[int, LayerTiming], micro_batch: int, attr: str) -> float:
     slower than the next one, and the line then fell to 0 at larger sizes): above the measured sizes at least the
     largest one's value, below them at least its share of the smallest's, between two measured sizes between
     their values."""
+    if micro_batch in points:
+        return float(getattr(points[micro_batch], attr))
     xs = sorted(points)
     ys = [getattr(points[x], attr) for x in xs]
     if len(xs) == 1:

@@ -86,8 +86,8 @@ class SublayerPricing:
         """(fwd, bwd) of a sub-layer stage's layers for one micro-batch (its ends not included)."""
         (af, ab), (mf, mb) = self.half_layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)
         num_attn, num_mlp = stage.halves
-        saved = stage.lone_attention * self.lone_attention_saving_s(stage.device, micro_batch, stage.tp,
-                                                                    stage.recompute)
+        saved = stage.lone_attention and stage.lone_attention * self.lone_attention_saving_s(
+            stage.device, micro_batch, stage.tp, stage.recompute)
         return num_attn * af + num_mlp * mf, num_attn * ab + num_mlp * mb - saved
 
     def half_weight_grad_s(self, stage: Stage, micro_batch: int) -> float:

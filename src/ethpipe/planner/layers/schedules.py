@@ -129,8 +129,11 @@ def choose_schedules(plan: Plan, cost: CostModel, schedules: Sequence[str], *,
 
 def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float,
              flat_sync: bool, layout: PlanLayout, memo: dict | None = None) -> tuple[Plan, float]:
-    """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``."""
-    whole = ((plan.extra.get("search") or {}).get("options") or {}).get("fine_grained", True) is False
+    """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``. A plan
+    made to hold equal data per pipeline (``PlannerOptions.balance`` "layers": the ablation of level 3) keeps each
+    pipeline's samples and takes only the fastest schedule for them."""
+    recorded = (plan.extra.get("search") or {}).get("options") or {}
+    whole, equal_data = recorded.get("fine_grained", True) is False, recorded.get("balance") == "layers"
     pcost = layout.cost
     groups: dict[tuple, list[int]] = {}
     timings: list[BestOfTiming] = []
@@ -145,7 +148,8 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
             timings.append(BestOfTiming(options))
         groups[key].append(p)
     members = list(groups.values())
-    samples = balance_samples(timings, [len(m) for m in members], plan.global_batch_size)
+    samples = ([[plan.pipelines[p].num_samples for p in idx] for idx in members] if equal_data else
+               balance_samples(timings, [len(m) for m in members], plan.global_batch_size))
     assert samples is not None, "nothing to give up at"
     pipelines: list[Pipeline] = list(plan.pipelines)
     for timing, idx, row in zip(timings, members, samples):

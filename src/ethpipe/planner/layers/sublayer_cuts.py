@@ -190,8 +190,9 @@ def _resplit_if_faster(plan: Plan, cost: CostModel, flat_sync: bool) -> Plan:
     """The re-cut plan with its batch re-split by level 3 for its new stage times (``robust.resplit``: each
     pipeline keeps its micro-batch size and schedule), where that is predicted faster: a pipeline whose slowest stage
     shortened then takes more samples instead of waiting for the others. Memory holds at any split (the cuts were
-    checked with ``held_at_most``)."""
-    if len(plan.pipelines) < 2:
+    checked with ``held_at_most``). Not for a plan made to hold equal data per pipeline (``PlannerOptions.balance``
+    "layers")."""
+    if len(plan.pipelines) < 2 or ((plan.extra.get("search") or {}).get("options") or {}).get("balance") == "layers":
         return plan
     split = resplit(plan, cost)
     if all(a.micro_batch_sizes == b.micro_batch_sizes for a, b in zip(split.pipelines, plan.pipelines)):

@@ -121,7 +121,7 @@ def _layers_s(cost: CostModel, slot: StageSlot, count: LayerCount, recompute: bo
     """(fwd, bwd) seconds of a stage's layers for one micro-batch (``LayerCount``)."""
     if isinstance(count, tuple):
         (af, ab), (mf, mb) = cost.half_layer_times_s(slot.device, micro_batch, slot.tp, recompute)
-        saved = count[2] * cost.lone_attention_saving_s(slot.device, micro_batch, slot.tp, recompute)
+        saved = count[2] and count[2] * cost.lone_attention_saving_s(slot.device, micro_batch, slot.tp, recompute)
         return count[0] * af + count[1] * mf, count[0] * ab + count[1] * mb - saved
     lf, lb = cost.layer_times_s(slot.device, micro_batch, slot.tp, recompute)
     return count * lf, count * lb
