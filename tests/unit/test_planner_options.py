@@ -100,6 +100,7 @@ def test_layer_balance_alone_keeps_equal_data_through_the_later_passes() -> None
     from ethpipe.plan import Pipeline
     from ethpipe.planner.devices.grouping import equal_split
     from ethpipe.planner.layers.schedules import choose_schedules
+    from ethpipe.planner.estimate import plan_layout
     from ethpipe.planner.layers.sublayer_cuts import _resplit_if_faster
     from ethpipe.planner.layers.timing import split_sizes
 
@@ -117,7 +118,8 @@ def test_layer_balance_alone_keeps_equal_data_through_the_later_passes() -> None
     for balance, kept in (("layers", True), ("data+layers", False)):
         chosen, _ = choose_schedules(under(balance), cost, ("1f1b", "zb-h1"))
         assert ([p.num_samples for p in chosen.pipelines] == counts) is kept
-        assert ([p.num_samples for p in _resplit_if_faster(under(balance), cost, False).pipelines] == counts) is kept
+        split = _resplit_if_faster(under(balance), cost, False, plan_layout(under(balance), cost))
+        assert ([p.num_samples for p in split.pipelines] == counts) is kept
 
 
 def test_unknown_balance_mode() -> None:

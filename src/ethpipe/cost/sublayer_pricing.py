@@ -75,12 +75,13 @@ class SublayerPricing:
 
     def lone_attention_saving_s(self, device_type: str, micro_batch: int, tp: int, recompute: bool) -> float:
         """Backward seconds a recomputing stage saves on an attention half that ends it: the half's re-run inside a
-        whole layer (``half_layer_times_s``) less its re-run alone (no output projection, no all-reduce)."""
+        whole layer (``half_layer_times_s``: the layer's re-run less the MLP half's) less its re-run alone (no output
+        projection, no all-reduce)."""
         if not recompute:
             return 0.0
-        (_, ab), _ = self.half_layer_times_s(device_type, micro_batch, tp, True)
-        (_, plain), _ = self.half_layer_times_s(device_type, micro_batch, tp, False)
-        return ab - plain - self.lone_recompute_s(device_type, micro_batch, tp, "attn")
+        d, b = device_type, micro_batch
+        return (self.recompute_s(d, b, tp)  # type: ignore[attr-defined]
+                - self.lone_recompute_s(d, b, tp, "mlp") - self.lone_recompute_s(d, b, tp, "attn"))
 
     def half_stage_compute_s(self, stage: Stage, micro_batch: int) -> tuple[float, float]:
         """(fwd, bwd) of a sub-layer stage's layers for one micro-batch (its ends not included)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ethpipe.cost.model import CostModel
 from ethpipe.plan import Pipeline, Plan
 from ethpipe.planner.samples.balance import balance_samples
+from ethpipe.planner.search.options import options_record
 from ethpipe.planner.estimate import estimate_iteration_s
 from ethpipe.planner.layers.timing import PipelineTiming, StageSlot, layer_count, split_sizes, timing_of_layers
 
@@ -63,14 +64,10 @@ def perturbed(cost: CostModel, scenario: Scenario) -> CostModel:
     return _PerturbedCost(**base, speed_factors=scenario.speeds)
 
 
-def _plan_options(plan: Plan) -> dict:
-    return ((plan.extra.get("search") or {}).get("options")) or {}
-
-
 def resplit(plan: Plan, cost: CostModel) -> Plan:
     """The plan with its global batch re-split across pipelines by level 3 under ``cost`` (layers kept). An
     interleaved pipeline keeps its samples (its micro-batch count is constrained: ``schedule.interleaved_fits``)."""
-    whole = _plan_options(plan).get("fine_grained", True) is False
+    whole = options_record(plan).get("fine_grained", True) is False
     groups: dict[tuple, list[int]] = {}
     timings: list[PipelineTiming] = []
     for p, pipe in enumerate(plan.pipelines):
@@ -103,7 +100,7 @@ def resplit(plan: Plan, cost: CostModel) -> Plan:
 
 def price_under(plan: Plan, cost: CostModel, scenario: Scenario) -> float:
     """Iteration seconds under ``scenario``: the better of the plan's own split and a re-split."""
-    flat = _plan_options(plan).get("block_sync", True) is False
+    flat = options_record(plan).get("block_sync", True) is False
     pc = perturbed(cost, scenario)
     kept = estimate_iteration_s(plan, pc, flat_sync=flat)
     if len(plan.pipelines) == 1:

@@ -27,6 +27,7 @@ from ethpipe.planner.layers.timing import (
     PipelineTiming, StageSlot, action_times_s, layer_count, split_sizes, timing_of_layers, weight_times_s,
 )
 from ethpipe.planner.samples.balance import balance_samples
+from ethpipe.planner.search.options import options_record
 from ethpipe.cost.plan_memory import fits
 from ethpipe.schedule import DEFAULT_SCHEDULE, SCHEDULES, SPLIT_SCHEDULES
 
@@ -132,7 +133,7 @@ def _resplit(plan: Plan, cost: CostModel, schedules: Sequence[str], own_s: float
     """The best-of-schedules re-split of the batch (module docstring), if predicted faster than ``own_s``. A plan
     made to hold equal data per pipeline (``PlannerOptions.balance`` "layers": the ablation of level 3) keeps each
     pipeline's samples and takes only the fastest schedule for them."""
-    recorded = (plan.extra.get("search") or {}).get("options") or {}
+    recorded = options_record(plan)
     whole, equal_data = recorded.get("fine_grained", True) is False, recorded.get("balance") == "layers"
     pcost = layout.cost
     groups: dict[tuple, list[int]] = {}

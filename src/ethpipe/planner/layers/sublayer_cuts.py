@@ -31,9 +31,10 @@ from ethpipe.cost.model import CostModel
 from ethpipe.cost.plan_memory import held_at_most
 from ethpipe.plan import Pipeline, Plan, compute_blocks
 from ethpipe.plan_parts import in_half_layers
-from ethpipe.planner.estimate import Estimate, estimate_iteration_s, estimate_plan, plan_layout
+from ethpipe.planner.estimate import Estimate, PlanLayout, estimate_iteration_s, estimate_plan, plan_layout
 from ethpipe.planner.predicted import predicted_metrics
 from ethpipe.planner.robust import resplit
+from ethpipe.planner.search.options import options_record
 from ethpipe.sublayers import attention_units
 
 # A re-cut plan must be predicted faster than this fraction of the whole-layer plan's time (a gain within rounding
@@ -186,18 +187,17 @@ def _moved(pipe: Pipeline, moves: dict[int, int]) -> Pipeline:
     return Pipeline(stages, pipe.micro_batch_sizes, pipe.schedule)
 
 
-def _resplit_if_faster(plan: Plan, cost: CostModel, flat_sync: bool) -> Plan:
+def _resplit_if_faster(plan: Plan, cost: CostModel, flat_sync: bool, layout: PlanLayout) -> Plan:
     """The re-cut plan with its batch re-split by level 3 for its new stage times (``robust.resplit``: each
     pipeline keeps its micro-batch size and schedule), where that is predicted faster: a pipeline whose slowest stage
     shortened then takes more samples instead of waiting for the others. Memory holds at any split (the cuts were
     checked with ``held_at_most``). Not for a plan made to hold equal data per pipeline (``PlannerOptions.balance``
-    "layers")."""
-    if len(plan.pipelines) < 2 or ((plan.extra.get("search") or {}).get("options") or {}).get("balance") == "layers":
+    "layers"). ``layout``: ``plan``'s (the re-split keeps its stages)."""
+    if len(plan.pipelines) < 2 or options_record(plan).get("balance") == "layers":
         return plan
     split = resplit(plan, cost)
     if all(a.micro_batch_sizes == b.micro_batch_sizes for a, b in zip(split.pipelines, plan.pipelines)):
         return plan
-    layout = plan_layout(plan, cost)
     own_s = estimate_iteration_s(plan, cost, flat_sync=flat_sync, layout=layout)
     return split if estimate_iteration_s(split, cost, flat_sync=flat_sync, layout=layout) < own_s else plan
 
@@ -217,9 +217,10 @@ def try_sublayer_cuts(plan: Plan, cost: CostModel, plan_s: float, *, flat_sync: 
     if all(old == new for old, new in moves.items()):
         return plan, None, "whole layers balance best (within memory)"
     pipelines = tuple(_moved(p, moves) for p in halves)
-    trial = _resplit_if_faster(dataclasses.replace(plan, pipelines=pipelines, blocks=compute_blocks(pipelines),
-                                                   predicted=None), cost, flat_sync)
-    est = estimate_plan(trial, cost, flat_sync=flat_sync)
+    cut = dataclasses.replace(plan, pipelines=pipelines, blocks=compute_blocks(pipelines), predicted=None)
+    layout = plan_layout(cut, cost)  # what pricing takes from the stages alone: shared by every estimate here
+    trial = _resplit_if_faster(cut, cost, flat_sync, layout)
+    est = estimate_plan(trial, cost, flat_sync=flat_sync, layout=layout)
     if est.iteration_time_s < plan_s * (1 - MIN_GAIN):
         return trial, est, ""
     return plan, None, f"not faster: {est.iteration_time_s:.4g} s in half layers, {plan_s:.4g} s in whole ones"

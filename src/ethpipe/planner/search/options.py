@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ethpipe.errors import UserError
+
+if TYPE_CHECKING:
+    from ethpipe.plan import Plan
 
 BALANCE_MODES = ("data+layers", "data", "layers")
 
@@ -59,3 +62,9 @@ class PlannerOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def options_record(plan: Plan) -> dict[str, Any]:
+    """The ``PlannerOptions`` fields ``plan`` records (``search.options``, as ``to_dict`` wrote them); {} for none.
+    The passes after the search read them off the plan (equal data, whole micro-batches, flat sync)."""
+    return ((plan.extra.get("search") or {}).get("options")) or {}
