@@ -24,6 +24,7 @@ class FreeSyncTiming:
         return 0.0
 
     tied_gather_s = tied_sync_s
+    stats_gather_s = tied_sync_s
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return 0.0
@@ -43,6 +44,7 @@ class FakeCost:
     grad_bytes_by_layers: dict[tuple[int, int], int] = field(default_factory=dict)
     seconds_per_byte: float = 1e-3
     optimizer_time_s: float = 0.0
+    stats_time_s: float = 0.0  # the step's stats all-gather (0: the barrier alone)
     calls: list[str] = field(default_factory=list)
 
     def stage_compute_s(self, stage: Stage, micro_batch: int, *, first: bool, last: bool) -> tuple[float, float]:
@@ -66,6 +68,9 @@ class FakeCost:
         multi = len(plan.pipelines) > 1
         return [self.grad_bytes_by_layers.get(b.layers, 0) * self.seconds_per_byte if multi else 0.0
                 for b in plan.blocks]
+
+    def stats_gather_s(self, plan: Plan) -> float:
+        return self.stats_time_s
 
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         return self.optimizer_time_s

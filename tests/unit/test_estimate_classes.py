@@ -22,7 +22,8 @@ CLUSTER = {"nodes": [{"gpu": "a100_80gb_sxm", "num_nodes": 2, "gpus_per_node": 4
 
 
 def _per_stage_replay(plan: Plan, cost: CostModel, flat_sync: bool) -> float:
-    """The sync and optimizer over every (pipeline, stage), each pipeline's finishes on its own."""
+    """The sync, the step's stats all-gather and the optimizer over every (pipeline, stage), each pipeline's
+    finishes on its own."""
     layout = plan_layout(plan, cost)
     pcost, cache = layout.cost, {}
     finish = [_pipeline_finish(pipe, pcost, key, cache).tolist() for pipe, key in zip(plan.pipelines, layout.keys)]
@@ -39,10 +40,10 @@ def _per_stage_replay(plan: Plan, cost: CostModel, flat_sync: bool) -> float:
                 for h in keys:
                     free[h] = start + duration
     run(syncs)
+    stats_end = max(max(free[(p, s)], finish[p][s]) for p, s in free) + pcost.stats_gather_s(plan)  # every rank
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
-            opt = pcost.optimizer_s(stage, first=s == 0, last=s == pipe.depth - 1)
-            free[(p, s)] = max(free[(p, s)], finish[p][s]) + opt
+            free[(p, s)] = stats_end + pcost.optimizer_s(stage, first=s == 0, last=s == pipe.depth - 1)
     if pcost.optimizer_holders > 1:
         run(list(reversed(syncs)))
     return max(free.values())

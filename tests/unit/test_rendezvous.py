@@ -6,13 +6,16 @@ previous action); the receiver waits for it before its action, the sender before
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
 import pytest
 
+from ethpipe.cost.periodic_graph import base_count, extend, find_pattern
 from ethpipe.cost.pipeline import stage_finish_s
 from ethpipe.cost.rendezvous import stage_nodes
+from ethpipe.cost.rendezvous_replay import EXTEND_FROM, _finish, _flat, _graph, rendezvous_finish_s
 from ethpipe.cost.schedule_time import replay_finish_s, stage_finish_of
 from ethpipe.plan import Pipeline, Plan, Stage, compute_blocks
 from ethpipe.schedule import pipeline_schedule
@@ -197,3 +200,59 @@ def test_a_receive_starts_where_its_send_is_posted(schedule: str) -> None:
                     assert r.node in sends, (schedule, depth, m, chunks, s, a, r, sends)
                     checked += 1
         assert checked > 0
+
+
+def _same_flat(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_long_pipelines_graph_is_extended_exactly(schedule: str) -> None:
+    """The graph of a long pipeline, written from the affine pattern of three short counts
+    (cost/periodic_graph.py), is the node-by-node one, array for array: every depth to 12, three recompute
+    patterns (none, every other stage, the last), counts from the base to three steady states past it. A pattern
+    is found for each shape, so the planner's long pipelines are all extended."""
+    for depth in range(1, 13):
+        for unsplit in ((False,) * depth, tuple(s % 2 == 0 for s in range(depth)),
+                        tuple(s == depth - 1 for s in range(depth))):
+            build = functools.partial(_flat, schedule, depth, unsplit=unsplit)
+            pattern = find_pattern(build, depth)
+            assert pattern is not None, (schedule, depth, unsplit)
+            for m in range(base_count(depth), base_count(depth) + 3 * depth + 4, 1 if depth < 5 else 3):
+                assert _same_flat(extend(pattern, m), build(m)), (schedule, depth, unsplit, m)
+
+
+def test_a_pattern_that_does_not_write_the_third_count_is_refused() -> None:
+    """The pattern is checked against the count after the two it is read from: a build that differs there (one
+    micro-batch index of one term) gets no pattern, so such graphs are built node by node."""
+    depth = 4
+    build = functools.partial(_flat, "zb-h1", depth, unsplit=(False,) * depth)
+
+    def bent(m: int):
+        flat = build(m)
+        if m == base_count(depth) + 2:
+            flat.terms[len(flat.terms) // 2, 5] += 1
+        return flat
+    assert find_pattern(build, depth) is not None
+    assert find_pattern(bent, depth) is None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_the_replays_graph_past_the_extension_point_is_the_node_by_node_one() -> None:
+    """What the rendezvous replay evaluates (``_graph``, levelled) for a long zb-h1 pipeline with a recomputing
+    stage is, field for field, the levelling of the node-by-node graph; so is every flush it prices."""
+    depth, unsplit = 6, (False, True, False, False, False, False)
+    m = base_count(depth) + EXTEND_FROM + 5
+    direct = _finish(_flat("zb-h1", depth, m, unsplit))
+    assert _same(tuple(_graph("zb-h1", depth, m, unsplit, 1)), tuple(direct))
+    rng = np.random.default_rng(3)
+    table, transfers = rng.uniform(0.5, 2.0, (5, depth, m)), rng.uniform(0.01, 0.3, (3, depth, m))
+    flush = rendezvous_finish_s("zb-h1", table, transfers, unsplit, 1)
+    assert flush.shape == (depth,) and np.all(flush > table[0].sum(-1))

@@ -124,3 +124,21 @@ def test_to_dict_is_json_ready() -> None:
     assert data["iteration_time_s"] == report.iteration_time_s
     assert len(data["ranks"]) == 2 and "events" not in data
     assert len(report.to_dict(include_events=True)["events"]) == len(report.events)
+
+
+def test_every_optimizer_waits_for_the_steps_stats_after_the_last_sync() -> None:
+    """runtime/step.py: after its sync every rank joins ONE world-wide all-gather of the step's stats (the gradient
+    norm the clipped optimizer needs), so no rank steps its optimizer before the slowest rank's sync is done. The
+    quick pipeline (flush 6) waits for the slow one (flush 12) and the 0.5 s stats gather: its optimizer runs at
+    12.5, not 6, and the critical path runs through the gather."""
+    plan = make_plan([([(0, 4)], [1], "fast"), ([(0, 4)], [1], "quick")])
+    report = simulate(plan, FakeCost(fwd_per_layer_s={"fast": 1.0, "quick": 0.5}, optimizer_time_s=1.0,
+                                     stats_time_s=0.5))
+    gathers = sorted((e.ranks[0], e.start_s, e.end_s) for e in report.events if e.name == "allgather stats")
+    assert gathers == [(0, 12.0, 12.5), (1, 12.0, 12.5)]
+    optimizers = sorted((e.ranks[0], e.start_s, e.end_s) for e in report.events if e.kind == "optimizer")
+    assert optimizers == [(0, 12.5, 13.5), (1, 12.5, 13.5)]
+    assert report.iteration_time_s == 13.5
+    assert [r.sync_wait_s for r in report.ranks] == [0.5, 6.5]
+    assert report.exposed_comm_s == 0.0  # the gather is the step's own, not the sync's
+    assert [e.name for e in report.critical_path][-3:] == ["B0", "allgather stats", "optimizer"]

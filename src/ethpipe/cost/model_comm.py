@@ -11,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from ethpipe.cluster import Cluster
 from ethpipe.cost import comm, links, memory
 from ethpipe.cost.p2p import P2pFlows
-from ethpipe.cost.sync import SyncShape, block_sync_shapes, distinct_gpus, sync_shape_s, tied_sync_shape
+from ethpipe.cost.sync import (STATS_BYTES_PER_RANK, SyncShape, block_sync_shapes, distinct_gpus, sync_shape_s,
+                              tied_sync_shape, world_gather_shape)
 from ethpipe.plan import Plan
+
+
+def plan_ranks(plan: Plan) -> np.ndarray:
+    """Every rank of ``plan``, as an index array into its cluster's devices."""
+    return np.fromiter((r for pipe in plan.pipelines for st in pipe.stages for r in st.ranks), dtype=np.int64)
 
 
 def sharded_phase_fraction(num_holders: int) -> float:
@@ -120,6 +128,14 @@ class CommPricing:
     def tied_sync_s(self, plan: Plan) -> float:
         """Seconds of the tied embedding matrix's all-reduce among its copies (0 for an untied model)."""
         return self.sync_s(tied_sync_shape(plan, self.cluster, self.tied_grad_bytes())) if self.tied_grad_bytes() else 0.0
+
+    def stats_gather_s(self, plan: Plan) -> float:
+        """Seconds of the step's stats all-gather (``runtime/step.py``, ``gather_step_stats``): after every rank's
+        sync and before any optimizer step, one all-gather of ``STATS_BYTES_PER_RANK`` from every rank of the
+        plan. Latency-bound: at 4096 ranks it is the inter-node ring's steps."""
+        ranks = plan_ranks(plan)
+        shape = world_gather_shape(self.cluster, ranks, STATS_BYTES_PER_RANK)
+        return 0.0 if shape is None else sync_shape_s(shape, self.cluster) * sharded_phase_fraction(len(ranks))
 
     def block_sync_s(self, plan: Plan) -> list[float]:
         """Seconds of each block's all-reduce in ``plan`` (0.0 where one pipeline holds it).

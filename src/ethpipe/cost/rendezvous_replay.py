@@ -17,11 +17,13 @@ at once.
 
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
+from ethpipe.cost.periodic_graph import Flat, Pattern, base_count, extend, find_pattern, periodic_family
 from ethpipe.cost.rendezvous import stage_nodes
 from ethpipe.schedule import Action, output_dest, pipeline_schedule, split_microbatches
 
@@ -58,12 +60,29 @@ class _Graph(NamedTuple):
 def _graph(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chunks: int = 1) -> _Graph:
     """The nodes of a pipeline's lists (``cost/rendezvous.py``) and what each waits for, as index arrays.
 
-    Built in flat lists and numpy: a finalist's zb-h1 pipeline at 4 samples per GPU has 30 stages and 350
-    micro-batches (40k nodes), and this is built once per such shape."""
+    A finalist's zb-h1 pipeline at 4 samples per GPU has 30 stages and 350 micro-batches (40k nodes), and the
+    planner prices several counts of one shape: the flat arrays of a long 1F1B or zb-h1 pipeline are extended
+    from a few short ones (``cost/periodic_graph.py``, identical to ``_flat``'s), then levelled here."""
+    pattern = _pattern(schedule, depth, unsplit) if (
+        periodic_family(schedule, num_chunks) and m >= base_count(depth) + EXTEND_FROM) else None
+    return _finish(extend(pattern, m) if pattern is not None else _flat(schedule, depth, m, unsplit, num_chunks))
+
+
+# Counts past ``periodic_graph.base_count`` from which a graph is extended rather than built: the pattern costs the
+# builds of three counts from the base, so a shape priced at one short count alone is cheaper built.
+EXTEND_FROM = 8
+
+
+@lru_cache(maxsize=64)
+def _pattern(schedule: str, depth: int, unsplit: tuple[bool, ...]) -> Pattern | None:
+    return find_pattern(functools.partial(_flat, schedule, depth, unsplit=unsplit), depth)
+
+
+def _flat(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chunks: int = 1) -> Flat:
+    """The graph's nodes and terms as built from the lists, one node at a time (``Flat``)."""
     lists = pipeline_schedule(depth, m, schedule, unsplit, num_chunks)
     stages = stage_nodes(lists, num_chunks)
     first = np.cumsum([0] + [len(nodes) for nodes in stages]).tolist()
-    total = first[-1]
     compute: list[int] = []  # per node: (code, row, micro-batch), flat
     own: list[int] = []  # per node: the transfer of its action's receive, flat
     t_node: list[int] = []  # per term (what a node waits for): the waiting node, its kind, the node waited for
@@ -113,10 +132,19 @@ def _graph(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chu
                 t_wait.append(waited)
                 t_key += _sent(acts[send.action], s, depth, num_chunks)
                 t_posted.append(base + send.posted + 1)
-    node = np.array(t_node, dtype=int)
-    kinds = np.array(t_kind, dtype=int)
-    waits = np.array(t_wait, dtype=int)
-    starts = np.array(first[:-1], dtype=int)
+    terms = np.column_stack([np.array(t_node, dtype=np.int64), np.array(t_kind, dtype=np.int64),
+                             np.array(t_wait, dtype=np.int64), np.array(t_key, dtype=np.int64).reshape(-1, 3),
+                             np.array(t_posted, dtype=np.int64)]) if t_node else np.zeros((0, 7), dtype=np.int64)
+    nodes = np.concatenate([np.array(compute, dtype=np.int64).reshape(-1, 3),
+                            np.array(own, dtype=np.int64).reshape(-1, 3)], axis=1)
+    return Flat(np.array(first, dtype=np.int64), nodes, terms)
+
+
+def _finish(flat: Flat) -> _Graph:
+    """The levelled graph of ``flat``'s nodes and terms."""
+    total = int(flat.first[-1])
+    node, kinds, waits = flat.terms[:, 0], flat.terms[:, 1], flat.terms[:, 2]
+    starts = flat.first[:-1]
     level = _levels(total, starts, node, waits)
     order = np.argsort(level, kind="stable")  # by level, then node
     at = np.empty(total + 1, dtype=int)
@@ -132,11 +160,11 @@ def _graph(schedule: str, depth: int, m: int, unsplit: tuple[bool, ...], num_chu
     sources[0] = before[order]
     sources[arrive_slot, at[node[arrive]]] = at[waits[arrive]]
     bounds = np.concatenate([[0], np.cumsum(np.bincount(level, minlength=1))]).tolist()
-    return _Graph(_arrays(compute), _arrays(own), node, kinds, _arrays(t_key),
-                  np.array(t_posted, dtype=int), need_slot * total + node, arrive, order,
+    return _Graph(_columns(flat.nodes[:, :3]), _columns(flat.nodes[:, 3:]), node, kinds, _columns(flat.terms[:, 3:6]),
+                  flat.terms[:, 6].copy(), need_slot * total + node, arrive, order,
                   arrive_slot * total + at[node[arrive]], slots,
                   tuple((lo, hi, sources[:, lo:hi]) for lo, hi in zip(bounds, bounds[1:])),
-                  at[np.array(first[1:], dtype=int) - 1])
+                  at[flat.first[1:] - 1])
 
 
 def _levels(total: int, starts: np.ndarray, node: np.ndarray, waits: np.ndarray) -> np.ndarray:
@@ -172,10 +200,9 @@ def _slots(nodes: np.ndarray) -> np.ndarray:
     return np.arange(nodes.size) - np.searchsorted(nodes, nodes, side="left")
 
 
-def _arrays(flat: list[int]) -> Key:
-    """Flat (table, row, micro-batch) triples as three index arrays."""
-    cols = np.array(flat, dtype=int).reshape(-1, 3).T
-    return tuple(np.ascontiguousarray(c) for c in cols)  # type: ignore[return-value]
+def _columns(triples: np.ndarray) -> Key:
+    """(table, row, micro-batch) triples, shape (n, 3), as three index arrays."""
+    return tuple(np.ascontiguousarray(c) for c in triples.T)  # type: ignore[return-value]
 
 
 def _received(a: Action, s: int, depth: int) -> tuple[int, int, int]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ethpipe.catalog import GpuSpec
 from ethpipe.cluster import Cluster
 from ethpipe.cost import comm, links
@@ -66,6 +68,29 @@ def sync_shape_s(shape: SyncShape, cluster: Cluster) -> float:
         max_ranks_per_node=shape.max_ranks_per_node, intra_gbps=intra_gbps,
         inter_gbps=shape.nic_gbps, intra_latency_s=cluster.intra_node_latency_s,
         inter_latency_s=cluster.inter_node_latency_s, intra_curve=curve)
+
+
+# The step's stats (runtime/observe/metrics.py, ``gather_stats``): one fp64 vector per rank, 9 values (loss, square
+# norm and non-finite parts; forward, backward, idle and exposed-sync seconds; two memory figures).
+STATS_BYTES_PER_RANK = 9 * 8
+
+
+def world_gather_shape(cluster: Cluster, ranks: np.ndarray, bytes_per_rank: int) -> SyncShape | None:
+    """The all-gather of ``bytes_per_rank`` from each of ``ranks`` (a plan's every rank) as the shape of the
+    all-reduce of the gathered bytes (a ring all-gather is that all-reduce's second half,
+    ``model_comm.sharded_phase_fraction``). Every rank of a node is in it, so they share its NIC
+    (``nic_share_gbps`` with all of them sharing). None for a single rank."""
+    if len(ranks) < 2:
+        return None
+    cols = cluster.columns
+    nodes, per_node = np.unique(cols.node[ranks], return_inverse=True)
+    here = np.bincount(per_node)
+    count = here[per_node]
+    share = np.minimum(count * cols.flow_gbps[ranks], cols.nic_gbps[ranks])
+    kinds, first = np.unique(cols.gpu[ranks], return_index=True)
+    return SyncShape(float(len(ranks) * bytes_per_rank), len(ranks), len(nodes), int(here.max()),
+                     float(cols.intra_gbps[ranks].min()), float(share.min()),
+                     tuple(cols.gpus[int(k)] for k in kinds[np.argsort(first)]))
 
 
 def block_sync_order(num_blocks: int) -> list[int]:

@@ -5,8 +5,9 @@ Per pipeline: each stage's flush under its schedule, the senders' waits for thei
 schedule's exact replay; any micro-batch sizes). Then every stage all-reduces its blocks in the runtime's one global order
 (blocks descending, then the tied matrix: ``cost/sync.block_sync_order``), which keeps overlapping
 groups deadlock-free: a block's all-reduce starts when all
-its holders are free, holders stay busy until it ends, and each stage runs its optimizer step
-after its last block. All-reduce durations come from ``CostModel.block_sync_s`` (the one
+its holders are free, holders stay busy until it ends. Then every rank waits for the step's stats, one
+world-wide all-gather after the last rank's sync (``runtime/step.py``: the gradient norm the clipped optimizer
+needs), and runs its optimizer step. All-reduce durations come from ``CostModel.block_sync_s`` (the one
 pricing, shared with the simulator). ``flat_sync``: every all-reduce waits for the slowest
 pipeline's flush (DDP-style), as the simulator's ``flat_sync``.
 """
@@ -56,6 +57,7 @@ class PlanLayout:
     sync_s: list[float]  # per block: its all-reduce (sharded: reduce phase)
     tied_holders: list[tuple[int, int]]  # (key class, stage)
     tied_sync_s: float
+    stats_s: float = 0.0  # the step's stats all-gather over every rank (``CostModel.stats_gather_s``)
 
 
 def plan_layout(plan: Plan, cost: CostModel) -> PlanLayout:
@@ -72,7 +74,7 @@ def plan_layout(plan: Plan, cost: CostModel) -> PlanLayout:
     holders = [[(c, owner[block.layers[0]]) for c, owner in enumerate(owners)] for block in plan.blocks]
     tied = [(c, s) for c, pipe in enumerate(one_each) for s in dict.fromkeys((0, pipe.depth - 1))]
     return PlanLayout(tuple(p.stages for p in plan.pipelines), pcost, keys, key_class, holders,
-                      pcost.block_sync_s(plan), tied, pcost.tied_sync_s(plan))
+                      pcost.block_sync_s(plan), tied, pcost.tied_sync_s(plan), pcost.stats_gather_s(plan))
 
 
 def _pipeline_key(pipe: Pipeline, cost: CostModel, links: dict) -> tuple:
@@ -164,7 +166,9 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
             for h in holders:
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
-    opt_max, no_sync = 0.0, 0.0
+    # No rank steps its optimizer before the stats all-gather, which waits for every rank's sync (module docstring).
+    stats_end = max(max(free[(c, s)], row[s]) for c, row in enumerate(rows) for s in range(depths[c])) + layout.stats_s
+    opt_max = 0.0
     for c, row in enumerate(rows):
         pipe = plan.pipelines[first_of[c]]
         for s, stage in enumerate(pipe.stages):
@@ -175,8 +179,8 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
             opt_max = max(opt_max, opt)
-            free[(c, s)] = max(free[(c, s)], row[s]) + opt
-            no_sync = max(no_sync, row[s] + opt)
+            free[(c, s)] = stats_end + opt
+    no_sync = makespan + layout.stats_s + opt_max  # with free syncs the barrier is the slowest flush
     busy: dict[int, float] = {}
     memory: dict[int, int] = {}
     for pipe in plan.pipelines if detail else ():

@@ -208,20 +208,32 @@ def simulate(plan: Plan, cost: TimingModel, *, flat_sync: bool = False) -> SimRe
     syncs += [("tied", -1, tied_holder_stages(plan), tied_s)] if tied_s > 0 else []
     _collectives(plan, rec, "allreduce", syncs, comm_free, comm_tail)
 
+    # The step's stats: one world-wide all-gather once every rank has synced (``runtime/step.py``); no optimizer
+    # step starts before it.
+    ready = {key: (comm_free[key], comm_tail[key]) if comm_free[key] > t else (t, tail[key]) for key, t in flush.items()}
+    last = max(ready, key=lambda key: ready[key][0])
+    barrier_s, barrier_event = ready[last]
+    stats_s = cost.stats_gather_s(plan)
+    stats_event = {key: barrier_event for key in flush}
+    if stats_s > 0.0:
+        for key in flush:
+            p, s = key
+            stats_event[key] = rec.add(SimEvent("allgather stats", "allgather", p, s, plan.pipelines[p].stages[s].ranks,
+                                                barrier_s, barrier_s + stats_s), barrier_event)
     opt_end: dict[tuple[int, int], float] = {}
     opt_start: dict[tuple[int, int], float] = {}
     opt_event: dict[tuple[int, int], int] = {}
-    no_sync_end = 0.0
+    longest_s = 0.0
     for (p, s), t_flush in flush.items():
         pipe = plan.pipelines[p]
         stage = pipe.stages[s]
         dur = cost.optimizer_s(stage, first=s == 0, last=s == pipe.depth - 1)
-        start, pred = t_flush, tail[(p, s)]
-        if comm_free[(p, s)] > start:
-            start, pred = comm_free[(p, s)], comm_tail[(p, s)]
+        start = barrier_s + stats_s
         opt_start[(p, s)], opt_end[(p, s)] = start, start + dur
-        opt_event[(p, s)] = rec.add(SimEvent("optimizer", "optimizer", p, s, stage.ranks, start, start + dur), pred)
-        no_sync_end = max(no_sync_end, t_flush + dur)
+        opt_event[(p, s)] = rec.add(SimEvent("optimizer", "optimizer", p, s, stage.ranks, start, start + dur),
+                                    stats_event[(p, s)])
+        longest_s = max(longest_s, dur)
+    no_sync_end = max(flush.values()) + stats_s + longest_s  # with free syncs the barrier is the slowest flush
 
     end, end_event = dict(opt_end), dict(opt_event)  # sharded: the all-gathers of the updated shards follow
     gathers = [("tied", -1, tied_holder_stages(plan), cost.tied_gather_s(plan))]

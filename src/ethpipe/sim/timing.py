@@ -41,6 +41,11 @@ class TimingModel(Protocol):
     def tied_gather_s(self, plan: Plan) -> float:
         ...
 
+    def stats_gather_s(self, plan: Plan) -> float:
+        """Seconds of the step's stats all-gather over every rank, between the last sync and the optimizer steps
+        (``CostModel.stats_gather_s``)."""
+        ...
+
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """Seconds of the optimizer step over a stage's parameters."""
         ...

@@ -2,13 +2,15 @@
 
 Candidates are compared with ``group_iteration_s``, which computes exactly what
 ``estimate_plan`` computes for the assembled plan (same stage finish formula, same
-``SyncShape`` pricing from ``cost/sync.py``) but prices identical pipelines once: a group's
+``SyncShape`` pricing from ``cost/sync.py``; all but the step's stats all-gather, a few milliseconds the
+final pricing adds) but prices identical pipelines once: a group's
 node statistics are gathered when it is made, so a candidate costs O(blocks x groups).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +37,17 @@ class StageNodes:
     intra_gbps: float
     flow_gbps: tuple[tuple[int, float], ...] = ()  # (node, one GPU's NIC rail GB/s)
     gpus: tuple[GpuSpec, ...] = ()  # the heads' GPU types (measured intra-node curves)
+
+    @functools.cached_property
+    def head_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``heads`` as arrays (node, pipelines, node NIC GB/s, one GPU's rail GB/s): ``sync_shapes`` reads them
+        for every candidate that holds this stage position."""
+        rails = dict(self.flow_gbps)
+        node = np.array([n for n, _, _ in self.heads], dtype=np.int64)
+        count = np.array([c for _, c, _ in self.heads], dtype=np.float64)
+        nic = np.array([bw for _, _, bw in self.heads], dtype=np.float64)
+        flow = np.array([rails.get(n, bw) for n, _, bw in self.heads], dtype=np.float64)
+        return node, count, nic, flow
 
 
 @dataclass(frozen=True)
@@ -175,20 +188,15 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
     holders = at.tolist()  # (block, group): the stage holding the block's first layer
     if sum(gr.count for gr in groups) < 2:
         return [(h, None) for h in holders]
-    columns: dict[int, int] = {}
-    for gr in groups:
-        for st in gr.stages:
-            for node, _, _ in st.heads:
-                columns.setdefault(node, len(columns))
-    nic, flow = np.zeros(len(columns)), np.zeros(len(columns))  # the node's NIC and one GPU's rail
+    per_group = [_head_arrays(gr) for gr in groups]
+    every = np.concatenate([a[1] for a in per_group])
+    columns, last = _last_seen(every)  # a node's NIC figures: its last head's, as a loop over the heads would set
+    nic = np.concatenate([a[3] for a in per_group])[last]  # the node's NIC and one GPU's rail
+    flow = np.concatenate([a[4] for a in per_group])[last]
     heads = []
-    for gr in groups:
+    for gr, (stage, node, count, _, _) in zip(groups, per_group):
         counts = np.zeros((gr.template.depth, len(columns)))
-        for s, st in enumerate(gr.stages):
-            rails = dict(st.flow_gbps)
-            for node, c, bw in st.heads:
-                counts[s, columns[node]] = c
-                nic[columns[node]], flow[columns[node]] = bw, rails.get(node, bw)
+        counts[stage, np.searchsorted(columns, node)] = count
         heads.append(counts)
     here = sum(counts[at[:, g]] for g, counts in enumerate(heads))  # (block, node) heads
     present = here > 0
@@ -212,6 +220,19 @@ def sync_shapes(cost: CostModel, groups: Sequence[Group]) -> list[tuple[list[int
                                       min(x.intra_gbps for x in st), float(bw[b]),
                                       distinct_gpus(g for x in st for g in x.gpus))))
     return out
+
+
+def _head_arrays(group: Group) -> tuple[np.ndarray, ...]:
+    """A group's heads, stage after stage, as arrays: (stage, node, pipelines, node NIC GB/s, one GPU's rail)."""
+    parts = [st.head_arrays for st in group.stages]
+    stage = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])
+    return (stage, *(np.concatenate([p[i] for p in parts]) for i in range(4)))
+
+
+def _last_seen(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct values, sorted, and where each last occurs."""
+    uniq, from_end = np.unique(values[::-1], return_index=True)
+    return uniq, len(values) - 1 - from_end
 
 
 def tied_shape(cost: CostModel, groups: Sequence[Group]) -> SyncShape | None:
@@ -258,7 +279,10 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
             start = max(free[k] for k in keys)
             for k in keys:
                 free[k] = start + duration
-    end = {k: max(free[k], finish[k]) + opts[k] for k in finish}
+    # Every optimizer step waits for the step's stats all-gather after the last rank's sync (``estimate_plan``). Its
+    # few milliseconds are left to the final pricing: a score stays at most its plan's price (the search's bars).
+    stats_end = max(max(free[k], finish[k]) for k in finish)
+    end = {k: stats_end + opts[k] for k in finish}
     if cost.optimizer_holders > 1:  # sharded: the gathers after the optimizer, in the sync's reversed order
         for keys, shape in reversed(syncs):
             duration = cost.gather_s(shape)
