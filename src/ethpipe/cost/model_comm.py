@@ -8,6 +8,7 @@ methods, so what a plan is priced at is what it is replayed at.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -23,7 +24,8 @@ from ethpipe.plan import Plan
 
 def plan_ranks(plan: Plan) -> np.ndarray:
     """Every rank of ``plan``, as an index array into its cluster's devices."""
-    return np.fromiter((r for pipe in plan.pipelines for st in pipe.stages for r in st.ranks), dtype=np.int64)
+    return np.fromiter(itertools.chain.from_iterable(st.ranks for pipe in plan.pipelines for st in pipe.stages),
+                       dtype=np.int64)
 
 
 def sharded_phase_fraction(num_holders: int) -> float:

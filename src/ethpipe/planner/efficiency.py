@@ -14,8 +14,9 @@ devices the plan leaves idle); per pipeline p:
 * ``A_p`` capacity-weighted mean of its ranks' compute seconds, ``B_p`` its slowest stage's;
 * ``F'_p`` its flush with compute only (no p2p receives), ``F_p`` its flush as priced.
 
-``M`` = slowest flush, ``T_nosync`` = the iteration if gradient sync were free (each stage's
-flush, its last sends included, plus its optimizer step), ``T`` = the iteration. Why a chain, not independent
+``M`` = slowest flush, ``T_nosync`` = the iteration if gradient sync were free (the slowest flush, its last
+sends included, then the step's stats all-gather and the slowest optimizer step: every optimizer step waits for
+the gather), ``T`` = the iteration. Why a chain, not independent
 ratios: independent ratios do not multiply to the efficiency, so they cannot say which cause
 dominates.
 """

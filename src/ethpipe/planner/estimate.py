@@ -167,7 +167,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
     # No rank steps its optimizer before the stats all-gather, which waits for every rank's sync (module docstring).
-    stats_end = max(max(free[(c, s)], row[s]) for c, row in enumerate(rows) for s in range(depths[c])) + layout.stats_s
+    stats_end_s = max(max(free[(c, s)], row[s]) for c, row in enumerate(rows) for s in range(depths[c])) + layout.stats_s
     opt_max = 0.0
     for c, row in enumerate(rows):
         pipe = plan.pipelines[first_of[c]]
@@ -179,7 +179,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
             opt = cache[opt_key]
             opt_max = max(opt_max, opt)
-            free[(c, s)] = stats_end + opt
+            free[(c, s)] = stats_end_s + opt
     no_sync = makespan + layout.stats_s + opt_max  # with free syncs the barrier is the slowest flush
     busy: dict[int, float] = {}
     memory: dict[int, int] = {}

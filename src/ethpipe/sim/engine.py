@@ -13,8 +13,9 @@ peer's receive runs; before a ``W``: before the action after it) and before its 
 receives of the action after a run of ``W``s are posted before the Ws, with the deferred sends. A
 transfer that takes no time costs its sender nothing. After a stage's last backward and sends its blocks'
 gradients are all-reduced on a per-stage communication stream in the runtime's order (blocks descending,
-the tied matrix last), each all-reduce starting once every holder is free; then each stage steps its
-optimizer.
+the tied matrix last), each all-reduce starting once every holder is free; then, once the last stage's sync
+is done, every rank joins the step's stats all-gather (the gradient norm the clipped optimizer needs) and
+each stage steps its optimizer.
 With ``flat_sync`` every all-reduce waits for the slowest pipeline to flush (DDP-style).
 
 Stages are advanced in alternating sweeps (forward chains resolve in ascending sweeps,

@@ -39,8 +39,9 @@ class RankStats:
     ``busy_s`` is compute (forward, backward, optimizer); ``idle_s`` everything else. Inside the
     pipeline phase (up to the rank's flush: its last backward and its last sends) the non-compute time
     splits into ``recv_s`` (blocking receives) and ``bubble_s`` (waiting on other stages, a sender's wait
-    for its transfers included); ``sync_wait_s`` is the time from the flush to the optimizer step, i.e.
-    gradient sync that compute did not hide (own all-reduces plus waiting for other holders).
+    for its transfers included); ``sync_wait_s`` is the time from the flush to the optimizer step: gradient
+    sync that compute did not hide (own all-reduces plus waiting for other holders), then waiting for the
+    slowest rank's sync and the step's stats all-gather, which every optimizer step follows.
     """
 
     rank: int

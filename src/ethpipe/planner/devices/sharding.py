@@ -106,7 +106,7 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
         assert error is not None
         raise error
     if finish_fn is not None and not robust:
-        plain, best = _finished(plain, best, finish_fn)
+        plain, best = _finished(plain, best, finish_fn, flat_sync)
     use_best = plain is None or (best is not None and _score(best[0], robust) < _score(plain[0], robust))
     choice = best if use_best else plain
     assert choice is not None
@@ -126,8 +126,8 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
 FINISH_GAIN_BOUND = 1.15
 
 
-def _finished(plain: tuple[Plan, CostModel] | None, best: tuple[Plan, CostModel] | None, finish_fn: FinishFn
-              ) -> tuple[tuple[Plan, CostModel] | None, tuple[Plan, CostModel] | None]:
+def _finished(plain: tuple[Plan, CostModel] | None, best: tuple[Plan, CostModel] | None, finish_fn: FinishFn,
+              flat_sync: bool = False) -> tuple[tuple[Plan, CostModel] | None, tuple[Plan, CostModel] | None]:
     """The unsharded plan and the best sharded one as they are compared: the faster one finished; the other, where
     finishing could make it win (``FINISH_GAIN_BOUND``), cut inside layers (the cheap pass), and finished whole only
     where that could win: cut, or with its bubble closed (``_bubble_free_s``: what interleaving reaches at best).
@@ -144,14 +144,14 @@ def _finished(plain: tuple[Plan, CostModel] | None, best: tuple[Plan, CostModel]
         plan, on = pair[i]  # type: ignore[misc]
         if _time_s(plan) < FINISH_GAIN_BOUND * done_s:
             cut = finish_fn(plan, on, False)
-            pair[i] = (finish_fn(plan, on, True) if _bubble_free_s(cut, on) < done_s else cut, on)
+            pair[i] = (finish_fn(plan, on, True) if _bubble_free_s(cut, on, flat_sync) < done_s else cut, on)
     return pair[0], pair[1]
 
 
-def _bubble_free_s(plan: Plan, cost: CostModel) -> float:
+def _bubble_free_s(plan: Plan, cost: CostModel, flat_sync: bool = False) -> float:
     """``plan``'s price with every pipeline's fill and drain closed: its iteration less the slowest flush, plus the
     busiest rank's compute (interleaving shortens the bubble, not a rank's work); at most the plan's own time."""
-    est = estimate_plan(plan, cost)
+    est = estimate_plan(plan, cost, flat_sync=flat_sync)
     return est.iteration_time_s - est.makespan_s + max(est.busy_s.values(), default=est.makespan_s)
 
 
