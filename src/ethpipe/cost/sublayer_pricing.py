@@ -85,10 +85,16 @@ class SublayerPricing:
 
     def half_stage_compute_s(self, stage: Stage, micro_batch: int) -> tuple[float, float]:
         """(fwd, bwd) of a sub-layer stage's layers for one micro-batch (its ends not included)."""
-        (af, ab), (mf, mb) = self.half_layer_times_s(stage.device, micro_batch, stage.tp, stage.recompute)
-        num_attn, num_mlp = stage.halves
-        saved = stage.lone_attention and stage.lone_attention * self.lone_attention_saving_s(
-            stage.device, micro_batch, stage.tp, stage.recompute)
+        return self.halves_compute_s(stage.device, micro_batch, stage.tp, stage.recompute,
+                                     (*stage.halves, stage.lone_attention))
+
+    def halves_compute_s(self, device_type: str, micro_batch: int, tp: int, recompute: bool,
+                         halves: tuple[int, int, int]) -> tuple[float, float]:
+        """(fwd, bwd) of (attention halves, MLP halves, lone attention halves ending the stage) for one micro-batch:
+        the one pricing of a half-layer count, for a stage and for the planner's rows (``layers/timing.py``)."""
+        (af, ab), (mf, mb) = self.half_layer_times_s(device_type, micro_batch, tp, recompute)
+        num_attn, num_mlp, lone = halves
+        saved = lone * self.lone_attention_saving_s(device_type, micro_batch, tp, recompute) if lone else 0.0
         return num_attn * af + num_mlp * mf, num_attn * ab + num_mlp * mb - saved
 
     def half_weight_grad_s(self, stage: Stage, micro_batch: int) -> float:

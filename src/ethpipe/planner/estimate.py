@@ -167,7 +167,7 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
                 free[h] = start + duration
             sync_end = max(sync_end, start + duration)
     # No rank steps its optimizer before the stats all-gather, which waits for every rank's sync (module docstring).
-    stats_end_s = max(max(free[(c, s)], row[s]) for c, row in enumerate(rows) for s in range(depths[c])) + layout.stats_s
+    stats_end_s = max(free.values()) + layout.stats_s  # a stage is free no earlier than its flush
     opt_max = 0.0
     for c, row in enumerate(rows):
         pipe = plan.pipelines[first_of[c]]

@@ -281,7 +281,7 @@ def group_iteration_s(cost: CostModel, groups: Sequence[Group], samples: Sequenc
                 free[k] = start + duration
     # Every optimizer step waits for the step's stats all-gather after the last rank's sync (``estimate_plan``). Its
     # few milliseconds are left to the final pricing: a score stays at most its plan's price (the search's bars).
-    stats_end_s = max(max(free[k], finish[k]) for k in finish)
+    stats_end_s = max(free.values())  # a stage is free no earlier than its finish
     end = {k: stats_end_s + opts[k] for k in finish}
     if cost.optimizer_holders > 1:  # sharded: the gathers after the optimizer, in the sync's reversed order
         for keys, shape in reversed(syncs):

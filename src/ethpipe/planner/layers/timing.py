@@ -120,9 +120,7 @@ def _layers_s(cost: CostModel, slot: StageSlot, count: LayerCount, recompute: bo
               micro_batch: int) -> tuple[float, float]:
     """(fwd, bwd) seconds of a stage's layers for one micro-batch (``LayerCount``)."""
     if isinstance(count, tuple):
-        (af, ab), (mf, mb) = cost.half_layer_times_s(slot.device, micro_batch, slot.tp, recompute)
-        saved = count[2] and count[2] * cost.lone_attention_saving_s(slot.device, micro_batch, slot.tp, recompute)
-        return count[0] * af + count[1] * mf, count[0] * ab + count[1] * mb - saved
+        return cost.halves_compute_s(slot.device, micro_batch, slot.tp, recompute, count)
     lf, lb = cost.layer_times_s(slot.device, micro_batch, slot.tp, recompute)
     return count * lf, count * lb
 
