@@ -113,3 +113,27 @@ def test_a_noisy_profile_extrapolates_to_what_a_size_costs() -> None:
 def test_seq_len_checked() -> None:
     with pytest.raises(ValueError, match="max_seq_len"):
         CostModel(CLUSTER, L7, 10**6)
+
+
+def test_derived_pricings_share_the_achievable_rate_and_match_a_fresh_one() -> None:
+    """The planner derives a pricing per holder count and idle candidate; each shares the per-type rate memo with
+    its source (a slot-powered card's rate prices 64 micro-batch sizes) and reads what a fresh pricing computes."""
+    t4 = cluster_from_dict({"nodes": [{"gpu": "t4", "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 100},
+                                      {"gpu": "a100_80gb_sxm", "num_nodes": 1, "gpus_per_node": 4,
+                                       "nic_gbit_s": 200}]})
+    base = CostModel(t4, L7, 4096)
+    sharded = base.with_optimizer_holders(4)
+    sub = base.on_cluster(t4.without_devices([0, 1, 2, 3]))
+    assert sharded.shared_memo is base.shared_memo and sub.shared_memo is base.shared_memo
+    fresh = CostModel(t4, L7, 4096)
+    assert fresh.shared_memo is not base.shared_memo
+    for on in (sharded, sub):
+        for t in on.cluster.gpu_types:
+            assert on.achievable_flops(t) == fresh.achievable_flops(t)
+    # the memo is keyed by the GPU's spec too: a type id re-specified inline is priced afresh
+    slow = cluster_from_dict({"nodes": [{"gpu": {"id": "a100_80gb_sxm", "memory_gib": 80, "peak_tflops": 100.0},
+                                         "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})
+    assert (base.on_cluster(slow).achievable_flops("a100_80gb_sxm")
+            == CostModel(slow, L7, 4096).achievable_flops("a100_80gb_sxm")
+            != base.achievable_flops("a100_80gb_sxm"))
+

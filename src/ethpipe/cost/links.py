@@ -90,6 +90,13 @@ def shipped_link_curves() -> LinkCurves:
     return link_curves_from_dict(yaml.safe_load(text), "shipped link_curves.yaml")
 
 
+def link_note(gpu: GpuSpec) -> str:
+    """How the cost model prices ``gpu``'s intra-node link (the plan's compute-model notes)."""
+    if intra_curve(gpu, 2) is not None:
+        return f"intra-node link: measured NCCL curve ({shipped_link_curves().source})"
+    return f"intra-node link: flat {gpu.intra_node_gbps:g} GB/s (datasheet or cluster spec; no measured curve)"
+
+
 def intra_curve(gpu: GpuSpec, num_gpus: int, curves: LinkCurves | None = None) -> LinkCurve | None:
     """The measured curve of a GPU type, or None (no curve, or the cluster overrides ``intra_node_gbps``)."""
     if curves is None:

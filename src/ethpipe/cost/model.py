@@ -76,6 +76,9 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
     # What the block sync sums gradients in (``memory.GRAD_REDUCE_CHOICES``): fp32, or bf16 (half the bytes, one copy).
     grad_reduce: str = "fp32"
     layer_code: str = "ethpipe"  # whose elementwise kernels a block runs (cost/elementwise.py): this runtime's
+    # Achievable FLOP/s per type, shared by every pricing derived from this one (``replace``, ``on_cluster``): the
+    # planner derives one per holder count and idle candidate; a slot-powered card's rate prices 64 batch sizes.
+    shared_memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -148,7 +151,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
         return CostModel(cluster, self.model, self.seq_len, dtype_bytes=self.dtype_bytes, profiles=profiles or None,
                          dtype=self.dtype, tf32=self.tf32, calibration=self.calibration, attention_mode=self.attention_mode,
                          optimizer_holders=self.optimizer_holders, grad_reduce=self.grad_reduce,
-                         layer_code=self.layer_code)
+                         layer_code=self.layer_code, shared_memo=self.shared_memo)
 
     # -- device facts ------------------------------------------------------------------
 
@@ -177,7 +180,9 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
     def achievable_flops(self, device_type: str) -> float:
         """Achievable FLOP/s (over a run-measured ``DeviceScale`` where the calibration has one)."""
         scale = self._scales.get(device_type)  # type: ignore[attr-defined]
-        return self._model_flops(device_type) / (scale.train_scale if scale is not None else 1.0)
+        key = ("model_flops", device_type, self.gpu(device_type))  # the spec too: an inline GPU may reuse an id
+        flops = self.shared_memo[key] = self.shared_memo.get(key) or self._model_flops(device_type)
+        return flops / (scale.train_scale if scale is not None else 1.0)
 
     def _model_flops(self, device_type: str) -> float:
         """Achievable FLOP/s: the catalog's, or the profile's implied rate on decoder blocks."""
@@ -226,14 +231,8 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
             if scale is not None:
                 notes[t] += (f"; x{scale.fwd_scale:.3f} forward, x{scale.bwd_scale:.3f} backward as a run measured "
                              f"({scale.num_observations} stage observations)")
-            notes[t] += f"; {self._link_note(t)}"
+            notes[t] += f"; {links.link_note(self.gpu(t))}"
         return notes
-
-    def _link_note(self, device_type: str) -> str:
-        gpu = self.gpu(device_type)
-        if links.intra_curve(gpu, 2) is not None:
-            return f"intra-node link: measured NCCL curve ({links.shipped_link_curves().source})"
-        return f"intra-node link: flat {gpu.intra_node_gbps:g} GB/s (datasheet or cluster spec; no measured curve)"
 
     # -- compute -----------------------------------------------------------------------
 
