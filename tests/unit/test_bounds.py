@@ -277,6 +277,43 @@ def test_the_search_stops_bounding_an_order_as_soon_as_it_cannot_win(gpus: tuple
         assert search(True, incumbent_s) == search(False, incumbent_s), fraction
 
 
+@pytest.mark.parametrize("gpus, model, seq_len, global_batch", [
+    (("a100_80gb_sxm", "v100_32gb_sxm2", "t4"), "gpt3-1.3b", 2048, 48),
+    (("h100_sxm", "a100_40gb_sxm", "l4"), "llama2-7b", 2048, 96)])
+def test_a_refined_bound_cut_short_at_the_bar_changes_no_search(gpus: tuple, model: str, seq_len: int,
+                                                                global_batch: int) -> None:
+    """``_refined_bound`` returns its memory or capacity bound alone where that reaches the bar (no flush tables
+    extended): the rank-order and layer-balanced searches give the same plan and price the same candidates as with
+    every refined bound computed in full, with nothing to beat and with a time to beat."""
+    from unittest import mock
+
+    from ethpipe.planner.devices import replicated
+
+    cost = CostModel(cluster_from_dict({"nodes": [{"gpu": g, "num_nodes": 2, "gpus_per_node": 4, "nic_gbit_s": 400}
+                                                  for g in gpus]}), load_model_spec(model), seq_len)
+    full = replicated._refined_bound
+    cut_short = []
+
+    def in_full(*args):  # type: ignore[no-untyped-def]
+        whole = full(*args[:-1], math.inf)
+        cut_short.append(whole is not None and full(*args) != whole)
+        return whole
+
+    def search(shortcut: bool, incumbent_s: float, rank_order: bool) -> tuple:
+        with mock.patch.object(replicated, "_refined_bound", full if shortcut else in_full):
+            found, priced = replicated.search_replicated(
+                cost, global_batch, max_tp=2, recompute="auto", options=PlannerOptions(), micro_batches=None,
+                cache={}, incumbent=None, incumbent_s=incumbent_s, layer_balanced_space=not rank_order)
+        return (None if found is None else (found[0], found[2], [g.template.partition for g in found[1]])), priced
+    for rank_order in (True, False):
+        plain = search(False, math.inf, rank_order)
+        assert plain[0] is not None and plain[1] > 1
+        for fraction in (math.inf, 1.0, 1.02, 1.2):
+            incumbent_s = fraction * plain[0][0]
+            assert search(True, incumbent_s, rank_order) == search(False, incumbent_s, rank_order), fraction
+    assert any(cut_short)  # the shortcut was taken somewhere
+
+
 def test_a_shapes_kept_options_follow_its_links_not_its_ranks() -> None:
     """The idle search's sub-clusters share the template cache and number their ranks anew: ranks 2-5 are on one
     node of the whole cluster (after a 2-GPU node) and on two of the sub-cluster without it, so the options kept

@@ -137,3 +137,16 @@ def test_derived_pricings_share_the_achievable_rate_and_match_a_fresh_one() -> N
             == CostModel(slow, L7, 4096).achievable_flops("a100_80gb_sxm")
             != base.achievable_flops("a100_80gb_sxm"))
 
+
+
+def test_the_optimizer_steps_memo_follows_the_holders() -> None:
+    """``optimizer_s`` is memoised per pricing: a sharded pricing derived from an unsharded one that already
+    priced the stage gets its own (smaller) step, the one a fresh sharded pricing computes."""
+    base = CostModel(CLUSTER, L7, 4096)
+    stage = Stage((0,), "a100_80gb_sxm", (0, 8))
+    whole = base.optimizer_s(stage, first=True, last=False)
+    sharded = base.with_optimizer_holders(4)
+    assert sharded.optimizer_s(stage, first=True, last=False) == CostModel(
+        CLUSTER, L7, 4096, optimizer_holders=4).optimizer_s(stage, first=True, last=False) < whole
+    assert base.optimizer_s(stage, first=True, last=False) == whole
+    assert base.optimizer_s(stage, first=False, last=False) < whole  # the embedding's update is not the block's

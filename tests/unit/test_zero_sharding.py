@@ -160,39 +160,6 @@ def test_the_next_sharding_round_searched_ahead_gives_the_same_plan(monkeypatch:
     assert timeless[0] == timeless[1]
 
 
-def test_a_rounds_other_device_sets_searched_ahead_give_the_same_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The round's other device sets (every device, where the unsharded plan idles the L4s) searched in a forked
-    process while this one searches the unsharded plan's devices: the same plan, the same records, as searched one
-    after the other; and one process started per round (no round at 2k besides: the second core is taken)."""
-    from ethpipe.planner.devices import sharding
-    from ethpipe.planner.search.ahead import Ahead
-
-    started: list[Ahead] = []
-
-    class Counted(Ahead):
-        def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
-            super().__init__(fn)
-            started.append(self)
-
-    monkeypatch.setattr(eth, "_rank_order_found", lambda *args, **kwargs: ([], 0))
-    monkeypatch.setattr(sharding, "can_run_ahead", lambda: True)
-    monkeypatch.setattr(sharding, "Ahead", Counted)
-    spec = load_model_spec("llama2-7b")
-    slow_nics = cluster_from_dict({"nodes": [{**n, "nic_gbit_s": 50} for n in A100_L4.source["nodes"]]})
-    monkeypatch.setattr(sharding, "AHEAD_MIN_DEVICES", 10 ** 9)
-    here = make_plan(slow_nics, spec, 20, 4096)
-    assert not started
-    monkeypatch.setattr(sharding, "AHEAD_MIN_DEVICES", 1)
-    ahead = make_plan(slow_nics, spec, 20, 4096)
-    assert len(started) == len(here.extra["search"]["shard_optimizer"]["holders_tried"]) == 2
-    assert "sharded_uses_every_device" in ahead.extra["search"]["idle"]  # the other set's plan won, both ways
-    assert ahead.pipelines == here.pipelines and ahead.idle_devices == here.idle_devices
-    strip = [{k: v for k, v in p.predicted.items() if k != "planning_time_s"} for p in (ahead, here)]
-    assert strip[0] == strip[1]
-    assert {**ahead.extra["search"]["shard_optimizer"], "sharding_search_s": 0} == {
-        **here.extra["search"]["shard_optimizer"], "sharding_search_s": 0}
-
-
 def test_a_shape_whose_split_did_not_move_keeps_its_timing_across_holder_counts() -> None:
     """``build_template`` keeps a shape's T(n) for the planning run (``("template_timings",)``): a sharding
     round that splits the shape as the unsharded search did gets the same table object, one whose split moved

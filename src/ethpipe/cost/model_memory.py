@@ -81,8 +81,15 @@ class MemoryPricing:
     def optimizer_s(self, stage: Stage, *, first: bool, last: bool) -> float:
         """A stage's once-per-step work: the AdamW update of its parameters (sharded over ``optimizer_holders``:
         each holder updates its shard only) and, in 16-bit, the one copy of each weight to 16-bit the step
-        makes (``ops.WEIGHT_CAST_BYTES``, ``cast_params``)."""
+        makes (``ops.WEIGHT_CAST_BYTES``, ``cast_params``). Memoised: the planner asks per stage of every group."""
         halves = None if stage.sublayers == 1 else stage.halves
+        key = ("optimizer_s", stage.device, stage.num_layers, stage.tp, halves, first, last)
+        hit = self._memo.get(key)  # type: ignore[attr-defined]
+        if hit is None:
+            hit = self._memo[key] = self._optimizer_s(stage, halves, first=first, last=last)  # type: ignore[attr-defined]
+        return hit  # type: ignore[no-any-return]
+
+    def _optimizer_s(self, stage: Stage, halves: tuple[int, int] | None, *, first: bool, last: bool) -> float:
         stage_params = self.stage_params(stage.num_layers, first=first, last=last, halves=halves) / stage.tp  # type: ignore[attr-defined]
         params = stage_params / self.optimizer_holders
         bw = self.gpu(stage.device).memory_bandwidth_gbps or DEFAULT_MEMORY_BANDWIDTH_GBPS

@@ -350,15 +350,19 @@ def _refined_bound(cost: CostModel, bounds: LowerBounds, key: Hashable, reps: Ca
     # formula, non-decreasing in the samples) is at least the fastest structure's at ceil(B/P). And some
     # pipeline's flush is at least the batch over the structures' summed capacity (``capacity_per_s``):
     # what bounds rank-order replicas of unequal devices, whose fastest structure says little.
-    makespan = max(min(float(t.timing.finish_s(share)[0]) for t in templates),
-                   global_batch / sum(c / t.timing.per_sample_floor_s() for t, (_, c) in zip(templates, structures)))
+    # The capacity bound first: where it alone reaches ``cutoff_s`` the candidate can never be priced (the bar only
+    # falls), so the flush tables are not extended to ceil(B/P) for it; the search pops the others in the same order.
     first_layers = min(t.partition.num_layers[0] for t in templates)
     slot = templates[0].slots[0]
     stage0 = Stage(slot.ranks, slot.device, (0, first_layers), slot.tp, True)
     depth = templates[0].depth
-    return (makespan + bounds.first_stage_sync_s(heads, slot.tp, depth, crossing, first_layers)
-            + min(cost.optimizer_s(replace(stage0, device=t.slots[0].device), first=True, last=depth == 1)
-                  for t in templates))
+    sync_s = bounds.first_stage_sync_s(heads, slot.tp, depth, crossing, first_layers)
+    step_s = min(cost.optimizer_s(replace(stage0, device=t.slots[0].device), first=True, last=depth == 1)
+                 for t in templates)
+    capacity_s = global_batch / sum(c / t.timing.per_sample_floor_s() for t, (_, c) in zip(templates, structures))
+    if capacity_s + sync_s + step_s >= cutoff_s:
+        return capacity_s + sync_s + step_s
+    return max(min(float(t.timing.finish_s(share)[0]) for t in templates), capacity_s) + sync_s + step_s
 
 
 def _price(cost: CostModel, global_batch: int, layout: Callable[[], np.ndarray], tp: int, key: Hashable, b: int,

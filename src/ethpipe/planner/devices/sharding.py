@@ -55,10 +55,9 @@ def with_sharding(cost: CostModel, plan_fn: PlanFn, flat_sync: bool, robust: boo
     one search where sharding does not pay. Without it (or where nothing fits unsharded) each round is a whole
     ``plan_fn``.
     Every refined round prunes against the unsharded plan, so a round depends on the ones before it only
-    through its k, and a device set's search within a round not on another's: with ``ahead`` (default: from
-    ``AHEAD_MIN_DEVICES`` devices, where ``can_run_ahead()``) a second process searches the round's other device
-    sets while this one searches the unsharded plan's, or, where there are none, the round at 2k (the fixpoint's
-    usual next step; used only if the round at k asks for 2k). The plan never depends on whether it ran."""
+    through its k: with ``ahead`` (default: from ``AHEAD_MIN_DEVICES`` devices, where ``can_run_ahead()``)
+    the round at 2k, the fixpoint's usual next step, is searched in a second process while this one
+    searches k. Its result is used only if the round at k asks for 2k, so the plan never depends on it."""
     started = time.perf_counter()
     plain: tuple[Plan, CostModel] | None = None
     error: Infeasible | None = None
@@ -156,9 +155,6 @@ def _bubble_free_s(plan: Plan, cost: CostModel, flat_sync: bool = False) -> floa
     return est.iteration_time_s - est.makespan_s + max(est.busy_s.values(), default=est.makespan_s)
 
 
-_INFEASIBLE = "infeasible"  # a device set where nothing fits at a round's k
-
-
 class _Rounds:
     """The refined rounds (``refine_fn`` on the unsharded plan's devices, pruned against its time; and on each of
     ``others``' device sets: ``_other_device_sets``), each searched once, the next one possibly ahead in a second
@@ -176,45 +172,29 @@ class _Rounds:
         return on.with_optimizer_holders(k)
 
     def _run(self, k: int) -> tuple[Plan, int] | None:
-        """The round at k; raises the unsharded plan's devices' ``Infeasible`` where no device set fits. The other
-        device sets are searched in a second process meanwhile where one may run (``search.ahead``), with the same
-        result: each is pruned against the unsharded plan alone, never against another set's plan."""
-        wide = Ahead(lambda: self._others(k)) if self.ahead and self.others and can_run_ahead() else None
+        """The round at k; raises the unsharded plan's devices' ``Infeasible`` where no device set fits."""
         error: Infeasible | None = None
         try:
             found = self.refine_fn(self.cost_at(k), self.bar_s)
         except Infeasible as err:
             found, error = None, err
-        except BaseException:
-            if wide is not None:
-                wide.cancel()
-            raise
-        others = wide.result() if wide is not None else MISSING
-        others = self._others(k) if others is MISSING else others
         out = None if found is None else (_with_idle_record(found, self.plain[0]), 0)
         best = found
-        # Each other device set's plan kept only if faster than the best so far (robust: the lower worst case; ties
-        # keep the unsharded plan's devices).
-        for i, (other, plan) in enumerate(zip(self.others, others, strict=True), start=1):
-            if plan is _INFEASIBLE:  # nothing fits there at k (robust, or pipelines that must mix): the others stand
+        # Each other device set, pruned against the best so far (the unsharded plan or a round); kept only if faster
+        # (robust: no pruning, the lower worst case; ties keep the unsharded plan's devices).
+        for i, other in enumerate(self.others, start=1):
+            bar_s = self.bar_s if best is None or self.robust else min(
+                self.bar_s, incumbent_bar_s(best, _score(best, self.robust)))
+            try:
+                wide = self.refine_fn(self.cost_at(k, i), bar_s)
+            except Infeasible:  # nothing fits there at k (robust, or pipelines that must mix): the others stand
                 continue
             error = None
-            if plan is not None and (best is None or _score(plan, self.robust) < _score(best, self.robust)):
-                out = (other.record(plan, self.plain[0], best), i)
-                best = plan
+            if wide is not None and (best is None or _score(wide, self.robust) < _score(best, self.robust)):
+                out = (other.record(wide, self.plain[0], best), i)
+                best = wide
         if error is not None:
             raise error
-        return out
-
-    def _others(self, k: int) -> list[Plan | None | str]:
-        """The round at k on each other device set, pruned against the unsharded plan: its plan, None (nothing
-        beats that), or ``_INFEASIBLE``."""
-        out: list[Plan | None | str] = []
-        for i in range(1, len(self.others) + 1):
-            try:
-                out.append(self.refine_fn(self.cost_at(k, i), self.bar_s))
-            except Infeasible:
-                out.append(_INFEASIBLE)
         return out
 
     def search(self, k: int, ahead_k: int | None) -> tuple[Plan, int] | None:
@@ -223,7 +203,7 @@ class _Rounds:
         if pending is not None and pending[0] != k:
             pending[1].cancel()
             pending = None
-        if pending is None and self.ahead and ahead_k is not None and not self.others:  # else they use the 2nd core
+        if pending is None and self.ahead and ahead_k is not None:
             self.pending = (ahead_k, Ahead(lambda: self._run(ahead_k)))
         out = pending[1].result() if pending is not None else MISSING
         return self._run(k) if out is MISSING else out
