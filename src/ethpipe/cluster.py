@@ -191,6 +191,15 @@ class Cluster:
         """Distinct GPU ids in first-seen order."""
         return tuple(dict.fromkeys(d.gpu.id for d in self.devices))
 
+    def gpu_specs(self) -> dict[str, GpuSpec]:
+        """Each GPU id's spec, in first-seen order; one id with two different specs is refused."""
+        types: dict[str, GpuSpec] = {}
+        for d in self.devices:
+            if types.setdefault(d.gpu.id, d.gpu) != d.gpu:
+                raise UserError(f"cluster GPU id '{d.gpu.id}' appears with different overrides in two node groups: "
+                                "give one of them an inline GPU spec with its own id")
+        return types
+
     def link_gbps(self, rank_a: int, rank_b: int) -> float:
         """Per-direction bandwidth between two ranks (the slower end sets it; across nodes one GPU's rail)."""
         a, b = self.devices[rank_a], self.devices[rank_b]

@@ -130,6 +130,17 @@ def test_derived_pricings_share_the_achievable_rate_and_match_a_fresh_one() -> N
     for on in (sharded, sub):
         for t in on.cluster.gpu_types:
             assert on.achievable_flops(t) == fresh.achievable_flops(t)
+    # a pricing derived with other compute (``ethpipe simulate --catalog`` replaces the calibration) gets its own
+    import dataclasses
+
+    from ethpipe.cost.hardware import GpuFactor, shipped_calibration
+
+    cal = shipped_calibration()
+    slower = dataclasses.replace(cal, gpus={**cal.gpus, "a100_80gb_sxm": GpuFactor(0.5, 1)})
+    other = dataclasses.replace(base, calibration=slower)
+    assert other.shared_memo is not base.shared_memo
+    assert other.device_speeds() == CostModel(t4, L7, 4096, calibration=slower).device_speeds() != base.device_speeds()
+    assert dataclasses.replace(base, seq_len=2048).achievable_flops("t4") == CostModel(t4, L7, 2048).achievable_flops("t4")
     # the memo is keyed by the GPU's spec too: a type id re-specified inline is priced afresh
     slow = cluster_from_dict({"nodes": [{"gpu": {"id": "a100_80gb_sxm", "memory_gib": 80, "peak_tflops": 100.0},
                                          "num_nodes": 1, "gpus_per_node": 4, "nic_gbit_s": 200}]})

@@ -33,18 +33,6 @@ from ethpipe.plan import Plan, Stage
 LAYER_OVERHEAD_S = 10e-6
 
 
-def _gpu_types(cluster: Cluster) -> dict[str, GpuSpec]:
-    types: dict[str, GpuSpec] = {}
-    for d in cluster.devices:
-        seen = types.setdefault(d.gpu.id, d.gpu)
-        if seen != d.gpu:
-            raise UserError(
-                f"cluster GPU id '{d.gpu.id}' appears with different overrides in two node groups: "
-                "give one of them an inline GPU spec with its own id"
-            )
-    return types
-
-
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -76,8 +64,9 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
     # What the block sync sums gradients in (``memory.GRAD_REDUCE_CHOICES``): fp32, or bf16 (half the bytes, one copy).
     grad_reduce: str = "fp32"
     layer_code: str = "ethpipe"  # whose elementwise kernels a block runs (cost/elementwise.py): this runtime's
-    # Achievable FLOP/s per type, shared by every pricing derived from this one (``replace``, ``on_cluster``): the
-    # planner derives one per holder count and idle candidate; a slot-powered card's rate prices 64 batch sizes.
+    # Achievable FLOP/s per type, shared by every pricing derived from this one (``replace``, ``on_cluster``) that
+    # prices compute alike (else its own: ``__post_init__``): the planner derives one per holder count and idle
+    # candidate; a slot-powered card's rate prices 64 batch sizes.
     shared_memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +75,7 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
         if self.seq_len > self.model.max_seq_len:
             raise UserError(f"seq_len {self.seq_len} exceeds {self.model.name}'s max_seq_len "
                             f"{self.model.max_seq_len}: use a shorter --seq-len")
-        gpus = _gpu_types(self.cluster)
+        gpus = self.cluster.gpu_specs()
         for name in self.profiles or {}:
             if name not in gpus:
                 raise UserError(f"profile given for device type '{name}' which is not in the cluster ({', '.join(gpus)})")
@@ -95,6 +84,12 @@ class CostModel(MemoryPricing, SplitPricing, CommPricing, SublayerPricing):
         if dtype_bytes(dtype) != self.dtype_bytes:
             raise ValueError(f"dtype '{dtype}' has {dtype_bytes(dtype)}-byte elements, not {self.dtype_bytes}")
         object.__setattr__(self, "dtype", dtype)
+        owner = (self.model, self.seq_len, dtype, self.tf32, self.attention_mode, self.layer_code)
+        if self.shared_memo.get("owner") not in (None, owner) or any(  # a pricing derived with other compute
+                self.shared_memo.get(k, v) is not v for k, v in (("calibration", self.calibration),
+                                                                   ("profiles", self.profiles))):
+            object.__setattr__(self, "shared_memo", {})
+        self.shared_memo.update(owner=owner, calibration=self.calibration, profiles=self.profiles)
         if self.attention_mode not in ops.ATTENTION_CHOICES:
             raise UserError(f"attention must be one of {', '.join(ops.ATTENTION_CHOICES)}, got {self.attention_mode!r}: "
                             "use --attention auto (the fused kernels PyTorch SDPA runs) or materialised")
