@@ -169,15 +169,10 @@ def estimate_plan(plan: Plan, cost: CostModel, *, flat_sync: bool = False, detai
     # No rank steps its optimizer before the stats all-gather, which waits for every rank's sync (module docstring).
     stats_end_s = max(free.values()) + layout.stats_s  # a stage is free no earlier than its flush
     opt_max = 0.0
-    for c, row in enumerate(rows):
+    for c in range(len(rows)):
         pipe = plan.pipelines[first_of[c]]
         for s, stage in enumerate(pipe.stages):
-            first, last = s == 0, s == pipe.depth - 1
-            opt_key = ("opt", stage.device, stage.tp, stage.num_layers if stage.sublayers == 1 else stage.halves, first,
-                       last)
-            if opt_key not in cache:
-                cache[opt_key] = cost.optimizer_s(stage, first=first, last=last)
-            opt = cache[opt_key]
+            opt = cost.optimizer_s(stage, first=s == 0, last=s == pipe.depth - 1)  # memoised by the pricing
             opt_max = max(opt_max, opt)
             free[(c, s)] = stats_end_s + opt
     no_sync = makespan + layout.stats_s + opt_max  # with free syncs the barrier is the slowest flush
